@@ -14,3 +14,72 @@ def small_config():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# --- chat data: small local tokenizers and targets (no downloads) ---------------------------------------------------
+import numpy as np
+
+CHAT_WORDS = ('the a cat dog runs jumps over under quickly slowly red blue green house tree river and be brief '
+              'user assistant system yes no why because').split()
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+          "{{ m['content'] }}<|eot_id|>{% endfor %}"
+          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+CHATML_GENERATION = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+                     "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}"
+                     "<|im_end|>{% endif %}{{ '\\n' }}{% endfor %}")
+END_OF_TURN = {'chatml': '<|im_end|>', 'llama3': '<|eot_id|>'}
+
+
+def chat_sentence(rng, n=None):
+    return ' '.join(rng.choice(CHAT_WORDS, n or int(rng.integers(3, 12))))
+
+
+@pytest.fixture(scope='session')
+def chat_bpe():
+    "A byte-level BPE trained on a few hundred generated sentences, with ChatML and Llama 3 special tokens."
+    from tokenizers import Tokenizer, models, trainers, pre_tokenizers, decoders
+    rng = np.random.default_rng(0)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    special = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|begin_of_text|>', '<|start_header_id|>',
+               '<|end_header_id|>', '<|eot_id|>']
+    bpe.train_from_iterator([chat_sentence(rng) for _ in range(400)],
+                            trainers.BpeTrainer(vocab_size=420, special_tokens=special,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return bpe
+
+
+def make_chat_tokenizer(bpe, template):
+    from transformers import PreTrainedTokenizerFast
+    if template == 'llama3':
+        tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token='<|begin_of_text|>', eos_token='<|eot_id|>',
+                                      pad_token='<|endoftext|>')
+        tok.chat_template = LLAMA3
+    else:
+        tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token='<|im_end|>', pad_token='<|endoftext|>')
+        tok.chat_template = CHATML_GENERATION if template == 'chatml_generation' else CHATML
+    return tok
+
+
+@pytest.fixture(scope='session')
+def chat_tokenizers(chat_bpe):
+    "{'chatml', 'llama3', 'chatml_generation'}: the same BPE under three chat templates."
+    return {t: make_chat_tokenizer(chat_bpe, t) for t in ('chatml', 'llama3', 'chatml_generation')}
+
+
+@pytest.fixture(scope='session')
+def chat_targets(tmp_path_factory, chat_tokenizers):
+    "{'qwen3', 'llama'}: randomly initialised small causal LMs saved with their tokenizers (ChatML, Llama 3)."
+    from transformers import Qwen3Config, Qwen3ForCausalLM, LlamaConfig, LlamaForCausalLM
+    root = tmp_path_factory.mktemp('targets')
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=448, max_position_embeddings=1024)
+    Qwen3ForCausalLM(Qwen3Config(head_dim=16, **sizes)).save_pretrained(root / 'qwen3')
+    chat_tokenizers['chatml'].save_pretrained(root / 'qwen3')
+    LlamaForCausalLM(LlamaConfig(**sizes)).save_pretrained(root / 'llama')
+    chat_tokenizers['llama3'].save_pretrained(root / 'llama')
+    return {'qwen3': root / 'qwen3', 'llama': root / 'llama'}
