@@ -1,0 +1,83 @@
+"The training CLI through real `accelerate launch` processes on CPU: 1 vs 2 processes, resume, bad runs."
+import csv, os, signal, socket, subprocess, sys, time
+from pathlib import Path
+import pytest
+
+# a small, fast run on the shipped toy target: every option that matters is explicit
+SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4',
+         '--micro-batch-size', '1', '--lr', '3e-3', '--attention', 'eager', '--log-every', '1', '--eval-every', '0',
+         '--spec-eval-prompts', '0', '--seed', '3']
+
+
+def _port() -> str:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return str(s.getsockname()[1])
+
+
+def launch(out, *args, processes=1, wait=True):
+    "Run `accelerate launch -m dflash.train` with `processes` CPU processes."
+    dist = ['--multi_gpu', '--num_processes', str(processes)] if processes > 1 else ['--cpu', '--num_processes', '1']
+    cmd = [sys.executable, '-m', 'accelerate.commands.launch', *dist, '--num_machines', '1', '--mixed_precision', 'no',
+           '--dynamo_backend', 'no', '--main_process_port', _port(), '-m', 'dflash.train', '--out', str(out), *args]
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1'}
+    if not wait: return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         start_new_session=True)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def losses(out) -> dict[int, float]:
+    "Training loss per step from metrics.csv (the last row wins when a resumed run re-logs a step)."
+    return {int(r['step']): float(r['loss']) for r in csv.DictReader(open(Path(out) / 'metrics.csv'))}
+
+
+def assert_close(a: dict, b: dict, rel: float):
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    for k in a: assert abs(a[k] - b[k]) <= rel * abs(b[k]), (k, a[k], b[k])
+
+
+def test_one_and_two_processes_train_the_same_model(tmp_path):
+    one = launch(tmp_path / 'one', *SMALL, '--max-steps', '10', '--save-every', '0')
+    assert one.returncode == 0, one.stdout + one.stderr
+    two = launch(tmp_path / 'two', *SMALL, '--max-steps', '10', '--save-every', '0', processes=2)
+    assert two.returncode == 0, two.stdout + two.stderr
+    l1, l2 = losses(tmp_path / 'one'), losses(tmp_path / 'two')
+    assert len(l1) == 10 and l1[10] < l1[1]
+    assert_close(l2, l1, rel=1e-4)
+    for run in ('one', 'two'):
+        assert (tmp_path / run / 'drafter' / 'model.safetensors').is_file()
+
+
+def test_killed_run_resumes_exactly(tmp_path):
+    args = [*SMALL, '--max-steps', '8', '--save-every', '2', '--keep-checkpoints', '3']
+    straight = launch(tmp_path / 'straight', *args)
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    proc = launch(tmp_path / 'killed', *args, wait=False)
+    ckpts = tmp_path / 'killed' / 'checkpoints'
+    deadline = time.time() + 600
+    while not (ckpts / 'step-0000004').is_dir():                 # kill right after the second checkpoint
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL); proc.wait()
+    assert not (tmp_path / 'killed' / 'drafter').exists(), "the run was killed before the end"
+    (ckpts / '.step-0000006.partial').mkdir(exist_ok=True)        # and a checkpoint cut off mid-write
+    resumed = launch(tmp_path / 'killed', *args, '--resume')
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert 'resumed from' in resumed.stdout + resumed.stderr
+    assert_close(losses(tmp_path / 'killed'), losses(tmp_path / 'straight'), rel=1e-6)
+
+
+def test_non_finite_losses_stop_the_run(tmp_path):
+    r = launch(tmp_path / 'nan', *SMALL, '--max-steps', '20', '--lr', '1e30', '--max-grad-norm', '1e30',
+               '--max-bad-steps', '3', '--save-every', '0')
+    assert r.returncode != 0
+    assert '3 non-finite steps in a row' in r.stdout + r.stderr
+
+
+def test_help_documents_every_option():
+    r = subprocess.run([sys.executable, '-m', 'dflash.train', '--help'], capture_output=True, text=True)
+    assert r.returncode == 0
+    for flag in ('--target', '--data', '--cache', '--num-anchors', '--checkpointing', '--resume', '--config'):
+        assert flag in r.stdout
+    assert '(default: 512)' in r.stdout and '(default: 0.0006)' in r.stdout
