@@ -1,0 +1,51 @@
+"Speculative decoding with the trained toy drafter: lossless, and its tau agrees with the training-time estimate."
+import pytest, torch
+from dflash.drafter import DFlashDrafter
+from dflash.layout import BlockLayout
+from dflash.objective import dflash_objective
+from dflash.data import ChatDataset, TargetFeatures, collate
+from dflash.speculate import eval_prompts, speculative_generate, greedy_generate, acceptance_eval
+from dflash.toy import assets_dir, load_toy_target, toy_data_dir, toy_target_dir
+
+
+@pytest.fixture(scope='module')
+def toy():
+    torch.set_num_threads(1)
+    target, tok = load_toy_target()
+    drafter = DFlashDrafter.from_pretrained(assets_dir() / 'toy-drafter').eval()
+    return target, tok, drafter
+
+
+@pytest.mark.parametrize('block_size', [2, 4, 16])
+def test_trained_drafter_is_lossless(toy, block_size):
+    target, tok, drafter = toy
+    prompts = eval_prompts(toy_data_dir() / 'eval.jsonl', tok, 6)
+    accepted = []
+    for p in prompts:
+        spec = speculative_generate(target, drafter, p, 48, block_size, [tok.eos_token_id])
+        assert spec.tokens == greedy_generate(target, p, 48, [tok.eos_token_id])
+        assert sum(spec.acceptance) == len(spec.tokens) - 1
+        accepted += spec.acceptance
+    assert max(accepted) > 1, "the trained drafter gets drafts accepted, so the multi-token path is exercised"
+
+
+def test_tau_agrees_with_training_time_estimate(toy):
+    "The loop's tau and the objective's tau estimate on the same held-out conversations agree within 15%."
+    target, tok, drafter = toy
+    n = 48
+    prompts = eval_prompts(toy_data_dir() / 'eval.jsonl', tok, n)
+    spec = acceptance_eval(target, drafter, prompts, max_new_tokens=128, stop_token_ids=[tok.eos_token_id])
+    feats = TargetFeatures(toy_target_dir(), drafter.config.target_layer_ids, device='cpu')
+    data = ChatDataset.from_jsonl(toy_data_dir() / 'eval.jsonl', tok, max_length=512)
+    total = None
+    with torch.no_grad():
+        for i in range(0, n, 8):
+            b = collate([data[j] for j in range(i, min(i + 8, n))], pad_token_id=tok.pad_token_id)
+            lay = BlockLayout.from_batch(b['input_ids'], b['loss_mask'], drafter.config.mask_token_id,
+                                         drafter.config.block_size, num_anchors=64, sample_ids=b['sample_ids'])
+            s = dflash_objective(drafter(feats(b['input_ids'], b['attention_mask']), lay, feats.embed_weight),
+                                 lay, feats.lm_head_weight)
+            total = s if total is None else total + s
+    est = total.tau.item()
+    assert spec['tau'] > 2, spec
+    assert abs(spec['tau'] - est) <= 0.15 * est, (spec['tau'], est)
