@@ -42,6 +42,8 @@ def test_one_and_two_processes_train_the_same_model(tmp_path):
     two = launch(tmp_path / 'two', *SMALL, '--max-steps', '10', '--save-every', '0', processes=2)
     assert two.returncode == 0, two.stdout + two.stderr
     l1, l2 = losses(tmp_path / 'one'), losses(tmp_path / 'two')
+    rows = list(csv.DictReader(open(tmp_path / 'two' / 'metrics.csv')))
+    assert [r['processes'] for r in rows] == ['2'] * 10, "two processes trained together, logging each step once"
     assert len(l1) == 10 and l1[10] < l1[1]
     assert_close(l2, l1, rel=1e-4)
     for run in ('one', 'two'):
