@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache, GenerationConfig
+from .config import DrafterConfig
 from .drafter import DFlashDrafter, ContextCache
 from .data import read_jsonl, to_messages, target_features
 
@@ -118,7 +119,7 @@ def acceptance_eval(target, drafter: DFlashDrafter, prompts: list[Tensor], max_n
                     block_size: int | None = None, stop_token_ids=(), baseline: bool = False) -> dict:
     "τ, the acceptance histogram and timings of speculative decoding over `prompts` (and plain decoding, if `baseline`)."
     dev = next(target.parameters()).device
-    acc, draft_s, verify_s, tokens, plain_s = [], 0., 0., 0, 0.
+    acc, draft_s, verify_s, tokens = [], 0., 0., 0
     t0 = time.perf_counter()
     for p in prompts:
         r = speculative_generate(target, drafter, p.to(dev), max_new_tokens, block_size, stop_token_ids)

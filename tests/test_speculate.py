@@ -1,4 +1,5 @@
 "Speculative decoding with the trained toy drafter: lossless, and its tau agrees with the training-time estimate."
+import json, subprocess, sys
 import pytest, torch
 from dflash.drafter import DFlashDrafter
 from dflash.layout import BlockLayout
@@ -49,3 +50,14 @@ def test_tau_agrees_with_training_time_estimate(toy):
     est = total.tau.item()
     assert spec['tau'] > 2, spec
     assert abs(spec['tau'] - est) <= 0.15 * est, (spec['tau'], est)
+
+
+def test_command_line(tmp_path):
+    "`python -m dflash.speculate` as a real process on the toy target and drafter: it runs and writes its report."
+    out = tmp_path / 'spec'
+    run = subprocess.run([sys.executable, '-m', 'dflash.speculate', '--target', str(toy_target_dir()),
+                          '--drafter', str(assets_dir() / 'toy-drafter'), '--data', str(toy_data_dir() / 'eval.jsonl'),
+                          '--num-prompts', '3', '--max-new-tokens', '16', '--out', str(out)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    report = json.loads((out / 'acceptance.json').read_text())
+    assert report['tau'] >= 1 and sum(report['histogram']) == report['steps'] and (out / 'acceptance.png').is_file()
