@@ -28,10 +28,10 @@ from transformers.utils import logging as hf_logging
 from .config import DrafterConfig
 from .layout import BlockLayout
 from .memory import measure, fmt_bytes
-from .planner import plan_chunks, random_layout
+from .planner import random_layout
 from .attention import get_backend, random_qkv
 from .drafter import DFlashDrafter
-from .checkpointing import checkpointed_layers, set_checkpointing
+from .checkpointing import set_checkpointing
 from .objective import dflash_objective
 from .toy import toy_config, toy_target_dir, toy_data_dir
 

@@ -5,7 +5,7 @@
 # %% ../nbs/00_config.ipynb #816dff45
 from __future__ import annotations
 import json
-from dataclasses import dataclass, field, asdict, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from fastcore.basics import patch
 

@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_data.ipynb #233c65cd
 from __future__ import annotations
-import argparse, hashlib, json, os, re, sys, tempfile
+import argparse, hashlib, json, re, sys
 from dataclasses import dataclass, field, asdict
 from functools import partial
 from pathlib import Path

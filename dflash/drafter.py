@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_drafter.ipynb #e67332a6
 from __future__ import annotations
-import json, os, tempfile
+import os, tempfile
 from pathlib import Path
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,7 @@ from torch import nn, Tensor
 from fastcore.basics import patch
 from safetensors.torch import save_file, load_file
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3MLP, Qwen3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding
 from .config import DrafterConfig
 from .layout import BlockLayout
 from .attention import get_backend

@@ -4,7 +4,6 @@
 
 # %% ../nbs/01_layout.ipynb #0cc52353
 from __future__ import annotations
-import math
 from dataclasses import dataclass, fields
 import numpy as np
 import torch

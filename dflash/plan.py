@@ -4,15 +4,15 @@
 
 # %% ../nbs/07a_plan.ipynb #500a9cad
 from __future__ import annotations
-import argparse, json, math, re, sys, time
-from dataclasses import dataclass, field
+import argparse, json, re, sys, time
+from dataclasses import dataclass
 from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from .config import DrafterConfig
 from .layout import BlockLayout
 from .drafter import DFlashDrafter
-from .checkpointing import set_checkpointing, checkpointed_layers
+from .checkpointing import set_checkpointing, parse_policy
 from .objective import dflash_objective, objective_bytes_per_row
 from .memory import _Tracker, fmt_bytes
 
@@ -204,9 +204,6 @@ def _target_config(path):
     if 'model_type' not in d: raise ValueError(f"--target-config {path}: no 'model_type', not a transformers config")
     return AutoConfig.for_model(**d)
 
-def _policy_arg(s: str):
-    return int(s) if s.isdigit() else json.loads(s) if s.startswith('[') else s
-
 def main(argv=None) -> int:
     "Predict the peak memory of a drafter training step per checkpointing policy and recommend one."
     ap = argparse.ArgumentParser(prog='python -m dflash.plan', description=main.__doc__)
@@ -220,7 +217,7 @@ def main(argv=None) -> int:
     ap.add_argument('--attention', default='sdpa', choices=['sdpa', 'eager'], help='attention backend')
     ap.add_argument('--micro-batch-size', type=int, default=1, help='sequences per forward')
     ap.add_argument('--optimizer', default='fused', choices=['fused', 'foreach'], help='AdamW implementation')
-    ap.add_argument('--policies', nargs='+', type=_policy_arg, default=list(POLICIES),
+    ap.add_argument('--policies', nargs='+', type=parse_policy, default=list(POLICIES),
                     help="policies to try, fastest first: none, k (every k-th layer), all")
     a = ap.parse_args(argv)
     try: budget = parse_memory(a.memory)

@@ -4,12 +4,9 @@
 
 # %% ../nbs/03_planner.ipynb #cd7bd825
 from __future__ import annotations
-import math
 from dataclasses import dataclass, field
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import Tensor
 from torch.nn.attention import SDPBackend
 from .layout import BlockLayout
 from .memory import fmt_bytes

@@ -4,10 +4,9 @@
 
 # %% ../nbs/11_train.ipynb #e61e91ca
 from __future__ import annotations
-import argparse, inspect, json, re, sys, types, typing
-from dataclasses import fields, asdict, MISSING
+import argparse, inspect, json, re
+from dataclasses import fields
 from pathlib import Path
-import torch
 import yaml
 from .trainer import TrainConfig, Trainer
 from .speculate import eval_prompts, acceptance_eval

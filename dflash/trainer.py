@@ -4,9 +4,9 @@
 
 # %% ../nbs/10_trainer.ipynb #132bd6a8
 from __future__ import annotations
-import csv, json, math, os, re, resource, shutil, time
+import csv, json, os, re, resource, shutil, time
 from contextlib import nullcontext
-from dataclasses import dataclass, field, asdict, fields
+from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 import torch
 from torch import Tensor
@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoTokenizer, get_cosine_schedule_with_war
 from .config import DrafterConfig
 from .layout import BlockLayout
 from .drafter import DFlashDrafter
-from .checkpointing import set_checkpointing
+from .checkpointing import set_checkpointing, parse_policy
 from .plan import budgets, recommend_policy
 from .planner import _free_bytes
 from .objective import dflash_objective, ObjectiveSums
@@ -197,7 +197,7 @@ class Trainer:
         budget, dtype = int(_free_bytes(acc.device) * cfg.memory_fraction), 'bf16' if gpu else 'fp32'
         attention_budget, self.objective_budget = budgets(p.drafter_config, cfg.max_length, budget, dtype,
                                                           cfg.micro_batch_size)
-        self.policy = self._policy()
+        self.policy = parse_policy(cfg.checkpointing)
         if self.policy == 'auto':
             self.policy, _ = recommend_policy(p.drafter_config, cfg.max_length, cfg.num_anchors, budget, dtype,
                                               cfg.attention, cfg.micro_batch_size)
@@ -210,12 +210,6 @@ class Trainer:
         self.model, self.opt = acc.prepare(drafter, opt)
         acc.register_for_checkpointing(self.sched)
         self.step, self.bad_steps = 0, 0
-
-    def _policy(self):
-        c = self.cfg.checkpointing
-        if isinstance(c, str) and c.isdigit(): return int(c)
-        if isinstance(c, str) and c.startswith('['): return json.loads(c)
-        return c
 
 # %% ../nbs/10_trainer.ipynb #a18a946a
 @patch
