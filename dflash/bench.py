@@ -189,6 +189,7 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument('--out', default='bench_out', help="directory for attention.csv and attention.png ('' for none)")
     a.set_defaults(run=run_attention)
     for add in _SUBCOMMANDS.values(): add(sub)
+    from dflash.gpu_bench import _add_gpu; _add_gpu(sub)   # `gpu` (13a_gpu): imported here, as it imports this module
     return p
 
 def main(argv=None):

@@ -18,7 +18,7 @@ from .memory import _Tracker, fmt_bytes
 
 # %% auto #0
 __all__ = ['DTYPES', 'POLICIES', 'parse_memory', 'StepMemory', 'budgets', 'step_memory', 'recommend_policy', 'format_table',
-           'recommendation', 'main']
+           'recommendation', 'online_target_bytes', 'online_advice', 'main']
 
 # %% ../nbs/07a_plan.ipynb #3b47ea57
 _UNITS = {'': 1, 'b': 1, 'kb': 10**3, 'mb': 10**6, 'gb': 10**9, 'tb': 10**12,
@@ -193,6 +193,30 @@ def recommendation(policy, table: list[StepMemory], budget_bytes: int) -> str:
     return (f"no policy fits: the most frugal ({policy}) needs {_gb(r.total)} GB, {_gb(r.total - budget_bytes)} GB over "
             f"{_gb(budget_bytes)} GB; shorten --seq-len or --anchors, or shard the optimizer (FSDP/DeepSpeed)")
 
+# %% ../nbs/07a_plan.ipynb #0985cd10
+def online_target_bytes(target_config, seq_len: int, micro_batch_size: int = 1, dtype: str = 'bf16') -> dict:
+    "Bytes the frozen target adds on each process in online mode: weights beyond the shared embedding and LM head, and its feature forward."
+    from transformers import AutoModelForCausalLM
+    with torch.device('meta'): model = AutoModelForCausalLM.from_config(target_config)
+    es, c = torch.empty((), dtype=DTYPES[dtype]).element_size(), target_config
+    weights = sum(p.numel() for p in model.parameters()) * es
+    shared = {id(m.weight): m.weight.numel() * es for m in (model.get_input_embeddings(), model.get_output_embeddings())}
+    D = getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads
+    per_token = (c.num_hidden_layers + 1) * c.hidden_size + 2 * c.hidden_size + 3 * c.intermediate_size \
+        + (c.num_attention_heads + 2 * c.num_key_value_heads) * D               # all hidden states + one layer's temporaries
+    activations = micro_batch_size * seq_len * per_token * es
+    rest = weights - sum(shared.values())
+    return dict(weights=weights, rest=rest, activations=activations, extra=rest + activations)
+
+def online_advice(online: dict, step_total: int, budget_bytes: int) -> str:
+    "Whether the step and the online target fit together; if not, the offline cache."
+    total = step_total + online['extra']
+    head = (f"online mode adds the target: {_gb(online['rest'])} GB of weights beyond the shared embedding and LM head "
+            f"+ {_gb(online['activations'])} GB for its feature forward = {_gb(total)} GB with the step: ")
+    if total <= budget_bytes: return head + f"fits in {_gb(budget_bytes)} GB"
+    return head + (f"does not fit in {_gb(budget_bytes)} GB; write the offline cache once "
+                   "(python -m dflash.data cache --target T --data D --out CACHE) and train with --cache CACHE")
+
 # %% ../nbs/07a_plan.ipynb #dbcad539
 def _target_config(path):
     "A transformers config from a `config.json` file or a directory holding one."
@@ -231,6 +255,8 @@ def main(argv=None) -> int:
                                      a.optimizer, a.policies, full_table=True)
     print(format_table(table, budget))
     print(recommendation(policy, table, budget))
+    print(online_advice(online_target_bytes(tc, a.seq_len, a.micro_batch_size),
+                        next(r for r in table if r.policy == policy).total, budget))
     print("fake tensors with CPU kernel semantics; allocator rounding and fragmentation not counted: keep a few % spare")
     return 0 if next(r for r in table if r.policy == policy).total <= budget else 1
 

@@ -14,7 +14,7 @@ from fastcore.basics import patch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import set_seed, DistributedType
 from transformers import AutoConfig, AutoTokenizer, get_cosine_schedule_with_warmup
 from .config import DrafterConfig
 from .layout import BlockLayout
@@ -182,19 +182,40 @@ def sums_metrics(s: ObjectiveSums, prefix: str = '') -> dict:
     return m
 
 # %% ../nbs/10_trainer.ipynb #d2a16c6e
+_PLAN_DTYPE = {'bf16': 'bf16', 'fp16': 'fp16'}                    # accelerate's mixed precision -> the plan's dtype
+
+def _refuse_unsupported_plugins():
+    "DeepSpeed steps its own engine in `backward`, which breaks the trainer's accumulation and non-finite skipping."
+    if os.environ.get('ACCELERATE_USE_DEEPSPEED', 'false').lower() == 'true':
+        raise ValueError("DeepSpeed is not supported by dflash.train: its engine steps inside backward, which breaks "
+                         "the trainer's gradient accumulation and non-finite step skipping; use DDP (the default) or "
+                         "FSDP (accelerate config, or --use_fsdp)")
+
+def _check_fsdp_applied(acc: Accelerator):
+    "FSDP asked for (accelerate config or --use_fsdp) but not set up by accelerate (on CPU it is not): stop, no DDP."
+    asked = os.environ.get('ACCELERATE_USE_FSDP', 'false').lower() == 'true'
+    if asked and acc.distributed_type != DistributedType.FSDP:
+        raise ValueError(f"FSDP was requested but accelerate set up {acc.distributed_type.value} on {acc.device.type}: "
+                         "accelerate's FSDP plugin needs GPUs (it is not applied on CPU); drop --use_fsdp or use GPUs")
+
 class Trainer:
     "Train a DFlash drafter with accelerate (1 CPU process, 1 GPU, or many)."
     def __init__(self, cfg: TrainConfig, accelerator: Accelerator | None = None):
         self.cfg = cfg
         self.out = Path(cfg.out)
         gpu = torch.cuda.is_available()      # without one, processes launched together train over gloo (MULTI_CPU)
-        self.acc = acc = accelerator or Accelerator(cpu=not gpu, mixed_precision='bf16' if gpu else 'no',
+        _refuse_unsupported_plugins()
+        launched = 'ACCELERATE_MIXED_PRECISION' in os.environ      # set by accelerate launch: the user's choice wins
+        precision = None if launched else 'bf16' if gpu else 'no'
+        self.acc = acc = accelerator or Accelerator(cpu=not gpu, mixed_precision=precision,
                                                     log_with='tensorboard', project_dir=str(self.out))
+        _check_fsdp_applied(acc)
+        gpu = acc.device.type == 'cuda'
         if cfg.batch_size % acc.num_processes:
             raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the number of processes ({acc.num_processes})")
         set_seed(cfg.seed)
         self.parts = p = load_parts(cfg, acc.device)
-        budget, dtype = int(_free_bytes(acc.device) * cfg.memory_fraction), 'bf16' if gpu else 'fp32'
+        budget, dtype = int(_free_bytes(acc.device) * cfg.memory_fraction), _PLAN_DTYPE.get(acc.mixed_precision, 'fp32')
         attention_budget, self.objective_budget = budgets(p.drafter_config, cfg.max_length, budget, dtype,
                                                           cfg.micro_batch_size)
         self.policy = parse_policy(cfg.checkpointing)
@@ -327,7 +348,12 @@ def fit(self: Trainer) -> dict:
             if main and ev: append_csv(self.out / 'eval.csv', {'step': self.step, **ev}); acc.log(ev, step=self.step)
         if (c.save_every and self.step % c.save_every == 0) or done: self.save()
     bar.close()
-    if main: acc.unwrap_model(self.model).save_pretrained(self.out / 'drafter')
+    state = acc.get_state_dict(self.model)                 # every process: under FSDP this gathers the shards
+    if main:
+        drafter = acc.unwrap_model(self.model)
+        if acc.distributed_type == DistributedType.FSDP:   # sharded parameters: save the gathered full copy
+            drafter = DFlashDrafter(self.parts.drafter_config); drafter.load_state_dict(state)
+        drafter.save_pretrained(self.out / 'drafter')
     for t in acc.trackers: t.finish()                      # flush TensorBoard; the process group stays up
     acc.wait_for_everyone()
-    return {**last, **ev}
+    return {**last, **ev, 'mixed_precision': acc.mixed_precision, 'distributed_type': acc.distributed_type.value}

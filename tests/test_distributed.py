@@ -1,0 +1,128 @@
+"The user's accelerate settings, two machines, any world size: real `accelerate launch` processes on CPU (gloo)."
+import csv, json, os, shutil, socket, subprocess, sys
+from pathlib import Path
+import pytest
+
+# a short run on the shipped toy target; checkpoints at step 2 and 4 so a run can be resumed from the middle
+SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4',
+         '--micro-batch-size', '1', '--lr', '3e-3', '--attention', 'eager', '--log-every', '1', '--eval-every', '0',
+         '--spec-eval-prompts', '0', '--seed', '3', '--max-steps', '4', '--save-every', '2', '--keep-checkpoints', '3']
+ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'ACCELERATE_USE_CPU': 'true'}
+
+
+def _port() -> str:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return str(s.getsockname()[1])
+
+
+def command(out, *args, processes=1, accelerate=('--mixed_precision', 'no'), port=None) -> list[str]:
+    "`accelerate launch ... -m dflash.train --out OUT *args` on CPU processes."
+    dist = ['--multi_gpu', '--num_processes', str(processes)] if processes > 1 else ['--cpu', '--num_processes', '1']
+    if '--use_fsdp' in accelerate: dist = ['--num_processes', str(processes)]     # the plugin excludes --multi_gpu
+    if '--num_machines' not in accelerate: dist += ['--num_machines', '1']
+    return [sys.executable, '-m', 'accelerate.commands.launch', *dist, *accelerate, '--dynamo_backend', 'no',
+            '--main_process_port', port or _port(), '-m', 'dflash.train', '--out', str(out), *args]
+
+
+def launch(out, *args, **kw) -> subprocess.CompletedProcess:
+    r = subprocess.run(command(out, *args, **kw), env=ENV, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def losses(out) -> dict[int, float]:
+    return {int(r['step']): float(r['loss']) for r in csv.DictReader(open(Path(out) / 'metrics.csv'))}
+
+
+def epochs(out) -> dict[int, str]:
+    return {int(r['step']): r['epoch'] for r in csv.DictReader(open(Path(out) / 'metrics.csv'))}
+
+
+def assert_close(a: dict, b: dict, tol: float = 1e-4):
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    for k in a: assert abs(a[k] - b[k]) <= tol * max(1., abs(b[k])), (k, a[k], b[k])
+
+
+def summary(out) -> dict: return json.loads((Path(out) / 'summary.json').read_text())
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+    "The same 4-step run on 1 process and on 2 processes (one machine), checkpointed at steps 2 and 4."
+    root = tmp_path_factory.mktemp('dist')
+    launch(root / 'one', *SMALL)
+    launch(root / 'two', *SMALL, processes=2)
+    return root
+
+
+def test_one_and_two_processes_agree(runs):
+    assert_close(losses(runs / 'two'), losses(runs / 'one'))
+    assert summary(runs / 'one')['metrics']['distributed_type'] == 'NO'
+    assert summary(runs / 'two')['metrics']['distributed_type'] == 'MULTI_CPU'
+
+
+def test_launch_mixed_precision_wins(runs, tmp_path):
+    "`--mixed_precision bf16` on the launch line reaches the trainer: bf16 autocast on CPU, recorded in the summary."
+    # sdpa: the eager reference fails under bf16 autocast (its float32 mask fill on bf16 scores overflows)
+    launch(tmp_path / 'bf16', *SMALL, '--attention', 'sdpa', accelerate=('--mixed_precision', 'bf16'))
+    assert summary(tmp_path / 'bf16')['metrics']['mixed_precision'] == 'bf16'
+    assert summary(runs / 'one')['metrics']['mixed_precision'] == 'no'
+    bf16, fp32 = losses(tmp_path / 'bf16'), losses(runs / 'one')
+    assert bf16.keys() == fp32.keys()
+    assert any(abs(bf16[k] - fp32[k]) > 1e-4 for k in bf16), "bf16 autocast changes the numbers"
+    assert all(abs(bf16[k] - fp32[k]) < 0.05 * fp32[k] for k in bf16), (bf16, fp32)
+
+
+def test_two_machines_on_localhost_equal_one_machine(runs, tmp_path):
+    "2 machines x 1 process, started together, train the model that 1 machine x 2 processes trains."
+    port = _port()
+    procs = [subprocess.Popen(command(tmp_path / 'nodes', *SMALL, processes=2, port=port,
+                                      accelerate=('--mixed_precision', 'no', '--num_machines', '2', '--machine_rank',
+                                                  str(rank), '--main_process_ip', '127.0.0.1')),
+                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    for p, o in zip(procs, outs): assert p.returncode == 0, o
+    rows = list(csv.DictReader(open(tmp_path / 'nodes' / 'metrics.csv')))
+    assert [r['processes'] for r in rows] == ['2'] * 4, "one run of 2 processes, each step logged once"
+    assert_close(losses(tmp_path / 'nodes'), losses(runs / 'two'))
+
+
+def _interrupted_copy(src: Path, dst: Path) -> Path:
+    "A run directory as `src` was after its step-2 checkpoint: that checkpoint only, nothing after it."
+    (dst / 'checkpoints').mkdir(parents=True)
+    shutil.copytree(src / 'checkpoints' / 'step-0000002', dst / 'checkpoints' / 'step-0000002')
+    return dst
+
+
+@pytest.mark.parametrize('saved,resumed', [(2, 1), (1, 2)])
+def test_resume_with_another_world_size(runs, tmp_path, saved, resumed):
+    "Checkpointed with `saved` processes, resumed with `resumed`: the same data order and losses as straight through."
+    src = runs / {1: 'one', 2: 'two'}[saved]
+    out = _interrupted_copy(src, tmp_path / 'resumed')
+    r = launch(out, *SMALL, '--resume', processes=resumed)
+    assert 'resumed from' in r.stdout + r.stderr
+    after = losses(out)
+    assert sorted(after) == [3, 4], "training went on from step 3"
+    assert_close(after, {k: v for k, v in losses(src).items() if k > 2})
+    assert epochs(out) == {k: v for k, v in epochs(src).items() if k > 2}
+    assert summary(out)['metrics']['processes'] == resumed
+
+
+def test_deepspeed_is_refused_before_loading(tmp_path):
+    "Under DeepSpeed (accelerate sets ACCELERATE_USE_DEEPSPEED for its processes) the trainer stops with a reason."
+    r = subprocess.run([sys.executable, '-m', 'dflash.train', '--out', str(tmp_path / 'ds'), *SMALL],
+                       env={**ENV, 'ACCELERATE_USE_DEEPSPEED': 'true'}, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert 'DeepSpeed is not supported by dflash.train' in r.stderr, r.stderr
+    assert not (tmp_path / 'ds' / 'metrics.csv').exists()
+
+
+def test_fsdp_on_cpu_is_refused_not_silently_ddp(tmp_path):
+    "accelerate ignores --use_fsdp on CPU processes (it sets up MULTI_CPU DDP): the trainer says so and stops."
+    r = subprocess.run(command(tmp_path / 'fsdp', *SMALL, processes=2,
+                               accelerate=('--mixed_precision', 'no', '--use_fsdp', '--fsdp_version', '2')),
+                       env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert 'FSDP was requested but accelerate set up MULTI_CPU on cpu' in r.stdout + r.stderr, r.stdout + r.stderr
