@@ -20,22 +20,26 @@ from .layout import valid_anchors
 from .drafter import _atomic_write
 
 # %% auto #0
-__all__ = ['CACHE_FORMAT', 'DataError', 'DataStats', 'read_jsonl', 'to_messages', 'TemplateError', 'assistant_spans',
-           'tokenize_chat', 'tokenize_conversation', 'ChatDataset', 'target_identity', 'target_features',
-           'TargetFeatures', 'cache_bytes_per_token', 'data_fingerprint', 'write_cache', 'CacheDataset', 'collate',
-           'EpochSampler', 'make_loader', 'main']
+__all__ = ['ROLES', 'CACHE_FORMAT', 'DataError', 'DataStats', 'read_jsonl', 'role_of', 'to_messages', 'record_tools',
+           'TemplateError', 'turn_markers', 'assistant_spans', 'tokenize_chat', 'tokenize_conversation', 'ChatDataset',
+           'target_identity', 'target_features', 'TargetFeatures', 'cache_bytes_per_token', 'data_fingerprint',
+           'write_cache', 'CacheDataset', 'collate', 'EpochSampler', 'make_loader', 'main']
 
 # %% ../nbs/08_data.ipynb #e33fbecc
 class DataError(ValueError):
     "Bad training data; the message names the file and line."
 
+_SKIPS = {'bad_lines': 'malformed line (--skip-bad-lines)', 'no_supervised': 'no assistant reply',
+          'template_rejected': 'the chat template rejects it', 'no_anchor': 'no two supervised tokens in max_length'}
+
 @dataclass
 class DataStats:
-    "What happened to every line of the data: kept, skipped (and why), truncated."
-    lines: int = 0              # non-blank lines read
+    "What happened to every record of the data: kept, skipped (and why), truncated."
+    lines: int = 0              # records read (non-blank lines of a JSONL file)
     samples: int = 0            # samples kept
     bad_lines: int = 0          # skipped (`skip_bad_lines`): malformed JSON, or neither chat shape
     no_supervised: int = 0      # skipped: no assistant turn with content
+    template_rejected: int = 0  # skipped: the chat template raised on it (e.g. roles out of the order it allows)
     no_anchor: int = 0          # skipped: no two consecutive supervised tokens (after truncation)
     truncated: int = 0          # kept, cut to max_length
     truncated_tokens: int = 0   # tokens cut off
@@ -48,6 +52,28 @@ class DataStats:
         if len(self.errors) < 10: self.errors.append(reason)
 
     def as_dict(self) -> dict: return asdict(self)
+
+    def merge(self, other: DataStats) -> DataStats:
+        "Add `other`'s counts (and first reasons) to these; for data read in parts."
+        for k, v in asdict(other).items():
+            setattr(self, k, getattr(self, k) + v if k != 'errors' else (self.errors + v)[:10])
+        return self
+
+    def table(self, name: str = 'data') -> str:
+        "The counts as a small table: read, used, skipped by reason, truncated; printed at startup."
+        rows = [('read', self.lines), ('used', self.samples)]
+        rows += [(f'skipped: {why}', getattr(self, k)) for k, why in _SKIPS.items() if getattr(self, k)]
+        rows += [('truncated to max_length', self.truncated), ('tokens used', self.tokens),
+                 ('supervised tokens', self.supervised_tokens)]
+        w = max(len(r) for r, _ in rows)
+        return '\n'.join([name] + [f'  {r:<{w}}  {v:>12,}' for r, v in rows])
+
+    def check_usable(self, source):
+        "A `DataError` naming `source` and the reasons when no sample was kept (before any model loads)."
+        if self.samples: return
+        why = '; '.join(f'{getattr(self, k)} {w}' for k, w in _SKIPS.items() if getattr(self, k)) or 'no records'
+        first = f" (first: {self.errors[0]})" if self.errors else ''
+        raise DataError(f"{source}: no usable sample among {self.lines} records: {why}{first}")
 
 # %% ../nbs/08_data.ipynb #40875861
 def read_jsonl(path, skip_bad_lines: bool = False, stats: DataStats | None = None):
@@ -72,82 +98,142 @@ def read_jsonl(path, skip_bad_lines: bool = False, stats: DataStats | None = Non
             yield where, rec
 
 # %% ../nbs/08_data.ipynb #775009cd
-_SHAREGPT_ROLES = {'human': 'user', 'user': 'user', 'gpt': 'assistant', 'assistant': 'assistant', 'system': 'system'}
+ROLES = {'human': 'user', 'user': 'user', 'gpt': 'assistant', 'assistant': 'assistant', 'system': 'system', 'tool': 'tool'}
+_EXTRA_KEYS = ('reasoning_content', 'tool_calls', 'tool_call_id', 'name')   # passed to the template when present
+
+def role_of(name, where: str = 'record') -> str:
+    "The chat role of a role name in any case (`human`, `GPT`, ...), else a `DataError` listing the accepted names."
+    r = ROLES.get(name.lower()) if isinstance(name, str) else None
+    if r is None: raise DataError(f"{where}: role {name!r} is not one of {', '.join(ROLES)} (any case)")
+    return r
 
 def _turns(rec, key, role_key, text_key, where):
     turns = rec[key]
     if not isinstance(turns, list): raise DataError(f"{where}: {key!r} must be a list of turns")
     for i, t in enumerate(turns):
-        if not isinstance(t, dict): raise DataError(f"{where}: {key}[{i}] must be an object")
+        at = f"{where}: {key}[{i}]"
+        if not isinstance(t, dict): raise DataError(f"{at} must be an object")
         for k in (role_key, text_key):
-            if k not in t: raise DataError(f"{where}: {key}[{i}] has no {k!r} key")
-        if not isinstance(t[text_key], str): raise DataError(f"{where}: {key}[{i}].{text_key} must be a string")
-        yield i, t[role_key], t[text_key]
+            if k not in t and not (k == text_key and t.get('tool_calls')): raise DataError(f"{at} has no {k!r} key")
+        text = t.get(text_key)
+        if not isinstance(text, str) and not (text is None and t.get('tool_calls')):
+            raise DataError(f"{at}.{text_key} must be a string")
+        msg = {'role': role_of(t[role_key], at), 'content': text}
+        msg.update({k: t[k] for k in _EXTRA_KEYS if t.get(k) is not None})
+        yield msg
 
 def to_messages(rec: dict, where: str = 'record') -> list[dict]:
-    "The `[{'role', 'content'}]` list of a `messages` or ShareGPT `conversations` record."
-    if 'messages' in rec: return [{'role': r, 'content': c} for _, r, c in _turns(rec, 'messages', 'role', 'content', where)]
-    if 'conversations' in rec:
-        out = []
-        for i, r, c in _turns(rec, 'conversations', 'from', 'value', where):
-            if r not in _SHAREGPT_ROLES:
-                raise DataError(f"{where}: conversations[{i}].from={r!r} is not one of {sorted(_SHAREGPT_ROLES)}")
-            out.append({'role': _SHAREGPT_ROLES[r], 'content': c})
-        return out
+    "The `[{'role', 'content', ...}]` list of a `messages` or ShareGPT `conversations` record, roles mapped by `ROLES`."
+    if 'messages' in rec: return list(_turns(rec, 'messages', 'role', 'content', where))
+    if 'conversations' in rec: return list(_turns(rec, 'conversations', 'from', 'value', where))
     raise DataError(f"{where}: no 'messages' or 'conversations' key (found keys {sorted(rec)})")
+
+def record_tools(rec: dict, where: str = 'record') -> list | None:
+    "The record's `tools` (function schemas the template shows the model), or None."
+    tools = rec.get('tools')
+    if tools is None: return None
+    if isinstance(tools, str):       # some corpora store them JSON-encoded
+        try: tools = json.loads(tools)
+        except json.JSONDecodeError as e: raise DataError(f"{where}: 'tools' is a string but not JSON ({e})") from None
+    if not isinstance(tools, list): raise DataError(f"{where}: 'tools' must be a list of function schemas")
+    return tools or None
 
 # %% ../nbs/08_data.ipynb #b439bccc
 class TemplateError(ValueError):
     "The chat template cannot be read for assistant spans."
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_PROBE = ('dflash-probe-user-1', 'dflash-probe-reply-1', 'dflash-probe-user-2', 'dflash-probe-reply-2')
+
+def _template_text(tokenizer) -> str:
+    t = tokenizer.chat_template
+    if isinstance(t, dict): t = t.get('default', '')     # named templates
+    if not t: raise TemplateError("the tokenizer has no chat template; pass --chat-template FILE")
+    return t
 
 def _render(tokenizer, messages, gen=False, **template_kw) -> str:
-    if not messages and not gen: return ''
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **template_kw)
 
-def assistant_spans(tokenizer, messages: list[dict], where: str = 'conversation', **template_kw):
-    "The rendered text and the character spans `(start, end)` of its assistant turns, by prefix rendering."
-    spans, prev = [], ''
+_MARKERS = {}
+
+def turn_markers(tokenizer, **template_kw) -> tuple[str, str, re.Pattern]:
+    """`(head, rest, end)` of the template's assistant turns, read from a probe conversation: `head` opens every
+    assistant turn, `rest` follows it in a new turn only (e.g. Qwen3's empty think block with thinking off; not
+    supervised), `end` matches the special tokens, the first of which after a reply's content closes it."""
+    special = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special} |
+                     set(tokenizer.all_special_tokens), key=len, reverse=True)
+    key = (_template_text(tokenizer), repr(sorted(template_kw.items())), tuple(special))
+    if key not in _MARKERS:
+        u1, a1, u2, a2 = _PROBE
+        one = [{'role': 'user', 'content': u1}]
+        base, gen = _render(tokenizer, one, **template_kw), _render(tokenizer, one, gen=True, **template_kw)
+        G = gen[len(base):] if gen.startswith(base) else ''
+        four = one + [{'role': 'assistant', 'content': a1}, {'role': 'user', 'content': u2},
+                      {'role': 'assistant', 'content': a2}]
+        text = _render(tokenizer, four, **template_kw)
+        sep = text[text.find(u1) + len(u1):text.find(a1)]               # between a user's words and a reply's
+        head = next((G[:k] for k in range(len(G), 0, -1) if G[:k] in sep), '')
+        if not head: head = next((s for s in special if sep.endswith(s)), '')   # no generation prompt (Mistral)
+        rest = G[len(head):] if G.startswith(head) else ''
+        _MARKERS[key] = (head, rest, re.compile('|'.join(map(re.escape, special))))
+    return _MARKERS[key]
+
+def _visible(content) -> str:
+    "What of a reply's content a template shows: stripped, and after the reasoning when it is inline."
+    c = content or ''
+    return c.split('</think>')[-1].strip() if '</think>' in c else c.strip()
+
+def assistant_spans(tokenizer, messages: list[dict], where: str = 'conversation', tools=None, **template_kw):
+    """The conversation rendered once by the chat template, and the character spans `(start, end)` of its assistant
+    replies there: from the end of the turn's header to the end of its end-of-turn token."""
+    _template_text(tokenizer)
+    try: text = _render(tokenizer, messages, tools=tools, **template_kw)
+    except Exception as e: raise TemplateError(f"{where}: the chat template rejects this conversation ({e})") from None
+    head, rest, end = turn_markers(tokenizer, **template_kw)
+    spans, cur = [], 0
     for i, m in enumerate(messages):
-        cur = _render(tokenizer, messages[:i + 1], **template_kw)
-        if not cur.startswith(prev):
-            raise TemplateError(f"{where}: the chat template renders turns 0..{i - 1} differently once turn {i} "
-                                f"({m['role']!r}) follows, so assistant tokens cannot be found by prefix rendering; "
-                                "use a template without that re-rendering, or one with {% generation %} markers")
-        if m['role'] == 'assistant':
-            try: head = _render(tokenizer, messages[:i], gen=True, **template_kw)
-            except Exception: head = prev                              # some templates refuse an empty conversation
-            start = len(head) if cur.startswith(head) and len(head) >= len(prev) else len(prev)
-            end = max(start, len(cur.rstrip()))                        # the end-of-turn token, not the newline after it
-            spans.append((start, end))
-        prev = cur
-    return prev, spans
+        if m['role'] != 'assistant': continue
+        s = None
+        if head:
+            h = text.find(head, cur)
+            if h < 0: raise TemplateError(f"{where}: turn {i} (assistant) not found: no {head!r} after character {cur} "
+                                          "of the rendered conversation")
+            s = h + len(head)
+            if rest and text.startswith(rest, s): s += len(rest)
+        body = _visible(m.get('content'))
+        c = text.find(body, cur if s is None else s) if body else -1
+        if s is None:
+            if c < 0: raise TemplateError(f"{where}: turn {i} (assistant): its content is not in the rendering")
+            s = c
+        eot = end.search(text, c + len(body) if c >= 0 else s)
+        if eot is None: raise TemplateError(f"{where}: turn {i} (assistant): no end-of-turn token after it")
+        spans.append((s, eot.end())); cur = eot.end()
+    return text, spans
 
 # %% ../nbs/08_data.ipynb #4f389f13
-def tokenize_chat(tokenizer, messages: list[dict], where: str = 'conversation', **template_kw) -> tuple[Tensor, Tensor]:
-    "Token ids (S,) long and assistant loss mask (S,) bool of a conversation rendered by the chat template."
-    template = tokenizer.chat_template
-    if isinstance(template, dict): template = template.get('default', '')     # named templates
-    if _GENERATION_TAG.search(template or ''):
-        enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+def tokenize_chat(tokenizer, messages: list[dict], where: str = 'conversation', tools=None,
+                  **template_kw) -> tuple[Tensor, Tensor]:
+    "Token ids (S,) long and assistant loss mask (S,) bool of a conversation rendered once by the chat template."
+    if _GENERATION_TAG.search(_template_text(tokenizer)):
+        enc = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True, **template_kw)
         return torch.tensor(enc['input_ids'], dtype=torch.long), torch.tensor(enc['assistant_masks'], dtype=torch.bool)
     if not tokenizer.is_fast: raise TemplateError(f"{where}: finding assistant tokens needs a fast tokenizer (offsets)")
-    text, spans = assistant_spans(tokenizer, messages, where, **template_kw)
+    text, spans = assistant_spans(tokenizer, messages, where, tools, **template_kw)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    starts = np.array([s for s, _ in enc['offset_mapping']], dtype=np.int64)
-    mask = np.zeros(len(starts), dtype=bool)
-    for s, e in spans: mask |= (starts >= s) & (starts < e)
+    off = np.array(enc['offset_mapping'], dtype=np.int64).reshape(-1, 2)
+    mask = np.zeros(len(off), dtype=bool)
+    for s, e in spans: mask |= (off[:, 0] < e) & (off[:, 1] > s)       # tokens overlapping the reply
     return torch.tensor(enc['input_ids'], dtype=torch.long), torch.from_numpy(mask)
 
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int = 3072, where: str = 'conversation',
-                          stats: DataStats | None = None, **template_kw) -> dict | None:
+                          stats: DataStats | None = None, tools=None, **template_kw) -> dict | None:
     "`{'input_ids', 'loss_mask'}` truncated to `max_length`, or None when skipped (counted in `stats`)."
     stats = stats if stats is not None else DataStats()
-    if not any(m['role'] == 'assistant' and m['content'].strip() for m in messages):
+    if not any(m['role'] == 'assistant' and ((m['content'] or '').strip() or m.get('tool_calls')) for m in messages):
         stats.skip('no_supervised', f"{where}: no assistant turn to supervise"); return None
-    ids, mask = tokenize_chat(tokenizer, messages, where, **template_kw)
+    try: ids, mask = tokenize_chat(tokenizer, messages, where, tools, **template_kw)
+    except TemplateError as e: stats.skip('template_rejected', str(e)); return None
     if len(ids) > max_length:
         stats.truncated += 1; stats.truncated_tokens += len(ids) - max_length
         ids, mask = ids[:max_length], mask[:max_length]
@@ -166,16 +252,19 @@ class ChatDataset(Dataset):
     def __getitem__(self, i): return {**self.samples[i], 'sample_id': i}
 
     @classmethod
-    def from_jsonl(cls, path, tokenizer, max_length: int = 3072, skip_bad_lines: bool = False, **template_kw) -> ChatDataset:
+    def from_jsonl(cls, path, tokenizer, max_length: int = 3072, skip_bad_lines: bool = False,
+                   **template_kw) -> ChatDataset:
         "Read, render and tokenize a chat JSONL file (`messages` or ShareGPT `conversations` records)."
+        _template_text(tokenizer)                                         # no template: one error, not one per line
         stats, samples = DataStats(), []
         for where, rec in read_jsonl(path, skip_bad_lines, stats):
-            try: msgs = to_messages(rec, where)
+            try: msgs, tools = to_messages(rec, where), record_tools(rec, where)
             except DataError as e:
                 if not skip_bad_lines: raise
                 stats.skip('bad_lines', str(e)); continue
-            s = tokenize_conversation(tokenizer, msgs, max_length, where, stats, **template_kw)
+            s = tokenize_conversation(tokenizer, msgs, max_length, where, stats, tools, **template_kw)
             if s is not None: samples.append(s)
+        stats.check_usable(path)
         return cls(samples, stats)
 
 # %% ../nbs/08_data.ipynb #3bfa4cc6
