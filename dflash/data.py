@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_data.ipynb #233c65cd
 from __future__ import annotations
-import argparse, hashlib, json, re, sys
+import argparse, hashlib, json, os, re, shutil, sys, tempfile, time
 from dataclasses import dataclass, field, asdict
 from functools import partial
 from pathlib import Path
@@ -15,13 +15,14 @@ from torch.utils.data import Dataset, DataLoader, Sampler
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
-from .config import DrafterConfig, default_target_layer_ids
+from .config import DrafterConfig, default_target_layer_ids, resolve_local, hf_hub_cache
 from .layout import valid_anchors
 from .drafter import _atomic_write
 
 # %% auto #0
-__all__ = ['ROLES', 'CACHE_FORMAT', 'DataError', 'DataStats', 'read_jsonl', 'role_of', 'to_messages', 'record_tools',
-           'TemplateError', 'turn_markers', 'assistant_spans', 'tokenize_chat', 'tokenize_conversation', 'ChatDataset',
+__all__ = ['ROLES', 'DATA_SUFFIXES', 'TOKENIZE_VERSION', 'CACHE_FORMAT', 'DataError', 'DataStats', 'read_jsonl', 'role_of',
+           'to_messages', 'record_tools', 'TemplateError', 'turn_markers', 'assistant_spans', 'tokenize_chat',
+           'tokenize_conversation', 'ChatDataset', 'read_records', 'tokenizer_fingerprint', 'load_chat_data',
            'target_identity', 'target_features', 'TargetFeatures', 'cache_bytes_per_token', 'data_fingerprint',
            'write_cache', 'CacheDataset', 'collate', 'EpochSampler', 'make_loader', 'main']
 
@@ -244,12 +245,15 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int = 307
 
 # %% ../nbs/08_data.ipynb #cbedde91
 class ChatDataset(Dataset):
-    "Tokenized chat samples: `{'input_ids' (S,), 'loss_mask' (S,), 'sample_id'}`; `stats` says what was skipped."
+    "Tokenized chat samples (a list or a `datasets` table): `{'input_ids' (S,), 'loss_mask' (S,), 'sample_id'}`; `stats` says what was skipped."
     def __init__(self, samples: list[dict], stats: DataStats | None = None):
         self.samples, self.stats = samples, stats or DataStats(samples=len(samples))
 
     def __len__(self): return len(self.samples)
-    def __getitem__(self, i): return {**self.samples[i], 'sample_id': i}
+    def __getitem__(self, i):
+        s = self.samples[i]                                   # tensors, or numpy rows of a `datasets` table
+        return {'input_ids': torch.as_tensor(s['input_ids'], dtype=torch.long),
+                'loss_mask': torch.as_tensor(s['loss_mask'], dtype=torch.bool), 'sample_id': i}
 
     @classmethod
     def from_jsonl(cls, path, tokenizer, max_length: int = 3072, skip_bad_lines: bool = False,
@@ -266,6 +270,146 @@ class ChatDataset(Dataset):
             if s is not None: samples.append(s)
         stats.check_usable(path)
         return cls(samples, stats)
+
+# %% ../nbs/08_data.ipynb #60cb4584
+DATA_SUFFIXES = ('.jsonl', '.json', '.parquet')
+_SAVED = ('dataset_info.json', 'state.json', 'dataset_dict.json')     # what `Dataset.save_to_disk` writes
+
+def _saved_rows(path: Path, stats: DataStats):
+    import datasets
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if 'train' not in ds: raise DataError(f"{path}: a saved DatasetDict without a 'train' split (splits: {list(ds)})")
+        ds = ds['train']
+    for i, rec in enumerate(ds):
+        stats.lines += 1
+        yield f"{path}:row {i}", rec
+
+def _parquet_rows(path: Path, stats: DataStats):
+    import pyarrow.parquet as pq
+    i = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for rec in batch.to_pylist():
+            stats.lines += 1; i += 1
+            yield f"{path}:row {i - 1}", rec
+
+def _json_rows(path: Path, skip_bad_lines: bool, stats: DataStats):
+    try: data = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError): yield from read_jsonl(path, skip_bad_lines, stats); return  # JSONL
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list): data = next(iter(data.values()))
+    if not isinstance(data, list): data = [data]
+    for i, rec in enumerate(data):
+        stats.lines += 1
+        where = f"{path}:[{i}]"
+        if not isinstance(rec, dict):
+            e = DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            if not skip_bad_lines: raise e
+            stats.skip('bad_lines', str(e)); continue
+        yield where, rec
+
+def read_records(path, skip_bad_lines: bool = False, stats: DataStats | None = None):
+    """Yield `(where, record)` of chat data: a JSONL, JSON (a list of records) or parquet file, a directory of such
+    files, a dataset saved by `datasets` (`save_to_disk`), or a hub dataset id in the local cache."""
+    stats = stats if stats is not None else DataStats()
+    path = resolve_local(path, 'dataset')
+    if path.is_dir():
+        if any((path / f).is_file() for f in _SAVED): yield from _saved_rows(path, stats); return
+        files = sorted(f for f in path.rglob('*') if f.suffix in DATA_SUFFIXES and not f.name.startswith('.'))
+        if not files: raise DataError(f"{path}: no {', '.join(DATA_SUFFIXES)} files, and not a dataset saved by `datasets`")
+        for f in files: yield from read_records(f, skip_bad_lines, stats)
+    elif path.suffix == '.parquet': yield from _parquet_rows(path, stats)
+    elif path.suffix == '.json': yield from _json_rows(path, skip_bad_lines, stats)
+    else: yield from read_jsonl(path, skip_bad_lines, stats)
+
+# %% ../nbs/08_data.ipynb #3433f8ba
+TOKENIZE_VERSION = 1   # bump when tokenization changes, so older caches are not reused
+
+def _sha256(path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        while b := f.read(chunk): h.update(b)
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    "A hash of what tokenization depends on: the vocabulary and merges, special tokens, and the chat template."
+    h = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
+    h.update(json.dumps([_template_text(tokenizer), tokenizer.all_special_tokens], sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+def _source_fingerprint(path: Path) -> str:
+    "A hash of every data file's name and content (a directory: all of its files)."
+    h = hashlib.sha256()
+    for f in sorted(p for p in ([path] if path.is_file() else path.rglob('*')) if p.is_file()):
+        h.update(f"{f.relative_to(path) if f != path else f.name}:{f.stat().st_size}\n".encode()); h.update(_sha256(f).encode())
+    return h.hexdigest()[:16]
+
+def _tokenize_batch(batch, tokenizer, max_length, skip_bad_lines, template_kw):
+    out = {'input_ids': [], 'loss_mask': [], 'skip': [], 'reason': [], 'cut': []}
+    for where, raw in zip(batch['where'], batch['record']):
+        st, s = DataStats(), None
+        try:
+            rec = json.loads(raw)
+            s = tokenize_conversation(tokenizer, to_messages(rec, where), max_length, where, st,
+                                      record_tools(rec, where), **template_kw)
+        except DataError as e:
+            if not skip_bad_lines: raise
+            st.skip('bad_lines', str(e))
+        kind = next((k for k in _SKIPS if getattr(st, k)), '')
+        out['input_ids'].append(s['input_ids'].tolist() if s else []); out['loss_mask'].append(s['loss_mask'].tolist() if s else [])
+        out['skip'].append(kind); out['reason'].append(st.errors[0] if st.errors else ''); out['cut'].append(st.truncated_tokens)
+    return out
+
+def _tokenized_stats(tok, read: DataStats) -> DataStats:
+    "The counts of a tokenized table (columns skip, reason, cut) after `read` (records read, bad lines)."
+    st = DataStats(lines=read.lines, bad_lines=read.bad_lines, errors=list(read.errors))
+    for kind, reason in zip(tok['skip'], tok['reason']):
+        if kind: st.skip(kind, reason)
+    cut = np.asarray(tok['cut']); st.truncated, st.truncated_tokens = int((cut > 0).sum()), int(cut.sum())
+    return st
+
+def load_chat_data(path, tokenizer, max_length: int = 3072, skip_bad_lines: bool = False, num_proc: int = 1,
+                   cache_dir=None, report: bool = False, **template_kw) -> ChatDataset:
+    """Chat data tokenized once with `datasets` (`map(num_proc=...)`) and cached on disk by the fingerprint of the data,
+    the tokenizer, the template options and `max_length`; a later call (any process) reads the cache. Under accelerate
+    the main process of each machine tokenizes while the others wait. `report` prints the counts table there."""
+    import datasets
+    from accelerate import PartialState
+    _template_text(tokenizer)
+    src = resolve_local(path, 'dataset')
+    key = json.dumps([TOKENIZE_VERSION, _source_fingerprint(src), tokenizer_fingerprint(tokenizer), max_length,
+                      skip_bad_lines, sorted(template_kw.items())], default=str)
+    fp = hashlib.sha256(key.encode()).hexdigest()[:20]
+    root = Path(cache_dir) if cache_dir else Path(os.environ.get('HF_DATASETS_CACHE') or hf_hub_cache().parent / 'datasets')
+    out = root / 'dflash-tokenized' / fp
+    state = PartialState()
+    with state.local_main_process_first():
+        if not (out / 'stats.json').is_file():
+            read = DataStats()
+            rows = list(read_records(src, skip_bad_lines, read))
+            raw = datasets.Dataset.from_dict({'where': [w for w, _ in rows], 'record': [json.dumps(r) for _, r in rows]})
+            del rows
+            tok = raw.map(_tokenize_batch, batched=True, batch_size=256, num_proc=num_proc if num_proc > 1 else None,
+                          remove_columns=['record'], desc='tokenize', fn_kwargs=dict(
+                              tokenizer=tokenizer, max_length=max_length, skip_bad_lines=skip_bad_lines,
+                              template_kw=template_kw), new_fingerprint=fp, load_from_cache_file=False, keep_in_memory=True)
+            st = _tokenized_stats(tok, read)
+            kept = tok.filter(lambda k: k == '', input_columns='skip', keep_in_memory=True).select_columns(['input_ids', 'loss_mask'])
+            st.samples = len(kept)
+            lengths = np.array([len(x) for x in kept['input_ids']], dtype=np.int64)
+            st.tokens = int(lengths.sum()); st.supervised_tokens = int(sum(sum(m) for m in kept['loss_mask']))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f'.{fp}.'))
+            kept.save_to_disk(str(tmp / 'data'))
+            (tmp / 'stats.json').write_text(json.dumps({**st.as_dict(), 'source': str(path)}, indent=1))
+            try: os.replace(tmp, out)                                        # another machine may have won the race
+            except OSError: shutil.rmtree(tmp, ignore_errors=True)
+    d = json.loads((out / 'stats.json').read_text()); d.pop('source', None)
+    stats = DataStats(**d)
+    if report and state.is_local_main_process: print(stats.table(str(path)), file=sys.stderr)
+    stats.check_usable(path)
+    data = datasets.load_from_disk(str(out / 'data')).with_format('numpy')
+    return ChatDataset(data, stats)
 
 # %% ../nbs/08_data.ipynb #3bfa4cc6
 _WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pt', '.pth')
@@ -356,12 +500,6 @@ def cache_bytes_per_token(context_size: int, dtype: torch.dtype = torch.bfloat16
 
 # %% ../nbs/08_data.ipynb #fcaeae7d
 CACHE_FORMAT = 'dflash-hidden-cache/1'
-
-def _sha256(path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        while b := f.read(chunk): h.update(b)
-    return h.hexdigest()
 
 def _write_json(path: Path, obj): _atomic_write(path, lambda p: Path(p).write_text(json.dumps(obj, indent=1) + '\n'))
 
