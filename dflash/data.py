@@ -22,9 +22,10 @@ from .drafter import _atomic_write
 # %% auto #0
 __all__ = ['ROLES', 'DATA_SUFFIXES', 'TOKENIZE_VERSION', 'CACHE_FORMAT', 'DataError', 'DataStats', 'read_jsonl', 'role_of',
            'to_messages', 'record_tools', 'TemplateError', 'turn_markers', 'assistant_spans', 'tokenize_chat',
-           'tokenize_conversation', 'ChatDataset', 'read_records', 'tokenizer_fingerprint', 'load_chat_data',
-           'target_identity', 'target_features', 'TargetFeatures', 'cache_bytes_per_token', 'data_fingerprint',
-           'write_cache', 'CacheDataset', 'collate', 'EpochSampler', 'make_loader', 'main']
+           'tokenize_conversation', 'set_chat_template', 'load_tokenizer', 'ChatDataset', 'read_records',
+           'tokenizer_fingerprint', 'load_chat_data', 'target_identity', 'target_features', 'TargetFeatures',
+           'cache_bytes_per_token', 'data_fingerprint', 'write_cache', 'CacheDataset', 'collate', 'EpochSampler',
+           'make_loader', 'add_data_args', 'parser', 'cache_command', 'main']
 
 # %% ../nbs/08_data.ipynb #e33fbecc
 class DataError(ValueError):
@@ -243,6 +244,28 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int = 307
     stats.samples += 1; stats.tokens += len(ids); stats.supervised_tokens += int(mask.sum())
     return {'input_ids': ids, 'loss_mask': mask}
 
+# %% ../nbs/08_data.ipynb #68c2cdaf
+def set_chat_template(tokenizer, path):
+    "Use the chat template in file `path` (a `.jinja` text, or a JSON file with a `chat_template` key) for `tokenizer`."
+    path = Path(path)
+    if not path.is_file(): raise FileNotFoundError(f"--chat-template {path}: no such file")
+    text = path.read_text()
+    if path.suffix == '.json':
+        t = json.loads(text).get('chat_template')
+        if t is None: raise ValueError(f"--chat-template {path}: a JSON file without a 'chat_template' key")
+        text = t if isinstance(t, str) else next((x['template'] for x in t if x.get('name') == 'default'), None)
+    if not text or '{%' not in text and '{{' not in text: raise ValueError(f"--chat-template {path}: not a Jinja template")
+    tokenizer.chat_template = text
+    return tokenizer
+
+def load_tokenizer(target, tokenizer=None, chat_template=None):
+    "The tokenizer of `target` (or of the `tokenizer` directory / hub id), with `chat_template` (a file) when given."
+    from transformers import AutoTokenizer
+    src = resolve_local(tokenizer or target)
+    tok = AutoTokenizer.from_pretrained(src)
+    if chat_template: set_chat_template(tok, chat_template)
+    return tok
+
 # %% ../nbs/08_data.ipynb #cbedde91
 class ChatDataset(Dataset):
     "Tokenized chat samples (a list or a `datasets` table): `{'input_ids' (S,), 'loss_mask' (S,), 'sample_id'}`; `stats` says what was skipped."
@@ -429,15 +452,16 @@ def _check_target_dir(path: Path):
     if not _weight_files(path): raise ValueError(f"target {path}: no weight files ({', '.join(_WEIGHT_SUFFIXES)})")
     return config
 
+_IDENTITIES = {}   # (file, size, mtime) -> sha256: a process hashes each weights file once
+
 def target_identity(path) -> str:
-    "Fingerprint of a model directory: config.json, and each weight file's name, size, first and last MiB."
+    "Fingerprint of a model directory: config.json, and each weight file's name and whole content (sha256)."
     path, h = Path(path), hashlib.sha256()
     h.update((path / 'config.json').read_bytes())
     for f in _weight_files(path):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, 'rb') as fh:
-            h.update(fh.read(1 << 20)); fh.seek(max(0, size - (1 << 20))); h.update(fh.read())
+        st = f.stat(); key = (str(f.resolve()), st.st_size, st.st_mtime_ns)
+        if key not in _IDENTITIES: _IDENTITIES[key] = _sha256(f)
+        h.update(f"{f.name}:{st.st_size}:{_IDENTITIES[key]}".encode())
     return h.hexdigest()[:16]
 
 # %% ../nbs/08_data.ipynb #d1f8a1b6
@@ -450,7 +474,7 @@ class TargetFeatures:
     def __init__(self, path, layer_ids=None, num_draft_layers: int = 5, dtype: torch.dtype | None = None,
                  device=None, tokenizer=None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        self.path = path = Path(path)
+        self.path = path = resolve_local(path)
         self.config = config = _check_target_dir(path)
         T = config.num_hidden_layers
         self.layer_ids = default_target_layer_ids(T, num_draft_layers) if layer_ids is None else [int(i) for i in layer_ids]
@@ -514,20 +538,34 @@ def data_fingerprint(dataset) -> str:
 def _shard_name(k: int) -> str: return f'shard-{k:05d}.safetensors'
 
 # %% ../nbs/08_data.ipynb #ae2b36b5
-def _shard_tensors(features: TargetFeatures, dataset, idx: range) -> dict[str, Tensor]:
-    ids, masks, ctx = [], [], []
-    for i in idx:
-        s = dataset[i]
-        ids.append(s['input_ids']); masks.append(s['loss_mask'].bool())
-        ctx.append(features(s['input_ids'][None])[0].cpu())       # (S, L·H)
+def _length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    "Positions grouped into batches of equal length (no padding) with at most `batch_tokens` tokens (at least one)."
+    groups = {}
+    for i, n in enumerate(lengths): groups.setdefault(n, []).append(i)
+    out = []
+    for n, idx in sorted(groups.items()):
+        per = max(1, batch_tokens // max(n, 1))
+        out += [idx[j:j + per] for j in range(0, len(idx), per)]
+    return out
+
+def _shard_tensors(features: TargetFeatures, dataset, idx: range, batch_tokens: int = 8192) -> dict[str, Tensor]:
+    samples = [dataset[i] for i in idx]
+    ids = [s['input_ids'] for s in samples]
+    ctx = [None] * len(samples)
+    for b in _length_batches([len(t) for t in ids], batch_tokens):
+        out = features(torch.stack([ids[j] for j in b])).cpu()                  # (n, S, L·H), all of length S
+        for j, c in zip(b, out): ctx[j] = c
     lens = torch.tensor([0] + [len(t) for t in ids])
-    return {'input_ids': torch.cat(ids).long(), 'loss_mask': torch.cat(masks), 'context': torch.cat(ctx).contiguous(),
-            'offsets': lens.cumsum(0), 'sample_ids': torch.tensor(list(idx), dtype=torch.long)}
+    return {'input_ids': torch.cat(ids).long(), 'loss_mask': torch.cat([s['loss_mask'].bool() for s in samples]),
+            'context': torch.cat(ctx).contiguous(), 'offsets': lens.cumsum(0), 'sample_ids': torch.tensor(list(idx), dtype=torch.long)}
 
 def _write_shard(path: Path, tensors: dict[str, Tensor]) -> dict:
+    "Write a shard, then its record (`<shard>.json`: counts, bytes, sha256), both atomically."
     _atomic_write(path, lambda p: save_file(tensors, p, metadata={'format': 'pt'}))
-    return {'file': path.name, 'num_samples': len(tensors['sample_ids']), 'num_tokens': len(tensors['input_ids']),
-            'bytes': path.stat().st_size, 'sha256': _sha256(path)}
+    rec = {'file': path.name, 'num_samples': len(tensors['sample_ids']), 'num_tokens': len(tensors['input_ids']),
+           'bytes': path.stat().st_size, 'sha256': _sha256(path)}
+    _write_json(path.with_name(path.name + '.json'), rec)
+    return rec
 
 # %% ../nbs/08_data.ipynb #f2e23258
 _PLAN_KEYS = ('format', 'num_samples', 'num_tokens', 'shard_size', 'num_shards', 'layer_ids', 'hidden_size',
@@ -543,8 +581,8 @@ def _plan(features: TargetFeatures, dataset, shard_size: int, data_info: dict) -
                        'num_hidden_layers': features.config.num_hidden_layers},
             'data': {'fingerprint': data_fingerprint(dataset), **data_info}, 'shards': [], 'complete': False}
 
-def _resume(out: Path, plan: dict) -> list[dict]:
-    "Shards of an earlier run of the same plan that are intact on disk."
+def _check_resume(out: Path, plan: dict):
+    "An existing manifest in `out` must be of the same target, layers, sizes and data."
     old = json.loads((out / 'manifest.json').read_text())
     if old.get('target', {}).get('identity') != plan['target']['identity']:
         raise ValueError(f"{out}: holds a cache of target {old.get('target', {}).get('identity')} "
@@ -555,32 +593,56 @@ def _resume(out: Path, plan: dict) -> list[dict]:
     if old['data']['fingerprint'] != plan['data']['fingerprint']:
         raise ValueError(f"{out}: holds a cache of other data (fingerprint {old['data']['fingerprint']}, "
                          f"this data {plan['data']['fingerprint']}); use another --out")
-    return [s for s in old['shards'] if (out / s['file']).is_file() and (out / s['file']).stat().st_size == s['bytes']
-            and _sha256(out / s['file']) == s['sha256']]
+
+def _done_shard(out: Path, k: int, verify: bool = False) -> dict | None:
+    "The record of shard k if it is written and intact (size, and with `verify` its sha256), else None."
+    f = out / _shard_name(k); r = f.with_name(f.name + '.json')
+    if not (f.is_file() and r.is_file()): return None
+    try: rec = json.loads(r.read_text())
+    except json.JSONDecodeError: return None
+    ok = f.stat().st_size == rec.get('bytes') and (not verify or _sha256(f) == rec.get('sha256'))
+    return rec if ok else None
 
 def write_cache(features: TargetFeatures, dataset, out, shard_size: int = 64, progress: bool = True,
-                data_info: dict | None = None) -> dict:
-    "Write the context features of every sample of `dataset` to shards in `out`; resume a partial cache. Returns the manifest."
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
-    for t in out.glob('.*.tmp'): t.unlink()                             # left by an interrupted run
+                data_info: dict | None = None, batch_tokens: int = 8192) -> dict:
+    """Write the context features of every sample of `dataset` to shards in `out`; resume a partial cache. Under
+    accelerate, process r of N writes shards r, r+N, ...; the bytes do not depend on N. Returns the manifest."""
+    from accelerate import PartialState
+    state = PartialState()
+    out = Path(out)
     manifest = _plan(features, dataset, shard_size, data_info or {})
-    done = {s['file']: s for s in _resume(out, manifest)} if (out / 'manifest.json').is_file() else {}
-    n = manifest['num_samples']
-    todo = [k for k in range(manifest['num_shards']) if _shard_name(k) not in done]
-    bar = tqdm(total=n, initial=n - sum(min(shard_size, n - k * shard_size) for k in todo), unit='sample',
-               desc='cache', disable=not progress)
-    for k in range(manifest['num_shards']):
-        name = _shard_name(k)
-        if name not in done:
-            idx = range(k * shard_size, min(n, (k + 1) * shard_size))
-            done[name] = _write_shard(out / name, _shard_tensors(features, dataset, idx))
-            bar.update(len(idx))
-        manifest['shards'] = [done[s] for s in sorted(done)]
-        _write_json(out / 'manifest.json', manifest)
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        for t in out.glob('.*'):                                         # temporary files of an interrupted run
+            if t.is_file(): t.unlink()
+        if (out / 'manifest.json').is_file(): _check_resume(out, manifest)
+        for k in range(manifest['num_shards']):                          # a shard that fails its checksum is redone
+            r = out / (_shard_name(k) + '.json')
+            if r.is_file() and _done_shard(out, k, verify=True) is None: r.unlink()
+        _write_json(out / 'manifest.json', {**manifest, 'shards': [r for k in range(manifest['num_shards'])
+                                                                     if (r := _done_shard(out, k))]})
+    state.wait_for_everyone()
+    if not state.is_main_process: _check_resume(out, manifest)           # the same error on every process
+    n, K = manifest['num_samples'], manifest['num_shards']
+    todo = [k for k in range(state.process_index, K, state.num_processes) if _done_shard(out, k) is None]
+    bar = tqdm(total=sum(min(shard_size, n - k * shard_size) for k in todo), unit='sample', desc='cache',
+               disable=not progress or not state.is_local_main_process)
+    for k in todo:
+        idx = range(k * shard_size, min(n, (k + 1) * shard_size))
+        _write_shard(out / _shard_name(k), _shard_tensors(features, dataset, idx, batch_tokens))
+        bar.update(len(idx))
+        if state.is_main_process:                                        # progress others can see, for resuming
+            _write_json(out / 'manifest.json', {**manifest, 'shards': [r for j in range(K) if (r := _done_shard(out, j))]})
     bar.close()
-    manifest['complete'] = True
-    _write_json(out / 'manifest.json', manifest)
-    return manifest
+    state.wait_for_everyone()
+    if state.is_main_process:
+        manifest['shards'] = [_done_shard(out, k) for k in range(K)]
+        missing = [_shard_name(k) for k, r in enumerate(manifest['shards']) if r is None]
+        if missing: raise ValueError(f"{out}: shards {missing[:5]} are missing or corrupt after writing; rerun to redo them")
+        manifest['complete'] = True
+        _write_json(out / 'manifest.json', manifest)
+    state.wait_for_everyone()
+    return json.loads((out / 'manifest.json').read_text())
 
 # %% ../nbs/08_data.ipynb #600f044a
 class CacheDataset(Dataset):
@@ -596,7 +658,7 @@ class CacheDataset(Dataset):
             raise ValueError(f"cache {path}: incomplete, {len(m['shards'])} of {m['num_shards']} shards written; "
                              "rerun the cache command to finish it")
         if target is not None:
-            ident = target.identity if isinstance(target, TargetFeatures) else target_identity(target)
+            ident = target.identity if isinstance(target, TargetFeatures) else target_identity(resolve_local(target))
             tpath = target.path if isinstance(target, TargetFeatures) else target
             if ident != m['target']['identity']:
                 raise ValueError(f"cache {path} was written for target {m['target']['identity']} ({m['target']['path']}), "
@@ -664,43 +726,66 @@ def make_loader(dataset, batch_size: int, seed: int = 0, shuffle: bool = True, p
                       collate_fn=partial(collate, pad_token_id=pad_token_id), num_workers=num_workers, drop_last=drop_last)
 
 # %% ../nbs/08_data.ipynb #1c4a5830
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog='python -m dflash.data', description='dflash data tools')
-    sub = p.add_subparsers(dest='command', required=True)
+_SUBCOMMANDS = {}   # name -> function(subparsers) adding that subcommand; each sets `run` to its function
+
+def add_data_args(p: argparse.ArgumentParser):
+    "The options every data subcommand shares: target, tokenizer, chat template, data, length, bad lines."
+    p.add_argument('--target', required=True, help='transformers causal LM: local directory or hub id (local cache only)')
+    p.add_argument('--data', required=True, help='chat data: JSONL, JSON, parquet, a directory of them, a saved '
+                                                 '`datasets` dataset, or a hub dataset id (local cache only)')
+    p.add_argument('--tokenizer', default=None, help='tokenizer directory or hub id (default: the target)')
+    p.add_argument('--chat-template', default=None, help="Jinja chat template file replacing the tokenizer's")
+    p.add_argument('--max-length', type=int, default=3072, help='truncate samples to this many tokens (3072)')
+    p.add_argument('--num-proc', type=int, default=1, help='processes tokenizing the data (1); the result is cached')
+    p.add_argument('--skip-bad-lines', action='store_true', help='skip and count malformed records instead of stopping')
+
+def _add_cache(sub):
     c = sub.add_parser('cache', help="write the target's hidden states over chat data to an offline cache",
                        description="Write the target's hidden states over chat data to safetensors shards with a "
-                                   "manifest; rerun with the same arguments to resume an interrupted run.")
-    c.add_argument('--target', required=True, help='local transformers causal LM directory')
-    c.add_argument('--data', required=True, help='chat JSONL (messages or ShareGPT conversations)')
+                                   "manifest; rerun with the same arguments to resume an interrupted run. Under "
+                                   "`accelerate launch` the processes share the shards.")
+    add_data_args(c)
     c.add_argument('--out', required=True, help='cache directory')
     c.add_argument('--layers', type=lambda s: [int(x) for x in s.split(',')], default=None,
                    help='target layer ids, comma separated (default: the DFlash choice for --num-draft-layers)')
     c.add_argument('--num-draft-layers', type=int, default=5, help='drafter layers, for the default --layers (5)')
-    c.add_argument('--tokenizer', default=None, help='tokenizer directory (default: the target directory)')
-    c.add_argument('--max-length', type=int, default=3072, help='truncate samples to this many tokens (3072)')
     c.add_argument('--shard-size', type=int, default=64, help='samples per shard (64)')
+    c.add_argument('--batch-tokens', type=int, default=8192,
+                   help='tokens per target forward (8192): samples of equal length share a forward, unpadded')
     c.add_argument('--dtype', choices=['auto', 'float32', 'bfloat16', 'float16'], default='auto',
                    help='feature dtype (auto: bfloat16 on GPU, float32 on CPU)')
-    c.add_argument('--device', default=None, help='device (default: cuda if available, else cpu)')
-    c.add_argument('--skip-bad-lines', action='store_true', help='skip and count malformed lines instead of stopping')
+    c.add_argument('--device', default=None, help='device (default: this process\'s accelerator, else cpu)')
     c.add_argument('--no-progress', action='store_true', help='no progress bar')
+    c.set_defaults(run=cache_command)
+
+_SUBCOMMANDS['cache'] = _add_cache
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog='python -m dflash.data', description='dflash data tools')
+    sub = p.add_subparsers(dest='command', required=True)
+    for add in _SUBCOMMANDS.values(): add(sub)
     return p
 
+def cache_command(args):
+    "`python -m dflash.data cache`: data checked and tokenized first, then the target loads and the shards are written."
+    from accelerate import PartialState
+    state = PartialState()
+    resolve_local(args.target)                                            # a bad name fails before anything loads
+    tok = load_tokenizer(args.target, args.tokenizer, args.chat_template)
+    ds = load_chat_data(args.data, tok, args.max_length, args.skip_bad_lines, args.num_proc, report=True)
+    dtype = None if args.dtype == 'auto' else getattr(torch, args.dtype)
+    device = args.device or (state.device if state.device.type != 'mps' else 'cpu')
+    feats = TargetFeatures(args.target, layer_ids=args.layers, num_draft_layers=args.num_draft_layers, dtype=dtype,
+                           device=device, tokenizer=tok)
+    man = write_cache(feats, ds, args.out, args.shard_size, progress=not args.no_progress, batch_tokens=args.batch_tokens,
+                      data_info={'path': str(args.data), 'max_length': args.max_length, 'stats': ds.stats.as_dict()})
+    if state.is_main_process:
+        print(f"cache: {args.out} ({man['num_samples']} samples, {man['num_tokens']} tokens, {len(man['shards'])} shards)")
+
 def main(argv=None):
-    args = _parser().parse_args(argv)
-    try:
-        dtype = None if args.dtype == 'auto' else getattr(torch, args.dtype)
-        feats = TargetFeatures(args.target, layer_ids=args.layers, num_draft_layers=args.num_draft_layers, dtype=dtype,
-                               device=args.device, tokenizer=args.tokenizer)
-        if feats.tokenizer is None: raise ValueError(f"target {args.target}: no tokenizer there; pass --tokenizer")
-        ds = ChatDataset.from_jsonl(args.data, feats.tokenizer, args.max_length, args.skip_bad_lines)
-        stats = ds.stats.as_dict()
-        print('data:', json.dumps({k: v for k, v in stats.items() if k != 'errors'}), file=sys.stderr)
-        if not len(ds): raise DataError(f"{args.data}: no usable sample")
-        man = write_cache(feats, ds, args.out, args.shard_size, progress=not args.no_progress,
-                          data_info={'path': str(args.data), 'max_length': args.max_length, 'stats': stats})
-    except (ValueError, FileNotFoundError) as e:
+    args = parser().parse_args(argv)
+    try: args.run(args)
+    except (ValueError, FileNotFoundError) as e:                        # DataError and TemplateError are ValueErrors
         print(f"error: {e}", file=sys.stderr); sys.exit(2)
-    print(f"cache: {args.out} ({man['num_samples']} samples, {man['num_tokens']} tokens, {len(man['shards'])} shards)")
 
 if __name__ == '__main__' and '__file__' in globals(): main()

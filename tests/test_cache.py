@@ -141,7 +141,7 @@ def test_cli_bad_input(tmp_path, chat_targets, capsys):
     stats = CacheDataset(tmp_path / 'c').stats
     assert (stats.samples, stats.bad_lines, stats.no_supervised) == (3, 1, 1)
     with pytest.raises(SystemExit): main(['cache', '--target', str(tmp_path / 'nope'), '--data', str(f), '--out', str(tmp_path / 'x')])
-    assert 'nope: no such directory' in capsys.readouterr().err
+    assert "nope': no such path" in capsys.readouterr().err
 
 
 def test_cli_help(capsys):

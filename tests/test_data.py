@@ -165,7 +165,7 @@ def test_target_features_are_the_hidden_states_at_layer_ids(chat_targets, name):
 
 def test_target_features_bad_directories(tmp_path, chat_targets, chat_tokenizers):
     from transformers import T5Config, LlamaConfig, LlamaForCausalLM
-    with pytest.raises(FileNotFoundError, match='missing: no such directory'): TargetFeatures(tmp_path / 'missing')
+    with pytest.raises(FileNotFoundError, match="missing': no such path"): TargetFeatures(tmp_path / 'missing')
     (tmp_path / 'empty').mkdir()
     with pytest.raises(ValueError, match='empty: no config.json, not a transformers model directory'):
         TargetFeatures(tmp_path / 'empty')
