@@ -405,7 +405,7 @@ def load_chat_data(path, tokenizer, max_length: int = 3072, skip_bad_lines: bool
     fp = hashlib.sha256(key.encode()).hexdigest()[:20]
     root = Path(cache_dir) if cache_dir else Path(os.environ.get('HF_DATASETS_CACHE') or hf_hub_cache().parent / 'datasets')
     out = root / 'dflash-tokenized' / fp
-    state = PartialState()
+    state = PartialState(cpu=not torch.cuda.is_available())   # gloo processes on a CPU machine
     with state.local_main_process_first():
         if not (out / 'stats.json').is_file():
             read = DataStats()
@@ -608,7 +608,7 @@ def write_cache(features: TargetFeatures, dataset, out, shard_size: int = 64, pr
     """Write the context features of every sample of `dataset` to shards in `out`; resume a partial cache. Under
     accelerate, process r of N writes shards r, r+N, ...; the bytes do not depend on N. Returns the manifest."""
     from accelerate import PartialState
-    state = PartialState()
+    state = PartialState(cpu=not torch.cuda.is_available())   # gloo processes on a CPU machine
     out = Path(out)
     manifest = _plan(features, dataset, shard_size, data_info or {})
     if state.is_main_process:
@@ -769,7 +769,7 @@ def parser() -> argparse.ArgumentParser:
 def cache_command(args):
     "`python -m dflash.data cache`: data checked and tokenized first, then the target loads and the shards are written."
     from accelerate import PartialState
-    state = PartialState()
+    state = PartialState(cpu=not torch.cuda.is_available())   # gloo processes on a CPU machine
     resolve_local(args.target)                                            # a bad name fails before anything loads
     tok = load_tokenizer(args.target, args.tokenizer, args.chat_template)
     ds = load_chat_data(args.data, tok, args.max_length, args.skip_bad_lines, args.num_proc, report=True)
