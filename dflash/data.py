@@ -25,7 +25,7 @@ __all__ = ['ROLES', 'DATA_SUFFIXES', 'TOKENIZE_VERSION', 'CACHE_FORMAT', 'DataEr
            'tokenize_conversation', 'set_chat_template', 'load_tokenizer', 'ChatDataset', 'read_records',
            'tokenizer_fingerprint', 'load_chat_data', 'target_identity', 'target_features', 'TargetFeatures',
            'cache_bytes_per_token', 'data_fingerprint', 'write_cache', 'CacheDataset', 'collate', 'EpochSampler',
-           'make_loader', 'add_data_args', 'parser', 'cache_command', 'main']
+           'make_loader', 'add_data_args', 'tokenize_command', 'parser', 'cache_command', 'main']
 
 # %% ../nbs/08_data.ipynb #e33fbecc
 class DataError(ValueError):
@@ -759,6 +759,23 @@ def _add_cache(sub):
     c.set_defaults(run=cache_command)
 
 _SUBCOMMANDS['cache'] = _add_cache
+
+def _add_tokenize(sub):
+    t = sub.add_parser('tokenize', help='check, count and tokenize chat data once; later commands reuse the result',
+                       description='Read, check and tokenize chat data for a target (cached by fingerprint, so `cache` '
+                                   'and `dflash.train` with the same data, tokenizer and --max-length reuse it), and '
+                                   'print the counts table. Bad data fails here, before any model loads.')
+    add_data_args(t)
+    t.set_defaults(run=tokenize_command)
+
+def tokenize_command(args):
+    "`python -m dflash.data tokenize`: the counts table, and the tokenized data cached for later commands."
+    resolve_local(args.target)
+    tok = load_tokenizer(args.target, args.tokenizer, args.chat_template)
+    ds = load_chat_data(args.data, tok, args.max_length, args.skip_bad_lines, args.num_proc, report=True)
+    print(f"tokenized: {len(ds)} samples, {ds.stats.tokens} tokens ({ds.stats.supervised_tokens} supervised)")
+
+_SUBCOMMANDS['tokenize'] = _add_tokenize
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='python -m dflash.data', description='dflash data tools')

@@ -250,3 +250,18 @@ def test_shipped_toy_target(tmp_path):
     write_cache(t, ds, tmp_path / 'cache', progress=False)
     assert torch.equal(CacheDataset(tmp_path / 'cache', t)[0]['context'], ctx[0])
     assert t.drafter_config(block_size=4).context_size == t.config.hidden_size
+
+
+def test_tokenize_command(tmp_path, chat_targets, capsys, monkeypatch):
+    "`python -m dflash.data tokenize`: counts table, cached result; a dataset with nothing usable fails, naming it."
+    from dflash.data import main
+    monkeypatch.setenv('HF_DATASETS_CACHE', str(tmp_path / 'hf'))
+    good = {'messages': [{'role': 'user', 'content': 'yes'}, {'role': 'assistant', 'content': 'no because the cat'}]}
+    f = _write(tmp_path / 'd.jsonl', [good, {'messages': [{'role': 'user', 'content': 'x'}]}, good])
+    main(['tokenize', '--target', str(chat_targets['qwen3']), '--data', str(f)])
+    out, err = capsys.readouterr()
+    assert 'tokenized: 2 samples' in out and 'skipped: no assistant reply' in err
+    assert len(list((tmp_path / 'hf' / 'dflash-tokenized').iterdir())) == 1
+    bad = _write(tmp_path / 'bad.jsonl', [{'messages': [{'role': 'user', 'content': 'x'}]}])
+    with pytest.raises(SystemExit) as e: main(['tokenize', '--target', str(chat_targets['qwen3']), '--data', str(bad)])
+    assert e.value.code == 2 and 'bad.jsonl: no usable sample among 1 records' in capsys.readouterr().err
