@@ -500,8 +500,9 @@ print(json.dumps({'samples': len(ds), 'startup_s': t1 - t0, 'data_s': t2 - t1}))
 
 def _data_launch(data: Path, num_proc: int, cache: Path) -> dict:
     "One fresh process loading `data` with `load_chat_data`; its seconds (startup, data) as it measured them."
+    import dflash
     env = {**os.environ, 'HF_DATASETS_DISABLE_PROGRESS_BARS': '1', 'PYTHONPATH': os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), os.environ.get('PYTHONPATH', '')])}
+        [str(Path(dflash.__file__).resolve().parents[1]), os.environ.get('PYTHONPATH', '')])}   # this dflash
     r = subprocess.run([sys.executable, '-c', _DATA_LAUNCH, str(data), str(toy_target_dir()), str(num_proc), str(cache)],
                        env=env, capture_output=True, text=True, timeout=3600)
     if r.returncode: raise RuntimeError(f"data launch failed: {r.stderr[-2000:]}")
