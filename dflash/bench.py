@@ -188,7 +188,8 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument('--seed', type=int, default=0)
     a.add_argument('--out', default='bench_out', help="directory for attention.csv and attention.png ('' for none)")
     a.set_defaults(run=run_attention)
-    _SUBCOMMANDS.setdefault('data', lambda s: __import__('dflash.bench', fromlist=['_']).__dict__['_add_data'](s))  # defined below the __main__ line
+    # `data` is defined below the __main__ line: found through the imported module when run as a script
+    _SUBCOMMANDS.setdefault('data', lambda s: __import__('dflash.bench', fromlist=['_']).__dict__['_add_data'](s))
     for add in _SUBCOMMANDS.values(): add(sub)
     return p
 
@@ -503,7 +504,8 @@ def _data_launch(data: Path, num_proc: int, cache: Path) -> dict:
     import dflash
     env = {**os.environ, 'HF_DATASETS_DISABLE_PROGRESS_BARS': '1', 'PYTHONPATH': os.pathsep.join(
         [str(Path(dflash.__file__).resolve().parents[1]), os.environ.get('PYTHONPATH', '')])}   # this dflash
-    r = subprocess.run([sys.executable, '-c', _DATA_LAUNCH, str(data), str(toy_target_dir()), str(num_proc), str(cache)],
+    r = subprocess.run([sys.executable, '-c', _DATA_LAUNCH, str(data), str(toy_target_dir()), str(num_proc),
+                        str(cache)],
                        env=env, capture_output=True, text=True, timeout=3600)
     if r.returncode: raise RuntimeError(f"data launch failed: {r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -535,7 +537,8 @@ def run_data(args) -> list[dict]:
     return rows
 
 def _add_data(sub):
-    d = sub.add_parser('data', help='chat data tokenization: conversations/s with 1 and 2 processes, first and second launch')
+    d = sub.add_parser('data', help='chat data tokenization: conversations/s with 1 and 2 processes, '
+                                    'first and second launch')
     d.add_argument('--conversations', type=int, default=100_000, help='toy conversations (100000)')
     d.add_argument('--processes', type=int, nargs='+', default=[1, 2], help='tokenizing processes, num_proc (1 2)')
     d.add_argument('--seed', type=int, default=0)

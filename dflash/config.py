@@ -45,8 +45,9 @@ def resolve_local(name, kind: str = 'model') -> Path:
         snap = d / 'snapshots' / (ref.read_text().strip() if ref.is_file() else rev or 'main')
         if snap.is_dir(): return snap
         where += f", and hub id {repo!r} is not in the local Hugging Face cache (no {snap})"
+    how = f"huggingface-cli download {repo}{' --repo-type dataset' if kind == 'dataset' else ''}"
     raise FileNotFoundError(f"{kind} {str(name)!r}: {where}; nothing is downloaded: pass a local directory, or fetch "
-                            f"it first (huggingface-cli download {repo}{' --repo-type dataset' if kind == 'dataset' else ''})")
+                            f"it first ({how})")
 
 # %% ../nbs/00_config.ipynb #52cd7208
 LAYER_TYPES = ('full_attention', 'sliding_attention')

@@ -100,7 +100,8 @@ def read_jsonl(path, skip_bad_lines: bool = False, stats: DataStats | None = Non
             yield where, rec
 
 # %% ../nbs/08_data.ipynb #775009cd
-ROLES = {'human': 'user', 'user': 'user', 'gpt': 'assistant', 'assistant': 'assistant', 'system': 'system', 'tool': 'tool'}
+ROLES = {'human': 'user', 'user': 'user', 'gpt': 'assistant', 'assistant': 'assistant', 'system': 'system',
+         'tool': 'tool'}
 _EXTRA_KEYS = ('reasoning_content', 'tool_calls', 'tool_call_id', 'name')   # passed to the template when present
 
 def role_of(name, where: str = 'record') -> str:
@@ -254,7 +255,8 @@ def set_chat_template(tokenizer, path):
         t = json.loads(text).get('chat_template')
         if t is None: raise ValueError(f"--chat-template {path}: a JSON file without a 'chat_template' key")
         text = t if isinstance(t, str) else next((x['template'] for x in t if x.get('name') == 'default'), None)
-    if not text or '{%' not in text and '{{' not in text: raise ValueError(f"--chat-template {path}: not a Jinja template")
+    if not text or '{%' not in text and '{{' not in text:
+        raise ValueError(f"--chat-template {path}: not a Jinja template")
     tokenizer.chat_template = text
     return tokenizer
 
@@ -268,7 +270,7 @@ def load_tokenizer(target, tokenizer=None, chat_template=None):
 
 # %% ../nbs/08_data.ipynb #cbedde91
 class ChatDataset(Dataset):
-    "Tokenized chat samples (a list or a `datasets` table): `{'input_ids' (S,), 'loss_mask' (S,), 'sample_id'}`; `stats` says what was skipped."
+    "Tokenized chat samples (a list or a `datasets` table): `{'input_ids' (S,), 'loss_mask' (S,), 'sample_id'}`."
     def __init__(self, samples: list[dict], stats: DataStats | None = None):
         self.samples, self.stats = samples, stats or DataStats(samples=len(samples))
 
@@ -302,7 +304,8 @@ def _saved_rows(path: Path, stats: DataStats):
     import datasets
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
-        if 'train' not in ds: raise DataError(f"{path}: a saved DatasetDict without a 'train' split (splits: {list(ds)})")
+        if 'train' not in ds:
+            raise DataError(f"{path}: a saved DatasetDict without a 'train' split (splits: {list(ds)})")
         ds = ds['train']
     for i, rec in enumerate(ds):
         stats.lines += 1
@@ -318,8 +321,10 @@ def _parquet_rows(path: Path, stats: DataStats):
 
 def _json_rows(path: Path, skip_bad_lines: bool, stats: DataStats):
     try: data = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError): yield from read_jsonl(path, skip_bad_lines, stats); return  # JSONL
-    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list): data = next(iter(data.values()))
+    except (UnicodeDecodeError, json.JSONDecodeError):                   # JSON lines, named .json
+        yield from read_jsonl(path, skip_bad_lines, stats); return
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+        data = next(iter(data.values()))                                # {"train": [...]}
     if not isinstance(data, list): data = [data]
     for i, rec in enumerate(data):
         stats.lines += 1
@@ -338,7 +343,8 @@ def read_records(path, skip_bad_lines: bool = False, stats: DataStats | None = N
     if path.is_dir():
         if any((path / f).is_file() for f in _SAVED): yield from _saved_rows(path, stats); return
         files = sorted(f for f in path.rglob('*') if f.suffix in DATA_SUFFIXES and not f.name.startswith('.'))
-        if not files: raise DataError(f"{path}: no {', '.join(DATA_SUFFIXES)} files, and not a dataset saved by `datasets`")
+        if not files:
+            raise DataError(f"{path}: no {', '.join(DATA_SUFFIXES)} files, and not a dataset saved by `datasets`")
         for f in files: yield from read_records(f, skip_bad_lines, stats)
     elif path.suffix == '.parquet': yield from _parquet_rows(path, stats)
     elif path.suffix == '.json': yield from _json_rows(path, skip_bad_lines, stats)
@@ -364,7 +370,8 @@ def _source_fingerprint(path: Path) -> str:
     "A hash of every data file's name and content (a directory: all of its files)."
     h = hashlib.sha256()
     for f in sorted(p for p in ([path] if path.is_file() else path.rglob('*')) if p.is_file()):
-        h.update(f"{f.relative_to(path) if f != path else f.name}:{f.stat().st_size}\n".encode()); h.update(_sha256(f).encode())
+        h.update(f"{f.relative_to(path) if f != path else f.name}:{f.stat().st_size}\n".encode())
+        h.update(_sha256(f).encode())
     return h.hexdigest()[:16]
 
 def _tokenize_batch(batch, tokenizer, max_length, skip_bad_lines, template_kw):
@@ -379,8 +386,10 @@ def _tokenize_batch(batch, tokenizer, max_length, skip_bad_lines, template_kw):
             if not skip_bad_lines: raise
             st.skip('bad_lines', str(e))
         kind = next((k for k in _SKIPS if getattr(st, k)), '')
-        out['input_ids'].append(s['input_ids'].tolist() if s else []); out['loss_mask'].append(s['loss_mask'].tolist() if s else [])
-        out['skip'].append(kind); out['reason'].append(st.errors[0] if st.errors else ''); out['cut'].append(st.truncated_tokens)
+        out['input_ids'].append(s['input_ids'].tolist() if s else [])
+        out['loss_mask'].append(s['loss_mask'].tolist() if s else [])
+        out['skip'].append(kind); out['reason'].append(st.errors[0] if st.errors else '')
+        out['cut'].append(st.truncated_tokens)
     return out
 
 def _tokenized_stats(tok, read: DataStats) -> DataStats:
@@ -403,21 +412,24 @@ def load_chat_data(path, tokenizer, max_length: int = 3072, skip_bad_lines: bool
     key = json.dumps([TOKENIZE_VERSION, _source_fingerprint(src), tokenizer_fingerprint(tokenizer), max_length,
                       skip_bad_lines, sorted(template_kw.items())], default=str)
     fp = hashlib.sha256(key.encode()).hexdigest()[:20]
-    root = Path(cache_dir) if cache_dir else Path(os.environ.get('HF_DATASETS_CACHE') or hf_hub_cache().parent / 'datasets')
+    root = Path(cache_dir or os.environ.get('HF_DATASETS_CACHE') or hf_hub_cache().parent / 'datasets')
     out = root / 'dflash-tokenized' / fp
     state = PartialState(cpu=not torch.cuda.is_available())   # gloo processes on a CPU machine
     with state.local_main_process_first():
         if not (out / 'stats.json').is_file():
             read = DataStats()
             rows = list(read_records(src, skip_bad_lines, read))
-            raw = datasets.Dataset.from_dict({'where': [w for w, _ in rows], 'record': [json.dumps(r) for _, r in rows]})
+            raw = datasets.Dataset.from_dict({'where': [w for w, _ in rows],
+                                              'record': [json.dumps(r) for _, r in rows]})
             del rows
             tok = raw.map(_tokenize_batch, batched=True, batch_size=256, num_proc=num_proc if num_proc > 1 else None,
                           remove_columns=['record'], desc='tokenize', fn_kwargs=dict(
                               tokenizer=tokenizer, max_length=max_length, skip_bad_lines=skip_bad_lines,
-                              template_kw=template_kw), new_fingerprint=fp, load_from_cache_file=False, keep_in_memory=True)
+                              template_kw=template_kw),
+                          new_fingerprint=fp, load_from_cache_file=False, keep_in_memory=True)
             st = _tokenized_stats(tok, read)
-            kept = tok.filter(lambda k: k == '', input_columns='skip', keep_in_memory=True).select_columns(['input_ids', 'loss_mask'])
+            kept = tok.filter(lambda k: k == '', input_columns='skip', keep_in_memory=True)
+            kept = kept.select_columns(['input_ids', 'loss_mask'])
             st.samples = len(kept)
             lengths = np.array([len(x) for x in kept['input_ids']], dtype=np.int64)
             st.tokens = int(lengths.sum()); st.supervised_tokens = int(sum(sum(m) for m in kept['loss_mask']))
@@ -557,7 +569,8 @@ def _shard_tensors(features: TargetFeatures, dataset, idx: range, batch_tokens: 
         for j, c in zip(b, out): ctx[j] = c
     lens = torch.tensor([0] + [len(t) for t in ids])
     return {'input_ids': torch.cat(ids).long(), 'loss_mask': torch.cat([s['loss_mask'].bool() for s in samples]),
-            'context': torch.cat(ctx).contiguous(), 'offsets': lens.cumsum(0), 'sample_ids': torch.tensor(list(idx), dtype=torch.long)}
+            'context': torch.cat(ctx).contiguous(), 'offsets': lens.cumsum(0),
+            'sample_ids': torch.tensor(list(idx), dtype=torch.long)}
 
 def _write_shard(path: Path, tensors: dict[str, Tensor]) -> dict:
     "Write a shard, then its record (`<shard>.json`: counts, bytes, sha256), both atomically."
@@ -632,13 +645,15 @@ def write_cache(features: TargetFeatures, dataset, out, shard_size: int = 64, pr
         _write_shard(out / _shard_name(k), _shard_tensors(features, dataset, idx, batch_tokens))
         bar.update(len(idx))
         if state.is_main_process:                                        # progress others can see, for resuming
-            _write_json(out / 'manifest.json', {**manifest, 'shards': [r for j in range(K) if (r := _done_shard(out, j))]})
+            done = [r for j in range(K) if (r := _done_shard(out, j))]
+            _write_json(out / 'manifest.json', {**manifest, 'shards': done})
     bar.close()
     state.wait_for_everyone()
     if state.is_main_process:
         manifest['shards'] = [_done_shard(out, k) for k in range(K)]
         missing = [_shard_name(k) for k, r in enumerate(manifest['shards']) if r is None]
-        if missing: raise ValueError(f"{out}: shards {missing[:5]} are missing or corrupt after writing; rerun to redo them")
+        if missing:
+            raise ValueError(f"{out}: shards {missing[:5]} are missing or corrupt after writing; rerun to redo them")
         manifest['complete'] = True
         _write_json(out / 'manifest.json', manifest)
     state.wait_for_everyone()
@@ -730,7 +745,8 @@ _SUBCOMMANDS = {}   # name -> function(subparsers) adding that subcommand; each 
 
 def add_data_args(p: argparse.ArgumentParser):
     "The options every data subcommand shares: target, tokenizer, chat template, data, length, bad lines."
-    p.add_argument('--target', required=True, help='transformers causal LM: local directory or hub id (local cache only)')
+    p.add_argument('--target', required=True,
+                   help='transformers causal LM: local directory or hub id (local cache only)')
     p.add_argument('--data', required=True, help='chat data: JSONL, JSON, parquet, a directory of them, a saved '
                                                  '`datasets` dataset, or a hub dataset id (local cache only)')
     p.add_argument('--tokenizer', default=None, help='tokenizer directory or hub id (default: the target)')
@@ -794,10 +810,12 @@ def cache_command(args):
     device = args.device or (state.device if state.device.type != 'mps' else 'cpu')
     feats = TargetFeatures(args.target, layer_ids=args.layers, num_draft_layers=args.num_draft_layers, dtype=dtype,
                            device=device, tokenizer=tok)
-    man = write_cache(feats, ds, args.out, args.shard_size, progress=not args.no_progress, batch_tokens=args.batch_tokens,
+    man = write_cache(feats, ds, args.out, args.shard_size, progress=not args.no_progress,
+                      batch_tokens=args.batch_tokens,
                       data_info={'path': str(args.data), 'max_length': args.max_length, 'stats': ds.stats.as_dict()})
     if state.is_main_process:
-        print(f"cache: {args.out} ({man['num_samples']} samples, {man['num_tokens']} tokens, {len(man['shards'])} shards)")
+        print(f"cache: {args.out} ({man['num_samples']} samples, {man['num_tokens']} tokens, "
+              f"{len(man['shards'])} shards)")
 
 def main(argv=None):
     args = parser().parse_args(argv)

@@ -263,7 +263,8 @@ def _load_weights(path: Path) -> dict:
     if (path / 'model.safetensors').is_file(): return load_file(path / 'model.safetensors')
     index = path / 'model.safetensors.index.json'
     if not index.is_file():
-        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json, not a DFlash drafter directory")
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json, "
+                                "not a DFlash drafter directory")
     wmap = json.loads(index.read_text())['weight_map']                    # tensor name -> shard file
     state = {}
     for shard in sorted(set(wmap.values())):
@@ -278,7 +279,8 @@ def from_pretrained(cls: DFlashDrafter, path, attention: str = 'eager', dtype: t
     """Load a drafter directory or hub id (ours or a published DFlash drafter, one file or sharded). dtype: default,
     as stored. `mask_token_id` (else `tokenizer`'s mask token) serves a config that names none."""
     path = resolve_local(path)
-    if not (path / 'config.json').is_file(): raise FileNotFoundError(f"{path}: no config.json, not a DFlash drafter directory")
+    if not (path / 'config.json').is_file():
+        raise FileNotFoundError(f"{path}: no config.json, not a DFlash drafter directory")
     if mask_token_id is None and tokenizer is not None: mask_token_id = tokenizer.mask_token_id
     model = cls(DrafterConfig.load(path / 'config.json', mask_token_id), attention, **attention_options)
     state = _load_weights(path)

@@ -162,8 +162,8 @@ def _launch_cache(processes, *args, env_extra):
     dist = ['--multi_gpu', '--num_processes', str(processes)] if processes > 1 else ['--cpu', '--num_processes', '1']
     cmd = [sys.executable, '-m', 'accelerate.commands.launch', *dist, '--num_machines', '1', '--mixed_precision', 'no',
            '--dynamo_backend', 'no', '--main_process_port', _port(), '-m', 'dflash.data', 'cache', *args]
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''),
-           **env_extra}
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', **env_extra,
+           'PYTHONPATH': str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', '')}
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r
@@ -180,7 +180,8 @@ def test_two_processes_write_the_same_cache_as_one(tmp_path, chat_targets):
     env = {'HF_DATASETS_CACHE': str(tmp_path / 'tok')}
     _launch_cache(1, *args, '--out', str(tmp_path / 'one'), env_extra=env)
     tokenized = sorted((tmp_path / 'tok' / 'dflash-tokenized').iterdir())
-    two = _launch_cache(2, *args, '--out', str(tmp_path / 'two'), env_extra={'HF_DATASETS_CACHE': str(tmp_path / 'tok2')})
+    two = _launch_cache(2, *args, '--out', str(tmp_path / 'two'),
+                        env_extra={'HF_DATASETS_CACHE': str(tmp_path / 'tok2')})
     assert _files(tmp_path / 'two') == _files(tmp_path / 'one') and len(_files(tmp_path / 'one')) == 1 + 2 * 5
     assert len(list((tmp_path / 'tok2' / 'dflash-tokenized').iterdir())) == 1 and two.stderr.count('  read ') == 1
     t = TargetFeatures(chat_targets['qwen3'], layer_ids=[1, 4])

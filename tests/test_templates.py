@@ -7,24 +7,26 @@ from transformers import PreTrainedTokenizerFast
 from dflash.data import ChatDataset, tokenize_chat, assistant_spans
 
 FIXTURES = Path(__file__).parent / 'fixtures' / 'templates'
-TOOLS = [{'type': 'function', 'function': {'name': 'weather', 'description': 'the weather of a city',
-                                           'parameters': {'type': 'object', 'properties': {'city': {'type': 'string'}}}}}]
+CITY = {'type': 'object', 'properties': {'city': {'type': 'string'}}}
+TOOLS = [{'type': 'function',
+          'function': {'name': 'weather', 'description': 'the weather of a city', 'parameters': CITY}}]
 CALL = {'name': 'weather', 'arguments': {'city': 'the house'}}
 
 
 def template_tokenizer(bpe, name):
     "The test BPE with the special tokens (and non-special added tokens) the real tokenizer of `name` has."
-    tok = {'qwen3': lambda: PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token='<|im_end|>', pad_token='<|endoftext|>'),
-           'qwen2.5': lambda: PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token='<|im_end|>', pad_token='<|endoftext|>'),
-           'llama3.3': lambda: PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token='<|begin_of_text|>',
-                                                       eos_token='<|eot_id|>'),
-           'mistral-nemo': lambda: PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token='<s>', eos_token='</s>')}[name]()
+    ends = {'qwen3': dict(eos_token='<|im_end|>', pad_token='<|endoftext|>'),
+            'qwen2.5': dict(eos_token='<|im_end|>', pad_token='<|endoftext|>'),
+            'llama3.3': dict(bos_token='<|begin_of_text|>', eos_token='<|eot_id|>'),
+            'mistral-nemo': dict(bos_token='<s>', eos_token='</s>')}[name]
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, **ends)
     if name.startswith('qwen'):   # Qwen's tokenizers: these are added tokens, not special ones
         tok.add_tokens(['<think>', '</think>', '<tool_call>', '</tool_call>', '<tool_response>', '</tool_response>'])
     if name == 'llama3.3': tok.add_special_tokens({'additional_special_tokens': ['<|eom_id|>', '<|python_tag|>']})
     if name == 'mistral-nemo':
-        tok.add_special_tokens({'additional_special_tokens': ['[INST]', '[/INST]', '[TOOL_CALLS]', '[AVAILABLE_TOOLS]',
-                                                              '[/AVAILABLE_TOOLS]', '[TOOL_RESULTS]', '[/TOOL_RESULTS]']})
+        control = ['[INST]', '[/INST]', '[TOOL_CALLS]', '[AVAILABLE_TOOLS]', '[/AVAILABLE_TOOLS]', '[TOOL_RESULTS]',
+                   '[/TOOL_RESULTS]']
+        tok.add_special_tokens({'additional_special_tokens': control})
     tok.chat_template = (FIXTURES / f'{name}.jinja').read_text()
     return tok
 
@@ -45,7 +47,8 @@ def check(tok, msgs, want, tools=None, **kw):
     "Masked tokens decode to `want`, and the ids are those of the whole conversation as the template renders it."
     ids, mask = tokenize_chat(tok, msgs, tools=tools, **kw)
     assert masked_runs(tok, ids, mask) == want
-    assert ids.tolist() == tok.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=True, **kw)['input_ids']
+    whole = tok.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=True, **kw)
+    assert ids.tolist() == whole['input_ids']
 
 
 def chat(*turns):
