@@ -38,7 +38,7 @@ from .toy import toy_config, toy_target_dir, toy_data_dir
 # %% auto #0
 __all__ = ['METHODS', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'dense_attention', 'gather_attention', 'bench_many', 'physical_floor',
            'run_attention', 'parser', 'main', 'StepCase', 'step_case', 'drafter_step', 'bench_policies', 'run_step',
-           'make_target', 'launch_train', 'throughput', 'run_train']
+           'make_target', 'launch_train', 'throughput', 'run_train', 'run_data']
 
 # %% ../nbs/13_bench.ipynb #e0bdccab
 def dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window=None) -> Tensor:
@@ -188,6 +188,8 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument('--seed', type=int, default=0)
     a.add_argument('--out', default='bench_out', help="directory for attention.csv and attention.png ('' for none)")
     a.set_defaults(run=run_attention)
+    # `data` is defined below the __main__ line: found through the imported module when run as a script
+    _SUBCOMMANDS.setdefault('data', lambda s: __import__('dflash.bench', fromlist=['_']).__dict__['_add_data'](s))
     for add in _SUBCOMMANDS.values(): add(sub)
     from dflash.gpu_bench import _add_gpu; _add_gpu(sub)   # `gpu` (13a_gpu): imported here, as it imports this module
     return p
@@ -483,3 +485,65 @@ _SUBCOMMANDS['train'] = _add_train
 
 # %% ../nbs/13_bench.ipynb #6ab0d565
 if __name__ == '__main__' and '__file__' in globals(): main()
+
+# %% ../nbs/13_bench.ipynb #9e56f721
+from .toy import make_corpus
+
+_DATA_LAUNCH = '''import json, sys, time
+t0 = time.perf_counter()
+from transformers import AutoTokenizer
+from dflash.data import load_chat_data
+import datasets, accelerate                                    # imports before the clock
+tok = AutoTokenizer.from_pretrained(sys.argv[2])
+t1 = time.perf_counter()
+ds = load_chat_data(sys.argv[1], tok, num_proc=int(sys.argv[3]), cache_dir=sys.argv[4])
+t2 = time.perf_counter()
+print(json.dumps({'samples': len(ds), 'startup_s': t1 - t0, 'data_s': t2 - t1}))'''
+
+def _data_launch(data: Path, num_proc: int, cache: Path) -> dict:
+    "One fresh process loading `data` with `load_chat_data`; its seconds (startup, data) as it measured them."
+    import dflash
+    env = {**os.environ, 'HF_DATASETS_DISABLE_PROGRESS_BARS': '1', 'PYTHONPATH': os.pathsep.join(
+        [str(Path(dflash.__file__).resolve().parents[1]), os.environ.get('PYTHONPATH', '')])}   # this dflash
+    r = subprocess.run([sys.executable, '-c', _DATA_LAUNCH, str(data), str(toy_target_dir()), str(num_proc),
+                        str(cache)],
+                       env=env, capture_output=True, text=True, timeout=3600)
+    if r.returncode: raise RuntimeError(f"data launch failed: {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+def run_data(args) -> list[dict]:
+    """Tokenize `args.conversations` toy conversations with 1 and 2 tokenizing processes (`num_proc`), each as a first
+    launch (empty cache) and a second launch (the cache from the first), every launch a fresh process."""
+    tmp = Path(tempfile.mkdtemp(prefix='dflash-bench-data-'))
+    try:
+        data = tmp / 'chat.jsonl'
+        with open(data, 'w') as f:
+            for c in make_corpus(args.conversations, seed=args.seed): f.write(json.dumps(c) + '\n')
+        rows = []
+        for n in args.processes:
+            first = _data_launch(data, n, tmp / f'cache-{n}')
+            second = _data_launch(data, n, tmp / f'cache-{n}')
+            rows.append({'processes': n, 'conversations': first['samples'], 'first_s': first['data_s'],
+                         'second_s': second['data_s'], 'conversations_per_s': first['samples'] / first['data_s'],
+                         'second_vs_first': second['data_s'] / first['data_s'], 'startup_s': first['startup_s']})
+    finally: shutil.rmtree(tmp, ignore_errors=True)
+    print(f"{'processes':>9} {'conversations':>13} {'first s':>8} {'conv/s':>8} {'second s':>9} {'second/first':>12}")
+    for r in rows:
+        print(f"{r['processes']:>9} {r['conversations']:>13,} {r['first_s']:>8.2f} {r['conversations_per_s']:>8,.0f} "
+              f"{r['second_s']:>9.3f} {r['second_vs_first']:>12.4f}")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        with open(Path(args.out) / 'data.csv', 'w', newline='') as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0])); w.writeheader(); w.writerows(rows)
+    return rows
+
+def _add_data(sub):
+    d = sub.add_parser('data', help='chat data tokenization: conversations/s with 1 and 2 processes, '
+                                    'first and second launch')
+    d.add_argument('--conversations', type=int, default=100_000, help='toy conversations (100000)')
+    d.add_argument('--processes', type=int, nargs='+', default=[1, 2], help='tokenizing processes, num_proc (1 2)')
+    d.add_argument('--seed', type=int, default=0)
+    d.add_argument('--out', default='bench_out', help="directory for data.csv ('' for none)")
+    d.set_defaults(run=run_data)
+
+_SUBCOMMANDS['data'] = _add_data

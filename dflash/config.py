@@ -4,20 +4,50 @@
 
 # %% ../nbs/00_config.ipynb #816dff45
 from __future__ import annotations
-import json
+import json, math, os, re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['LAYER_TYPES', 'default_target_layer_ids', 'DrafterConfig']
+__all__ = ['LAYER_TYPES', 'default_target_layer_ids', 'hf_hub_cache', 'resolve_local', 'DrafterConfig']
 
 # %% ../nbs/00_config.ipynb #2292cdbd
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    "Evenly spread target layers, as the published DFlash drafters choose them."
+    """Evenly spread target layers, as the published DFlash drafters choose them; on a target too shallow for that
+    spread to give distinct layers, the layers spread evenly over all of it instead."""
     T, L = num_target_layers, num_draft_layers
+    if not 1 <= L <= T: raise ValueError(f"num_draft_layers={L}: must be in [1, {T}], the target's number of layers")
     if L == 1: return [T // 2]
-    return [int(round(1 + i * (T - 4) / (L - 1))) for i in range(L)]
+    ids = [int(round(1 + i * (T - 4) / (L - 1))) for i in range(L)]
+    if len(set(ids)) == L and all(0 <= i < T for i in ids): return ids
+    return [math.floor(i * (T - 1) / (L - 1) + 0.5) for i in range(L)]     # steps of >= 1: distinct
+
+# %% ../nbs/00_config.ipynb #857aeacb
+def hf_hub_cache() -> Path:
+    "The local Hugging Face hub cache: `HF_HUB_CACHE`, else `HF_HOME`/hub, else `~/.cache/huggingface/hub`."
+    if os.environ.get('HF_HUB_CACHE'): return Path(os.environ['HF_HUB_CACHE']).expanduser()
+    home = os.environ.get('HF_HOME') or os.path.join(os.environ.get('XDG_CACHE_HOME', '~/.cache'), 'huggingface')
+    return Path(home).expanduser() / 'hub'
+
+_HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$')
+
+def resolve_local(name, kind: str = 'model') -> Path:
+    """The local path of `name`: itself when it exists, else the snapshot of hub id `name` (`owner/repo[@revision]`,
+    `kind` 'model' or 'dataset') in the local hub cache. Never downloads; `FileNotFoundError` names where it looked."""
+    p = Path(name).expanduser()
+    if p.exists(): return p
+    repo, _, rev = str(name).partition('@')
+    where = f"no such path ({p.absolute()})"
+    if _HUB_ID.match(repo):
+        d = hf_hub_cache() / f"{kind}s--{repo.replace('/', '--')}"
+        ref = d / 'refs' / (rev or 'main')
+        snap = d / 'snapshots' / (ref.read_text().strip() if ref.is_file() else rev or 'main')
+        if snap.is_dir(): return snap
+        where += f", and hub id {repo!r} is not in the local Hugging Face cache (no {snap})"
+    how = f"huggingface-cli download {repo}{' --repo-type dataset' if kind == 'dataset' else ''}"
+    raise FileNotFoundError(f"{kind} {str(name)!r}: {where}; nothing is downloaded: pass a local directory, or fetch "
+                            f"it first ({how})")
 
 # %% ../nbs/00_config.ipynb #52cd7208
 LAYER_TYPES = ('full_attention', 'sliding_attention')
@@ -141,8 +171,8 @@ class _Attrs:
     def __getattr__(self, k): return self.d.get(k)
 
 @patch(cls_method=True)
-def from_dict(cls: DrafterConfig, d: dict, source: str = 'config') -> DrafterConfig:
-    "Read a drafter `config.json` dict (ours or a published DFlash drafter's)."
+def from_dict(cls: DrafterConfig, d: dict, source: str = 'config', mask_token_id: int | None = None) -> DrafterConfig:
+    "Read a drafter `config.json` dict (ours or a published DFlash drafter's); `mask_token_id` when it has none."
     if 'dflash_config' not in d: raise ValueError(f"{source}: no 'dflash_config' field, not a DFlash drafter config")
     missing = [k for k in ('hidden_size', 'num_attention_heads', 'intermediate_size', 'vocab_size',
                            'num_hidden_layers', 'num_target_layers') if k not in d]
@@ -151,7 +181,10 @@ def from_dict(cls: DrafterConfig, d: dict, source: str = 'config') -> DrafterCon
     kw = {k: d[k] for k in names if d.get(k) is not None}
     kw.setdefault('num_key_value_heads', d['num_attention_heads'])
     kw.setdefault('head_dim', d['hidden_size'] // d['num_attention_heads'])
-    return cls(**kw, rope_parameters=_rope_parameters(_Attrs(d)), mask_token_id=d['dflash_config']['mask_token_id'],
+    mask = d['dflash_config'].get('mask_token_id', d.get('mask_token_id', mask_token_id))
+    if mask is None: raise ValueError(f"{source}: no dflash_config.mask_token_id; pass mask_token_id=... (or a "
+                                      "tokenizer with a mask token) to say which token fills the drafted blocks")
+    return cls(**kw, rope_parameters=_rope_parameters(_Attrs(d)), mask_token_id=mask,
                target_layer_ids=d['dflash_config'].get('target_layer_ids'))
 
 @patch
@@ -159,5 +192,5 @@ def save(self: DrafterConfig, path):
     Path(path).write_text(json.dumps(self.to_dict(), indent=2) + '\n')
 
 @patch(cls_method=True)
-def load(cls: DrafterConfig, path) -> DrafterConfig:
-    return cls.from_dict(json.loads(Path(path).read_text()), source=str(path))
+def load(cls: DrafterConfig, path, mask_token_id: int | None = None) -> DrafterConfig:
+    return cls.from_dict(json.loads(Path(path).read_text()), source=str(path), mask_token_id=mask_token_id)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_data.ipynb #233c65cd
 from __future__ import annotations
-import argparse, hashlib, json, re, sys
+import argparse, hashlib, json, os, re, shutil, sys, tempfile, time
 from dataclasses import dataclass, field, asdict
 from functools import partial
 from pathlib import Path
@@ -15,27 +15,33 @@ from torch.utils.data import Dataset, DataLoader, Sampler
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
-from .config import DrafterConfig, default_target_layer_ids
+from .config import DrafterConfig, default_target_layer_ids, resolve_local, hf_hub_cache
 from .layout import valid_anchors
 from .drafter import _atomic_write
 
 # %% auto #0
-__all__ = ['CACHE_FORMAT', 'DataError', 'DataStats', 'read_jsonl', 'to_messages', 'TemplateError', 'assistant_spans',
-           'tokenize_chat', 'tokenize_conversation', 'ChatDataset', 'target_identity', 'target_features',
-           'TargetFeatures', 'cache_bytes_per_token', 'data_fingerprint', 'write_cache', 'CacheDataset', 'collate',
-           'EpochSampler', 'make_loader', 'main']
+__all__ = ['ROLES', 'DATA_SUFFIXES', 'TOKENIZE_VERSION', 'CACHE_FORMAT', 'DataError', 'DataStats', 'read_jsonl', 'role_of',
+           'to_messages', 'record_tools', 'TemplateError', 'turn_markers', 'assistant_spans', 'tokenize_chat',
+           'tokenize_conversation', 'set_chat_template', 'load_tokenizer', 'ChatDataset', 'read_records',
+           'tokenizer_fingerprint', 'load_chat_data', 'target_identity', 'target_features', 'TargetFeatures',
+           'cache_bytes_per_token', 'data_fingerprint', 'write_cache', 'CacheDataset', 'collate', 'EpochSampler',
+           'make_loader', 'add_data_args', 'tokenize_command', 'parser', 'cache_command', 'main']
 
 # %% ../nbs/08_data.ipynb #e33fbecc
 class DataError(ValueError):
     "Bad training data; the message names the file and line."
 
+_SKIPS = {'bad_lines': 'malformed line (--skip-bad-lines)', 'no_supervised': 'no assistant reply',
+          'template_rejected': 'the chat template rejects it', 'no_anchor': 'no two supervised tokens in max_length'}
+
 @dataclass
 class DataStats:
-    "What happened to every line of the data: kept, skipped (and why), truncated."
-    lines: int = 0              # non-blank lines read
+    "What happened to every record of the data: kept, skipped (and why), truncated."
+    lines: int = 0              # records read (non-blank lines of a JSONL file)
     samples: int = 0            # samples kept
     bad_lines: int = 0          # skipped (`skip_bad_lines`): malformed JSON, or neither chat shape
     no_supervised: int = 0      # skipped: no assistant turn with content
+    template_rejected: int = 0  # skipped: the chat template raised on it (e.g. roles out of the order it allows)
     no_anchor: int = 0          # skipped: no two consecutive supervised tokens (after truncation)
     truncated: int = 0          # kept, cut to max_length
     truncated_tokens: int = 0   # tokens cut off
@@ -48,6 +54,28 @@ class DataStats:
         if len(self.errors) < 10: self.errors.append(reason)
 
     def as_dict(self) -> dict: return asdict(self)
+
+    def merge(self, other: DataStats) -> DataStats:
+        "Add `other`'s counts (and first reasons) to these; for data read in parts."
+        for k, v in asdict(other).items():
+            setattr(self, k, getattr(self, k) + v if k != 'errors' else (self.errors + v)[:10])
+        return self
+
+    def table(self, name: str = 'data') -> str:
+        "The counts as a small table: read, used, skipped by reason, truncated; printed at startup."
+        rows = [('read', self.lines), ('used', self.samples)]
+        rows += [(f'skipped: {why}', getattr(self, k)) for k, why in _SKIPS.items() if getattr(self, k)]
+        rows += [('truncated to max_length', self.truncated), ('tokens used', self.tokens),
+                 ('supervised tokens', self.supervised_tokens)]
+        w = max(len(r) for r, _ in rows)
+        return '\n'.join([name] + [f'  {r:<{w}}  {v:>12,}' for r, v in rows])
+
+    def check_usable(self, source):
+        "A `DataError` naming `source` and the reasons when no sample was kept (before any model loads)."
+        if self.samples: return
+        why = '; '.join(f'{getattr(self, k)} {w}' for k, w in _SKIPS.items() if getattr(self, k)) or 'no records'
+        first = f" (first: {self.errors[0]})" if self.errors else ''
+        raise DataError(f"{source}: no usable sample among {self.lines} records: {why}{first}")
 
 # %% ../nbs/08_data.ipynb #40875861
 def read_jsonl(path, skip_bad_lines: bool = False, stats: DataStats | None = None):
@@ -72,82 +100,143 @@ def read_jsonl(path, skip_bad_lines: bool = False, stats: DataStats | None = Non
             yield where, rec
 
 # %% ../nbs/08_data.ipynb #775009cd
-_SHAREGPT_ROLES = {'human': 'user', 'user': 'user', 'gpt': 'assistant', 'assistant': 'assistant', 'system': 'system'}
+ROLES = {'human': 'user', 'user': 'user', 'gpt': 'assistant', 'assistant': 'assistant', 'system': 'system',
+         'tool': 'tool'}
+_EXTRA_KEYS = ('reasoning_content', 'tool_calls', 'tool_call_id', 'name')   # passed to the template when present
+
+def role_of(name, where: str = 'record') -> str:
+    "The chat role of a role name in any case (`human`, `GPT`, ...), else a `DataError` listing the accepted names."
+    r = ROLES.get(name.lower()) if isinstance(name, str) else None
+    if r is None: raise DataError(f"{where}: role {name!r} is not one of {', '.join(ROLES)} (any case)")
+    return r
 
 def _turns(rec, key, role_key, text_key, where):
     turns = rec[key]
     if not isinstance(turns, list): raise DataError(f"{where}: {key!r} must be a list of turns")
     for i, t in enumerate(turns):
-        if not isinstance(t, dict): raise DataError(f"{where}: {key}[{i}] must be an object")
+        at = f"{where}: {key}[{i}]"
+        if not isinstance(t, dict): raise DataError(f"{at} must be an object")
         for k in (role_key, text_key):
-            if k not in t: raise DataError(f"{where}: {key}[{i}] has no {k!r} key")
-        if not isinstance(t[text_key], str): raise DataError(f"{where}: {key}[{i}].{text_key} must be a string")
-        yield i, t[role_key], t[text_key]
+            if k not in t and not (k == text_key and t.get('tool_calls')): raise DataError(f"{at} has no {k!r} key")
+        text = t.get(text_key)
+        if not isinstance(text, str) and not (text is None and t.get('tool_calls')):
+            raise DataError(f"{at}.{text_key} must be a string")
+        msg = {'role': role_of(t[role_key], at), 'content': text}
+        msg.update({k: t[k] for k in _EXTRA_KEYS if t.get(k) is not None})
+        yield msg
 
 def to_messages(rec: dict, where: str = 'record') -> list[dict]:
-    "The `[{'role', 'content'}]` list of a `messages` or ShareGPT `conversations` record."
-    if 'messages' in rec: return [{'role': r, 'content': c} for _, r, c in _turns(rec, 'messages', 'role', 'content', where)]
-    if 'conversations' in rec:
-        out = []
-        for i, r, c in _turns(rec, 'conversations', 'from', 'value', where):
-            if r not in _SHAREGPT_ROLES:
-                raise DataError(f"{where}: conversations[{i}].from={r!r} is not one of {sorted(_SHAREGPT_ROLES)}")
-            out.append({'role': _SHAREGPT_ROLES[r], 'content': c})
-        return out
+    "The `[{'role', 'content', ...}]` list of a `messages` or ShareGPT `conversations` record, roles mapped by `ROLES`."
+    if 'messages' in rec: return list(_turns(rec, 'messages', 'role', 'content', where))
+    if 'conversations' in rec: return list(_turns(rec, 'conversations', 'from', 'value', where))
     raise DataError(f"{where}: no 'messages' or 'conversations' key (found keys {sorted(rec)})")
+
+def record_tools(rec: dict, where: str = 'record') -> list | None:
+    "The record's `tools` (function schemas the template shows the model), or None."
+    tools = rec.get('tools')
+    if tools is None: return None
+    if isinstance(tools, str):       # some corpora store them JSON-encoded
+        try: tools = json.loads(tools)
+        except json.JSONDecodeError as e: raise DataError(f"{where}: 'tools' is a string but not JSON ({e})") from None
+    if not isinstance(tools, list): raise DataError(f"{where}: 'tools' must be a list of function schemas")
+    return tools or None
 
 # %% ../nbs/08_data.ipynb #b439bccc
 class TemplateError(ValueError):
     "The chat template cannot be read for assistant spans."
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_PROBE = ('dflash-probe-user-1', 'dflash-probe-reply-1', 'dflash-probe-user-2', 'dflash-probe-reply-2')
+
+def _template_text(tokenizer) -> str:
+    t = tokenizer.chat_template
+    if isinstance(t, dict): t = t.get('default', '')     # named templates
+    if not t: raise TemplateError("the tokenizer has no chat template; pass --chat-template FILE")
+    return t
 
 def _render(tokenizer, messages, gen=False, **template_kw) -> str:
-    if not messages and not gen: return ''
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **template_kw)
 
-def assistant_spans(tokenizer, messages: list[dict], where: str = 'conversation', **template_kw):
-    "The rendered text and the character spans `(start, end)` of its assistant turns, by prefix rendering."
-    spans, prev = [], ''
+_MARKERS = {}
+
+def turn_markers(tokenizer, **template_kw) -> tuple[str, str, re.Pattern]:
+    """`(head, rest, end)` of the template's assistant turns, read from a probe conversation: `head` opens every
+    assistant turn, `rest` follows it in a new turn only (e.g. Qwen3's empty think block with thinking off; not
+    supervised), `end` matches the special tokens, the first of which after a reply's content closes it."""
+    special = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special} |
+                     set(tokenizer.all_special_tokens), key=len, reverse=True)
+    key = (_template_text(tokenizer), repr(sorted(template_kw.items())), tuple(special))
+    if key not in _MARKERS:
+        u1, a1, u2, a2 = _PROBE
+        one = [{'role': 'user', 'content': u1}]
+        base, gen = _render(tokenizer, one, **template_kw), _render(tokenizer, one, gen=True, **template_kw)
+        G = gen[len(base):] if gen.startswith(base) else ''
+        four = one + [{'role': 'assistant', 'content': a1}, {'role': 'user', 'content': u2},
+                      {'role': 'assistant', 'content': a2}]
+        text = _render(tokenizer, four, **template_kw)
+        sep = text[text.find(u1) + len(u1):text.find(a1)]               # between a user's words and a reply's
+        head = next((G[:k] for k in range(len(G), 0, -1) if G[:k] in sep), '')
+        if not head: head = next((s for s in special if sep.endswith(s)), '')   # no generation prompt (Mistral)
+        rest = G[len(head):] if G.startswith(head) else ''
+        _MARKERS[key] = (head, rest, re.compile('|'.join(map(re.escape, special))))
+    return _MARKERS[key]
+
+def _visible(content) -> str:
+    "What of a reply's content a template shows: stripped, and after the reasoning when it is inline."
+    c = content or ''
+    return c.split('</think>')[-1].strip() if '</think>' in c else c.strip()
+
+def assistant_spans(tokenizer, messages: list[dict], where: str = 'conversation', tools=None, **template_kw):
+    """The conversation rendered once by the chat template, and the character spans `(start, end)` of its assistant
+    replies there: from the end of the turn's header to the end of its end-of-turn token."""
+    _template_text(tokenizer)
+    try: text = _render(tokenizer, messages, tools=tools, **template_kw)
+    except Exception as e: raise TemplateError(f"{where}: the chat template rejects this conversation ({e})") from None
+    head, rest, end = turn_markers(tokenizer, **template_kw)
+    spans, cur = [], 0
     for i, m in enumerate(messages):
-        cur = _render(tokenizer, messages[:i + 1], **template_kw)
-        if not cur.startswith(prev):
-            raise TemplateError(f"{where}: the chat template renders turns 0..{i - 1} differently once turn {i} "
-                                f"({m['role']!r}) follows, so assistant tokens cannot be found by prefix rendering; "
-                                "use a template without that re-rendering, or one with {% generation %} markers")
-        if m['role'] == 'assistant':
-            try: head = _render(tokenizer, messages[:i], gen=True, **template_kw)
-            except Exception: head = prev                              # some templates refuse an empty conversation
-            start = len(head) if cur.startswith(head) and len(head) >= len(prev) else len(prev)
-            end = max(start, len(cur.rstrip()))                        # the end-of-turn token, not the newline after it
-            spans.append((start, end))
-        prev = cur
-    return prev, spans
+        if m['role'] != 'assistant': continue
+        s = None
+        if head:
+            h = text.find(head, cur)
+            if h < 0: raise TemplateError(f"{where}: turn {i} (assistant) not found: no {head!r} after character {cur} "
+                                          "of the rendered conversation")
+            s = h + len(head)
+            if rest and text.startswith(rest, s): s += len(rest)
+        body = _visible(m.get('content'))
+        c = text.find(body, cur if s is None else s) if body else -1
+        if s is None:
+            if c < 0: raise TemplateError(f"{where}: turn {i} (assistant): its content is not in the rendering")
+            s = c
+        eot = end.search(text, c + len(body) if c >= 0 else s)
+        if eot is None: raise TemplateError(f"{where}: turn {i} (assistant): no end-of-turn token after it")
+        spans.append((s, eot.end())); cur = eot.end()
+    return text, spans
 
 # %% ../nbs/08_data.ipynb #4f389f13
-def tokenize_chat(tokenizer, messages: list[dict], where: str = 'conversation', **template_kw) -> tuple[Tensor, Tensor]:
-    "Token ids (S,) long and assistant loss mask (S,) bool of a conversation rendered by the chat template."
-    template = tokenizer.chat_template
-    if isinstance(template, dict): template = template.get('default', '')     # named templates
-    if _GENERATION_TAG.search(template or ''):
-        enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+def tokenize_chat(tokenizer, messages: list[dict], where: str = 'conversation', tools=None,
+                  **template_kw) -> tuple[Tensor, Tensor]:
+    "Token ids (S,) long and assistant loss mask (S,) bool of a conversation rendered once by the chat template."
+    if _GENERATION_TAG.search(_template_text(tokenizer)):
+        enc = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True, **template_kw)
         return torch.tensor(enc['input_ids'], dtype=torch.long), torch.tensor(enc['assistant_masks'], dtype=torch.bool)
     if not tokenizer.is_fast: raise TemplateError(f"{where}: finding assistant tokens needs a fast tokenizer (offsets)")
-    text, spans = assistant_spans(tokenizer, messages, where, **template_kw)
+    text, spans = assistant_spans(tokenizer, messages, where, tools, **template_kw)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    starts = np.array([s for s, _ in enc['offset_mapping']], dtype=np.int64)
-    mask = np.zeros(len(starts), dtype=bool)
-    for s, e in spans: mask |= (starts >= s) & (starts < e)
+    off = np.array(enc['offset_mapping'], dtype=np.int64).reshape(-1, 2)
+    mask = np.zeros(len(off), dtype=bool)
+    for s, e in spans: mask |= (off[:, 0] < e) & (off[:, 1] > s)       # tokens overlapping the reply
     return torch.tensor(enc['input_ids'], dtype=torch.long), torch.from_numpy(mask)
 
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int = 3072, where: str = 'conversation',
-                          stats: DataStats | None = None, **template_kw) -> dict | None:
+                          stats: DataStats | None = None, tools=None, **template_kw) -> dict | None:
     "`{'input_ids', 'loss_mask'}` truncated to `max_length`, or None when skipped (counted in `stats`)."
     stats = stats if stats is not None else DataStats()
-    if not any(m['role'] == 'assistant' and m['content'].strip() for m in messages):
+    if not any(m['role'] == 'assistant' and ((m['content'] or '').strip() or m.get('tool_calls')) for m in messages):
         stats.skip('no_supervised', f"{where}: no assistant turn to supervise"); return None
-    ids, mask = tokenize_chat(tokenizer, messages, where, **template_kw)
+    try: ids, mask = tokenize_chat(tokenizer, messages, where, tools, **template_kw)
+    except TemplateError as e: stats.skip('template_rejected', str(e)); return None
     if len(ids) > max_length:
         stats.truncated += 1; stats.truncated_tokens += len(ids) - max_length
         ids, mask = ids[:max_length], mask[:max_length]
@@ -156,27 +245,206 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int = 307
     stats.samples += 1; stats.tokens += len(ids); stats.supervised_tokens += int(mask.sum())
     return {'input_ids': ids, 'loss_mask': mask}
 
+# %% ../nbs/08_data.ipynb #68c2cdaf
+def set_chat_template(tokenizer, path):
+    "Use the chat template in file `path` (a `.jinja` text, or a JSON file with a `chat_template` key) for `tokenizer`."
+    path = Path(path)
+    if not path.is_file(): raise FileNotFoundError(f"--chat-template {path}: no such file")
+    text = path.read_text()
+    if path.suffix == '.json':
+        t = json.loads(text).get('chat_template')
+        if t is None: raise ValueError(f"--chat-template {path}: a JSON file without a 'chat_template' key")
+        text = t if isinstance(t, str) else next((x['template'] for x in t if x.get('name') == 'default'), None)
+    if not text or '{%' not in text and '{{' not in text:
+        raise ValueError(f"--chat-template {path}: not a Jinja template")
+    tokenizer.chat_template = text
+    return tokenizer
+
+def load_tokenizer(target, tokenizer=None, chat_template=None):
+    "The tokenizer of `target` (or of the `tokenizer` directory / hub id), with `chat_template` (a file) when given."
+    from transformers import AutoTokenizer
+    src = resolve_local(tokenizer or target)
+    tok = AutoTokenizer.from_pretrained(src)
+    if chat_template: set_chat_template(tok, chat_template)
+    return tok
+
 # %% ../nbs/08_data.ipynb #cbedde91
 class ChatDataset(Dataset):
-    "Tokenized chat samples: `{'input_ids' (S,), 'loss_mask' (S,), 'sample_id'}`; `stats` says what was skipped."
+    "Tokenized chat samples (a list or a `datasets` table): `{'input_ids' (S,), 'loss_mask' (S,), 'sample_id'}`."
     def __init__(self, samples: list[dict], stats: DataStats | None = None):
         self.samples, self.stats = samples, stats or DataStats(samples=len(samples))
 
     def __len__(self): return len(self.samples)
-    def __getitem__(self, i): return {**self.samples[i], 'sample_id': i}
+    def __getitem__(self, i):
+        s = self.samples[i]                                   # tensors, or numpy rows of a `datasets` table
+        return {'input_ids': torch.as_tensor(s['input_ids'], dtype=torch.long),
+                'loss_mask': torch.as_tensor(s['loss_mask'], dtype=torch.bool), 'sample_id': i}
 
     @classmethod
-    def from_jsonl(cls, path, tokenizer, max_length: int = 3072, skip_bad_lines: bool = False, **template_kw) -> ChatDataset:
+    def from_jsonl(cls, path, tokenizer, max_length: int = 3072, skip_bad_lines: bool = False,
+                   **template_kw) -> ChatDataset:
         "Read, render and tokenize a chat JSONL file (`messages` or ShareGPT `conversations` records)."
+        _template_text(tokenizer)                                         # no template: one error, not one per line
         stats, samples = DataStats(), []
         for where, rec in read_jsonl(path, skip_bad_lines, stats):
-            try: msgs = to_messages(rec, where)
+            try: msgs, tools = to_messages(rec, where), record_tools(rec, where)
             except DataError as e:
                 if not skip_bad_lines: raise
                 stats.skip('bad_lines', str(e)); continue
-            s = tokenize_conversation(tokenizer, msgs, max_length, where, stats, **template_kw)
+            s = tokenize_conversation(tokenizer, msgs, max_length, where, stats, tools, **template_kw)
             if s is not None: samples.append(s)
+        stats.check_usable(path)
         return cls(samples, stats)
+
+# %% ../nbs/08_data.ipynb #60cb4584
+DATA_SUFFIXES = ('.jsonl', '.json', '.parquet')
+_SAVED = ('dataset_info.json', 'state.json', 'dataset_dict.json')     # what `Dataset.save_to_disk` writes
+
+def _saved_rows(path: Path, stats: DataStats):
+    import datasets
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if 'train' not in ds:
+            raise DataError(f"{path}: a saved DatasetDict without a 'train' split (splits: {list(ds)})")
+        ds = ds['train']
+    for i, rec in enumerate(ds):
+        stats.lines += 1
+        yield f"{path}:row {i}", rec
+
+def _parquet_rows(path: Path, stats: DataStats):
+    import pyarrow.parquet as pq
+    i = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for rec in batch.to_pylist():
+            stats.lines += 1; i += 1
+            yield f"{path}:row {i - 1}", rec
+
+def _json_rows(path: Path, skip_bad_lines: bool, stats: DataStats):
+    try: data = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError):                   # JSON lines, named .json
+        yield from read_jsonl(path, skip_bad_lines, stats); return
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+        data = next(iter(data.values()))                                # {"train": [...]}
+    if not isinstance(data, list): data = [data]
+    for i, rec in enumerate(data):
+        stats.lines += 1
+        where = f"{path}:[{i}]"
+        if not isinstance(rec, dict):
+            e = DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            if not skip_bad_lines: raise e
+            stats.skip('bad_lines', str(e)); continue
+        yield where, rec
+
+def read_records(path, skip_bad_lines: bool = False, stats: DataStats | None = None):
+    """Yield `(where, record)` of chat data: a JSONL, JSON (a list of records) or parquet file, a directory of such
+    files, a dataset saved by `datasets` (`save_to_disk`), or a hub dataset id in the local cache."""
+    stats = stats if stats is not None else DataStats()
+    path = resolve_local(path, 'dataset')
+    if path.is_dir():
+        if any((path / f).is_file() for f in _SAVED): yield from _saved_rows(path, stats); return
+        files = sorted(f for f in path.rglob('*') if f.suffix in DATA_SUFFIXES and not f.name.startswith('.'))
+        if not files:
+            raise DataError(f"{path}: no {', '.join(DATA_SUFFIXES)} files, and not a dataset saved by `datasets`")
+        for f in files: yield from read_records(f, skip_bad_lines, stats)
+    elif path.suffix == '.parquet': yield from _parquet_rows(path, stats)
+    elif path.suffix == '.json': yield from _json_rows(path, skip_bad_lines, stats)
+    else: yield from read_jsonl(path, skip_bad_lines, stats)
+
+# %% ../nbs/08_data.ipynb #3433f8ba
+TOKENIZE_VERSION = 1   # bump when tokenization changes, so older caches are not reused
+
+def _sha256(path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        while b := f.read(chunk): h.update(b)
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    "A hash of what tokenization depends on: the vocabulary and merges, special tokens, and the chat template."
+    h = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
+    h.update(json.dumps([_template_text(tokenizer), tokenizer.all_special_tokens], sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+def _source_fingerprint(path: Path) -> str:
+    "A hash of every data file's name and content (a directory: all of its files)."
+    h = hashlib.sha256()
+    for f in sorted(p for p in ([path] if path.is_file() else path.rglob('*')) if p.is_file()):
+        h.update(f"{f.relative_to(path) if f != path else f.name}:{f.stat().st_size}\n".encode())
+        h.update(_sha256(f).encode())
+    return h.hexdigest()[:16]
+
+def _tokenize_batch(batch, tokenizer, max_length, skip_bad_lines, template_kw):
+    out = {'input_ids': [], 'loss_mask': [], 'skip': [], 'reason': [], 'cut': []}
+    for where, raw in zip(batch['where'], batch['record']):
+        st, s = DataStats(), None
+        try:
+            rec = json.loads(raw)
+            s = tokenize_conversation(tokenizer, to_messages(rec, where), max_length, where, st,
+                                      record_tools(rec, where), **template_kw)
+        except DataError as e:
+            if not skip_bad_lines: raise
+            st.skip('bad_lines', str(e))
+        kind = next((k for k in _SKIPS if getattr(st, k)), '')
+        out['input_ids'].append(s['input_ids'].tolist() if s else [])
+        out['loss_mask'].append(s['loss_mask'].tolist() if s else [])
+        out['skip'].append(kind); out['reason'].append(st.errors[0] if st.errors else '')
+        out['cut'].append(st.truncated_tokens)
+    return out
+
+def _tokenized_stats(tok, read: DataStats) -> DataStats:
+    "The counts of a tokenized table (columns skip, reason, cut) after `read` (records read, bad lines)."
+    st = DataStats(lines=read.lines, bad_lines=read.bad_lines, errors=list(read.errors))
+    for kind, reason in zip(tok['skip'], tok['reason']):
+        if kind: st.skip(kind, reason)
+    cut = np.asarray(tok['cut']); st.truncated, st.truncated_tokens = int((cut > 0).sum()), int(cut.sum())
+    return st
+
+def load_chat_data(path, tokenizer, max_length: int = 3072, skip_bad_lines: bool = False, num_proc: int = 1,
+                   cache_dir=None, report: bool = False, **template_kw) -> ChatDataset:
+    """Chat data tokenized once with `datasets` (`map(num_proc=...)`) and cached on disk by the fingerprint of the data,
+    the tokenizer, the template options and `max_length`; a later call (any process) reads the cache. Under accelerate
+    the main process of each machine tokenizes while the others wait. `report` prints the counts table there."""
+    import datasets
+    from accelerate import PartialState
+    _template_text(tokenizer)
+    src = resolve_local(path, 'dataset')
+    key = json.dumps([TOKENIZE_VERSION, _source_fingerprint(src), tokenizer_fingerprint(tokenizer), max_length,
+                      skip_bad_lines, sorted(template_kw.items())], default=str)
+    fp = hashlib.sha256(key.encode()).hexdigest()[:20]
+    root = Path(cache_dir or os.environ.get('HF_DATASETS_CACHE') or hf_hub_cache().parent / 'datasets')
+    out = root / 'dflash-tokenized' / fp
+    state = PartialState(cpu=not torch.cuda.is_available())   # gloo processes on a CPU machine
+    with state.local_main_process_first():
+        if not (out / 'stats.json').is_file():
+            read = DataStats()
+            rows = list(read_records(src, skip_bad_lines, read))
+            raw = datasets.Dataset.from_dict({'where': [w for w, _ in rows],
+                                              'record': [json.dumps(r) for _, r in rows]})
+            del rows
+            tok = raw.map(_tokenize_batch, batched=True, batch_size=256, num_proc=num_proc if num_proc > 1 else None,
+                          remove_columns=['record'], desc='tokenize', fn_kwargs=dict(
+                              tokenizer=tokenizer, max_length=max_length, skip_bad_lines=skip_bad_lines,
+                              template_kw=template_kw),
+                          new_fingerprint=fp, load_from_cache_file=False, keep_in_memory=True)
+            st = _tokenized_stats(tok, read)
+            kept = tok.filter(lambda k: k == '', input_columns='skip', keep_in_memory=True)
+            kept = kept.select_columns(['input_ids', 'loss_mask'])
+            st.samples = len(kept)
+            lengths = np.array([len(x) for x in kept['input_ids']], dtype=np.int64)
+            st.tokens = int(lengths.sum()); st.supervised_tokens = int(sum(sum(m) for m in kept['loss_mask']))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f'.{fp}.'))
+            kept.save_to_disk(str(tmp / 'data'))
+            (tmp / 'stats.json').write_text(json.dumps({**st.as_dict(), 'source': str(path)}, indent=1))
+            try: os.replace(tmp, out)                                        # another machine may have won the race
+            except OSError: shutil.rmtree(tmp, ignore_errors=True)
+    d = json.loads((out / 'stats.json').read_text()); d.pop('source', None)
+    stats = DataStats(**d)
+    if report and state.is_local_main_process: print(stats.table(str(path)), file=sys.stderr)
+    stats.check_usable(path)
+    data = datasets.load_from_disk(str(out / 'data')).with_format('numpy')
+    return ChatDataset(data, stats)
 
 # %% ../nbs/08_data.ipynb #3bfa4cc6
 _WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pt', '.pth')
@@ -196,15 +464,16 @@ def _check_target_dir(path: Path):
     if not _weight_files(path): raise ValueError(f"target {path}: no weight files ({', '.join(_WEIGHT_SUFFIXES)})")
     return config
 
+_IDENTITIES = {}   # (file, size, mtime) -> sha256: a process hashes each weights file once
+
 def target_identity(path) -> str:
-    "Fingerprint of a model directory: config.json, and each weight file's name, size, first and last MiB."
+    "Fingerprint of a model directory: config.json, and each weight file's name and whole content (sha256)."
     path, h = Path(path), hashlib.sha256()
     h.update((path / 'config.json').read_bytes())
     for f in _weight_files(path):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, 'rb') as fh:
-            h.update(fh.read(1 << 20)); fh.seek(max(0, size - (1 << 20))); h.update(fh.read())
+        st = f.stat(); key = (str(f.resolve()), st.st_size, st.st_mtime_ns)
+        if key not in _IDENTITIES: _IDENTITIES[key] = _sha256(f)
+        h.update(f"{f.name}:{st.st_size}:{_IDENTITIES[key]}".encode())
     return h.hexdigest()[:16]
 
 # %% ../nbs/08_data.ipynb #d1f8a1b6
@@ -217,7 +486,7 @@ class TargetFeatures:
     def __init__(self, path, layer_ids=None, num_draft_layers: int = 5, dtype: torch.dtype | None = None,
                  device=None, tokenizer=None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        self.path = path = Path(path)
+        self.path = path = resolve_local(path)
         self.config = config = _check_target_dir(path)
         T = config.num_hidden_layers
         self.layer_ids = default_target_layer_ids(T, num_draft_layers) if layer_ids is None else [int(i) for i in layer_ids]
@@ -268,12 +537,6 @@ def cache_bytes_per_token(context_size: int, dtype: torch.dtype = torch.bfloat16
 # %% ../nbs/08_data.ipynb #fcaeae7d
 CACHE_FORMAT = 'dflash-hidden-cache/1'
 
-def _sha256(path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        while b := f.read(chunk): h.update(b)
-    return h.hexdigest()
-
 def _write_json(path: Path, obj): _atomic_write(path, lambda p: Path(p).write_text(json.dumps(obj, indent=1) + '\n'))
 
 def data_fingerprint(dataset) -> str:
@@ -287,20 +550,35 @@ def data_fingerprint(dataset) -> str:
 def _shard_name(k: int) -> str: return f'shard-{k:05d}.safetensors'
 
 # %% ../nbs/08_data.ipynb #ae2b36b5
-def _shard_tensors(features: TargetFeatures, dataset, idx: range) -> dict[str, Tensor]:
-    ids, masks, ctx = [], [], []
-    for i in idx:
-        s = dataset[i]
-        ids.append(s['input_ids']); masks.append(s['loss_mask'].bool())
-        ctx.append(features(s['input_ids'][None])[0].cpu())       # (S, L·H)
+def _length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    "Positions grouped into batches of equal length (no padding) with at most `batch_tokens` tokens (at least one)."
+    groups = {}
+    for i, n in enumerate(lengths): groups.setdefault(n, []).append(i)
+    out = []
+    for n, idx in sorted(groups.items()):
+        per = max(1, batch_tokens // max(n, 1))
+        out += [idx[j:j + per] for j in range(0, len(idx), per)]
+    return out
+
+def _shard_tensors(features: TargetFeatures, dataset, idx: range, batch_tokens: int = 8192) -> dict[str, Tensor]:
+    samples = [dataset[i] for i in idx]
+    ids = [s['input_ids'] for s in samples]
+    ctx = [None] * len(samples)
+    for b in _length_batches([len(t) for t in ids], batch_tokens):
+        out = features(torch.stack([ids[j] for j in b])).cpu()                  # (n, S, L·H), all of length S
+        for j, c in zip(b, out): ctx[j] = c
     lens = torch.tensor([0] + [len(t) for t in ids])
-    return {'input_ids': torch.cat(ids).long(), 'loss_mask': torch.cat(masks), 'context': torch.cat(ctx).contiguous(),
-            'offsets': lens.cumsum(0), 'sample_ids': torch.tensor(list(idx), dtype=torch.long)}
+    return {'input_ids': torch.cat(ids).long(), 'loss_mask': torch.cat([s['loss_mask'].bool() for s in samples]),
+            'context': torch.cat(ctx).contiguous(), 'offsets': lens.cumsum(0),
+            'sample_ids': torch.tensor(list(idx), dtype=torch.long)}
 
 def _write_shard(path: Path, tensors: dict[str, Tensor]) -> dict:
+    "Write a shard, then its record (`<shard>.json`: counts, bytes, sha256), both atomically."
     _atomic_write(path, lambda p: save_file(tensors, p, metadata={'format': 'pt'}))
-    return {'file': path.name, 'num_samples': len(tensors['sample_ids']), 'num_tokens': len(tensors['input_ids']),
-            'bytes': path.stat().st_size, 'sha256': _sha256(path)}
+    rec = {'file': path.name, 'num_samples': len(tensors['sample_ids']), 'num_tokens': len(tensors['input_ids']),
+           'bytes': path.stat().st_size, 'sha256': _sha256(path)}
+    _write_json(path.with_name(path.name + '.json'), rec)
+    return rec
 
 # %% ../nbs/08_data.ipynb #f2e23258
 _PLAN_KEYS = ('format', 'num_samples', 'num_tokens', 'shard_size', 'num_shards', 'layer_ids', 'hidden_size',
@@ -316,8 +594,8 @@ def _plan(features: TargetFeatures, dataset, shard_size: int, data_info: dict) -
                        'num_hidden_layers': features.config.num_hidden_layers},
             'data': {'fingerprint': data_fingerprint(dataset), **data_info}, 'shards': [], 'complete': False}
 
-def _resume(out: Path, plan: dict) -> list[dict]:
-    "Shards of an earlier run of the same plan that are intact on disk."
+def _check_resume(out: Path, plan: dict):
+    "An existing manifest in `out` must be of the same target, layers, sizes and data."
     old = json.loads((out / 'manifest.json').read_text())
     if old.get('target', {}).get('identity') != plan['target']['identity']:
         raise ValueError(f"{out}: holds a cache of target {old.get('target', {}).get('identity')} "
@@ -328,32 +606,58 @@ def _resume(out: Path, plan: dict) -> list[dict]:
     if old['data']['fingerprint'] != plan['data']['fingerprint']:
         raise ValueError(f"{out}: holds a cache of other data (fingerprint {old['data']['fingerprint']}, "
                          f"this data {plan['data']['fingerprint']}); use another --out")
-    return [s for s in old['shards'] if (out / s['file']).is_file() and (out / s['file']).stat().st_size == s['bytes']
-            and _sha256(out / s['file']) == s['sha256']]
+
+def _done_shard(out: Path, k: int, verify: bool = False) -> dict | None:
+    "The record of shard k if it is written and intact (size, and with `verify` its sha256), else None."
+    f = out / _shard_name(k); r = f.with_name(f.name + '.json')
+    if not (f.is_file() and r.is_file()): return None
+    try: rec = json.loads(r.read_text())
+    except json.JSONDecodeError: return None
+    ok = f.stat().st_size == rec.get('bytes') and (not verify or _sha256(f) == rec.get('sha256'))
+    return rec if ok else None
 
 def write_cache(features: TargetFeatures, dataset, out, shard_size: int = 64, progress: bool = True,
-                data_info: dict | None = None) -> dict:
-    "Write the context features of every sample of `dataset` to shards in `out`; resume a partial cache. Returns the manifest."
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
-    for t in out.glob('.*.tmp'): t.unlink()                             # left by an interrupted run
+                data_info: dict | None = None, batch_tokens: int = 8192) -> dict:
+    """Write the context features of every sample of `dataset` to shards in `out`; resume a partial cache. Under
+    accelerate, process r of N writes shards r, r+N, ...; the bytes do not depend on N. Returns the manifest."""
+    from accelerate import PartialState
+    state = PartialState(cpu=not torch.cuda.is_available())   # gloo processes on a CPU machine
+    out = Path(out)
     manifest = _plan(features, dataset, shard_size, data_info or {})
-    done = {s['file']: s for s in _resume(out, manifest)} if (out / 'manifest.json').is_file() else {}
-    n = manifest['num_samples']
-    todo = [k for k in range(manifest['num_shards']) if _shard_name(k) not in done]
-    bar = tqdm(total=n, initial=n - sum(min(shard_size, n - k * shard_size) for k in todo), unit='sample',
-               desc='cache', disable=not progress)
-    for k in range(manifest['num_shards']):
-        name = _shard_name(k)
-        if name not in done:
-            idx = range(k * shard_size, min(n, (k + 1) * shard_size))
-            done[name] = _write_shard(out / name, _shard_tensors(features, dataset, idx))
-            bar.update(len(idx))
-        manifest['shards'] = [done[s] for s in sorted(done)]
-        _write_json(out / 'manifest.json', manifest)
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        for t in out.glob('.*'):                                         # temporary files of an interrupted run
+            if t.is_file(): t.unlink()
+        if (out / 'manifest.json').is_file(): _check_resume(out, manifest)
+        for k in range(manifest['num_shards']):                          # a shard that fails its checksum is redone
+            r = out / (_shard_name(k) + '.json')
+            if r.is_file() and _done_shard(out, k, verify=True) is None: r.unlink()
+        _write_json(out / 'manifest.json', {**manifest, 'shards': [r for k in range(manifest['num_shards'])
+                                                                     if (r := _done_shard(out, k))]})
+    state.wait_for_everyone()
+    if not state.is_main_process: _check_resume(out, manifest)           # the same error on every process
+    n, K = manifest['num_samples'], manifest['num_shards']
+    todo = [k for k in range(state.process_index, K, state.num_processes) if _done_shard(out, k) is None]
+    bar = tqdm(total=sum(min(shard_size, n - k * shard_size) for k in todo), unit='sample', desc='cache',
+               disable=not progress or not state.is_local_main_process)
+    for k in todo:
+        idx = range(k * shard_size, min(n, (k + 1) * shard_size))
+        _write_shard(out / _shard_name(k), _shard_tensors(features, dataset, idx, batch_tokens))
+        bar.update(len(idx))
+        if state.is_main_process:                                        # progress others can see, for resuming
+            done = [r for j in range(K) if (r := _done_shard(out, j))]
+            _write_json(out / 'manifest.json', {**manifest, 'shards': done})
     bar.close()
-    manifest['complete'] = True
-    _write_json(out / 'manifest.json', manifest)
-    return manifest
+    state.wait_for_everyone()
+    if state.is_main_process:
+        manifest['shards'] = [_done_shard(out, k) for k in range(K)]
+        missing = [_shard_name(k) for k, r in enumerate(manifest['shards']) if r is None]
+        if missing:
+            raise ValueError(f"{out}: shards {missing[:5]} are missing or corrupt after writing; rerun to redo them")
+        manifest['complete'] = True
+        _write_json(out / 'manifest.json', manifest)
+    state.wait_for_everyone()
+    return json.loads((out / 'manifest.json').read_text())
 
 # %% ../nbs/08_data.ipynb #600f044a
 class CacheDataset(Dataset):
@@ -369,7 +673,7 @@ class CacheDataset(Dataset):
             raise ValueError(f"cache {path}: incomplete, {len(m['shards'])} of {m['num_shards']} shards written; "
                              "rerun the cache command to finish it")
         if target is not None:
-            ident = target.identity if isinstance(target, TargetFeatures) else target_identity(target)
+            ident = target.identity if isinstance(target, TargetFeatures) else target_identity(resolve_local(target))
             tpath = target.path if isinstance(target, TargetFeatures) else target
             if ident != m['target']['identity']:
                 raise ValueError(f"cache {path} was written for target {m['target']['identity']} ({m['target']['path']}), "
@@ -437,43 +741,86 @@ def make_loader(dataset, batch_size: int, seed: int = 0, shuffle: bool = True, p
                       collate_fn=partial(collate, pad_token_id=pad_token_id), num_workers=num_workers, drop_last=drop_last)
 
 # %% ../nbs/08_data.ipynb #1c4a5830
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog='python -m dflash.data', description='dflash data tools')
-    sub = p.add_subparsers(dest='command', required=True)
+_SUBCOMMANDS = {}   # name -> function(subparsers) adding that subcommand; each sets `run` to its function
+
+def add_data_args(p: argparse.ArgumentParser):
+    "The options every data subcommand shares: target, tokenizer, chat template, data, length, bad lines."
+    p.add_argument('--target', required=True,
+                   help='transformers causal LM: local directory or hub id (local cache only)')
+    p.add_argument('--data', required=True, help='chat data: JSONL, JSON, parquet, a directory of them, a saved '
+                                                 '`datasets` dataset, or a hub dataset id (local cache only)')
+    p.add_argument('--tokenizer', default=None, help='tokenizer directory or hub id (default: the target)')
+    p.add_argument('--chat-template', default=None, help="Jinja chat template file replacing the tokenizer's")
+    p.add_argument('--max-length', type=int, default=3072, help='truncate samples to this many tokens (3072)')
+    p.add_argument('--num-proc', type=int, default=1, help='processes tokenizing the data (1); the result is cached')
+    p.add_argument('--skip-bad-lines', action='store_true', help='skip and count malformed records instead of stopping')
+
+def _add_cache(sub):
     c = sub.add_parser('cache', help="write the target's hidden states over chat data to an offline cache",
                        description="Write the target's hidden states over chat data to safetensors shards with a "
-                                   "manifest; rerun with the same arguments to resume an interrupted run.")
-    c.add_argument('--target', required=True, help='local transformers causal LM directory')
-    c.add_argument('--data', required=True, help='chat JSONL (messages or ShareGPT conversations)')
+                                   "manifest; rerun with the same arguments to resume an interrupted run. Under "
+                                   "`accelerate launch` the processes share the shards.")
+    add_data_args(c)
     c.add_argument('--out', required=True, help='cache directory')
     c.add_argument('--layers', type=lambda s: [int(x) for x in s.split(',')], default=None,
                    help='target layer ids, comma separated (default: the DFlash choice for --num-draft-layers)')
     c.add_argument('--num-draft-layers', type=int, default=5, help='drafter layers, for the default --layers (5)')
-    c.add_argument('--tokenizer', default=None, help='tokenizer directory (default: the target directory)')
-    c.add_argument('--max-length', type=int, default=3072, help='truncate samples to this many tokens (3072)')
     c.add_argument('--shard-size', type=int, default=64, help='samples per shard (64)')
+    c.add_argument('--batch-tokens', type=int, default=8192,
+                   help='tokens per target forward (8192): samples of equal length share a forward, unpadded')
     c.add_argument('--dtype', choices=['auto', 'float32', 'bfloat16', 'float16'], default='auto',
                    help='feature dtype (auto: bfloat16 on GPU, float32 on CPU)')
-    c.add_argument('--device', default=None, help='device (default: cuda if available, else cpu)')
-    c.add_argument('--skip-bad-lines', action='store_true', help='skip and count malformed lines instead of stopping')
+    c.add_argument('--device', default=None, help='device (default: this process\'s accelerator, else cpu)')
     c.add_argument('--no-progress', action='store_true', help='no progress bar')
+    c.set_defaults(run=cache_command)
+
+_SUBCOMMANDS['cache'] = _add_cache
+
+def _add_tokenize(sub):
+    t = sub.add_parser('tokenize', help='check, count and tokenize chat data once; later commands reuse the result',
+                       description='Read, check and tokenize chat data for a target (cached by fingerprint, so `cache` '
+                                   'and `dflash.train` with the same data, tokenizer and --max-length reuse it), and '
+                                   'print the counts table. Bad data fails here, before any model loads.')
+    add_data_args(t)
+    t.set_defaults(run=tokenize_command)
+
+def tokenize_command(args):
+    "`python -m dflash.data tokenize`: the counts table, and the tokenized data cached for later commands."
+    resolve_local(args.target)
+    tok = load_tokenizer(args.target, args.tokenizer, args.chat_template)
+    ds = load_chat_data(args.data, tok, args.max_length, args.skip_bad_lines, args.num_proc, report=True)
+    print(f"tokenized: {len(ds)} samples, {ds.stats.tokens} tokens ({ds.stats.supervised_tokens} supervised)")
+
+_SUBCOMMANDS['tokenize'] = _add_tokenize
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog='python -m dflash.data', description='dflash data tools')
+    sub = p.add_subparsers(dest='command', required=True)
+    for add in _SUBCOMMANDS.values(): add(sub)
     return p
 
+def cache_command(args):
+    "`python -m dflash.data cache`: data checked and tokenized first, then the target loads and the shards are written."
+    from accelerate import PartialState
+    state = PartialState(cpu=not torch.cuda.is_available())   # gloo processes on a CPU machine
+    resolve_local(args.target)                                            # a bad name fails before anything loads
+    tok = load_tokenizer(args.target, args.tokenizer, args.chat_template)
+    ds = load_chat_data(args.data, tok, args.max_length, args.skip_bad_lines, args.num_proc, report=True)
+    dtype = None if args.dtype == 'auto' else getattr(torch, args.dtype)
+    device = args.device or (state.device if state.device.type != 'mps' else 'cpu')
+    feats = TargetFeatures(args.target, layer_ids=args.layers, num_draft_layers=args.num_draft_layers, dtype=dtype,
+                           device=device, tokenizer=tok)
+    man = write_cache(feats, ds, args.out, args.shard_size, progress=not args.no_progress,
+                      batch_tokens=args.batch_tokens,
+                      data_info={'path': str(args.data), 'max_length': args.max_length, 'stats': ds.stats.as_dict()})
+    if state.is_main_process:
+        print(f"cache: {args.out} ({man['num_samples']} samples, {man['num_tokens']} tokens, "
+              f"{len(man['shards'])} shards)")
+
 def main(argv=None):
-    args = _parser().parse_args(argv)
-    try:
-        dtype = None if args.dtype == 'auto' else getattr(torch, args.dtype)
-        feats = TargetFeatures(args.target, layer_ids=args.layers, num_draft_layers=args.num_draft_layers, dtype=dtype,
-                               device=args.device, tokenizer=args.tokenizer)
-        if feats.tokenizer is None: raise ValueError(f"target {args.target}: no tokenizer there; pass --tokenizer")
-        ds = ChatDataset.from_jsonl(args.data, feats.tokenizer, args.max_length, args.skip_bad_lines)
-        stats = ds.stats.as_dict()
-        print('data:', json.dumps({k: v for k, v in stats.items() if k != 'errors'}), file=sys.stderr)
-        if not len(ds): raise DataError(f"{args.data}: no usable sample")
-        man = write_cache(feats, ds, args.out, args.shard_size, progress=not args.no_progress,
-                          data_info={'path': str(args.data), 'max_length': args.max_length, 'stats': stats})
-    except (ValueError, FileNotFoundError) as e:
+    args = parser().parse_args(argv)
+    try: args.run(args)
+    except (ValueError, FileNotFoundError) as e:                        # DataError and TemplateError are ValueErrors
         print(f"error: {e}", file=sys.stderr); sys.exit(2)
-    print(f"cache: {args.out} ({man['num_samples']} samples, {man['num_tokens']} tokens, {len(man['shards'])} shards)")
 
 if __name__ == '__main__' and '__file__' in globals(): main()

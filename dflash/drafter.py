@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_drafter.ipynb #e67332a6
 from __future__ import annotations
-import os, tempfile
+import json, os, tempfile
 from pathlib import Path
 import torch
 import torch.nn.functional as F
@@ -13,7 +13,7 @@ from fastcore.basics import patch
 from safetensors.torch import save_file, load_file
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding
-from .config import DrafterConfig
+from .config import DrafterConfig, resolve_local
 from .layout import BlockLayout
 from .attention import get_backend
 
@@ -152,9 +152,18 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(H, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(qwen3_config(config))
+        self._inv_freq32 = self.rotary_emb.inv_freq.detach().clone()   # (D/2,) fp32, kept through dtype casts
         self.set_attention(attention, **attention_options)
         for m in self.modules():
             if isinstance(m, nn.Linear): nn.init.normal_(m.weight, std=0.02)   # Qwen3's initializer_range
+
+    def _apply(self, fn, recurse=True):
+        "`.to(dtype)` and friends cast weights; RoPE frequencies stay fp32 (bf16 ones are off by radians at 8k)."
+        super()._apply(fn, recurse)
+        r = self.rotary_emb
+        if r.inv_freq.dtype != self._inv_freq32.dtype:
+            r.inv_freq = self._inv_freq32.to(r.inv_freq.device); r.original_inv_freq = r.inv_freq.clone()
+        return self
 
     def set_attention(self, name: str, **options):
         "Choose the block attention backend used by `forward`."
@@ -234,7 +243,8 @@ def save_pretrained(self: DFlashDrafter, path):
     path = Path(path); path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
     _atomic_write(path / 'model.safetensors', lambda p: save_file(state, p, metadata={'format': 'pt'}))
-    _atomic_write(path / 'config.json', lambda p: self.config.save(p))
+    conf = {**self.config.to_dict(), 'dtype': str(next(self.parameters()).dtype).removeprefix('torch.')}
+    _atomic_write(path / 'config.json', lambda p: Path(p).write_text(json.dumps(conf, indent=2) + '\n'))
 
 # %% ../nbs/05_drafter.ipynb #99df99ef
 def _check_state(expected: dict, found: dict, source: str):
@@ -248,14 +258,32 @@ def _check_state(expected: dict, found: dict, source: str):
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, "
                              f"config.json implies {tuple(expected[name].shape)}")
 
+def _load_weights(path: Path) -> dict:
+    "The tensors of `model.safetensors`, or of the shards a `model.safetensors.index.json` lists."
+    if (path / 'model.safetensors').is_file(): return load_file(path / 'model.safetensors')
+    index = path / 'model.safetensors.index.json'
+    if not index.is_file():
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json, "
+                                "not a DFlash drafter directory")
+    wmap = json.loads(index.read_text())['weight_map']                    # tensor name -> shard file
+    state = {}
+    for shard in sorted(set(wmap.values())):
+        if not (path / shard).is_file(): raise FileNotFoundError(f"{index}: shard {shard} is missing")
+        part = load_file(path / shard)
+        state.update({k: v for k, v in part.items() if wmap.get(k) == shard})
+    return state
+
 @patch(cls_method=True)
-def from_pretrained(cls: DFlashDrafter, path, attention: str = 'eager', dtype: torch.dtype | None = None, **attention_options):
-    "Load a drafter directory (ours or a published DFlash drafter). dtype: default, as stored."
-    path = Path(path)
-    for f in ('config.json', 'model.safetensors'):
-        if not (path / f).is_file(): raise FileNotFoundError(f"{path}: no {f}, not a DFlash drafter directory")
-    model = cls(DrafterConfig.load(path / 'config.json'), attention, **attention_options)
-    state = load_file(path / 'model.safetensors')
+def from_pretrained(cls: DFlashDrafter, path, attention: str = 'eager', dtype: torch.dtype | None = None,
+                    tokenizer=None, mask_token_id: int | None = None, **attention_options):
+    """Load a drafter directory or hub id (ours or a published DFlash drafter, one file or sharded). dtype: default,
+    as stored. `mask_token_id` (else `tokenizer`'s mask token) serves a config that names none."""
+    path = resolve_local(path)
+    if not (path / 'config.json').is_file():
+        raise FileNotFoundError(f"{path}: no config.json, not a DFlash drafter directory")
+    if mask_token_id is None and tokenizer is not None: mask_token_id = tokenizer.mask_token_id
+    model = cls(DrafterConfig.load(path / 'config.json', mask_token_id), attention, **attention_options)
+    state = _load_weights(path)
     _check_state(model.state_dict(), state, str(path / 'model.safetensors'))
     model.load_state_dict(state)
     return model.to(dtype or next(iter(state.values())).dtype)

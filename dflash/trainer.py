@@ -95,8 +95,9 @@ class RunParts:
 
 def load_parts(cfg: TrainConfig, device) -> RunParts:
     "Resolve the target and data of `cfg` (defaults: the toy) and build the datasets."
+    from dflash.data import load_chat_data; from dflash.config import resolve_local   # hub ids; data before the model
     toy = cfg.target is None
-    target = Path(cfg.target) if not toy else toy_target_dir()
+    target = resolve_local(cfg.target) if not toy else toy_target_dir()
     data = cfg.data or (toy_data_dir() / 'train.jsonl' if toy else None)
     eval_data = cfg.eval_data or (toy_data_dir() / 'eval.jsonl' if toy else None)
     if data is None and cfg.cache is None: raise ValueError("--data FILE (chat JSONL) or --cache DIR is needed with --target")
@@ -111,10 +112,10 @@ def load_parts(cfg: TrainConfig, device) -> RunParts:
         dcfg = DrafterConfig.from_target(AutoConfig.from_pretrained(target), tokenizer=tok, target_layer_ids=ids, **dkw)
         embed, lm_head = embed.to(device), lm_head.to(device)
     else:
+        train = load_chat_data(data, tok, cfg.max_length, report=True)     # tokenized once, cached; counts printed
         features = TargetFeatures(target, cfg.target_layer_ids, cfg.num_layers, device=device, tokenizer=tok)
         embed, lm_head = features.embed_weight, features.lm_head_weight
         dcfg = features.drafter_config(**dkw)
-        train = ChatDataset.from_jsonl(data, tok, cfg.max_length)
     ev = ChatDataset.from_jsonl(eval_data, tok, cfg.max_length) if eval_data and features is not None else None
     return RunParts(tok, features, embed, lm_head, train, ev, dcfg)
 

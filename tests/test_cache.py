@@ -141,7 +141,7 @@ def test_cli_bad_input(tmp_path, chat_targets, capsys):
     stats = CacheDataset(tmp_path / 'c').stats
     assert (stats.samples, stats.bad_lines, stats.no_supervised) == (3, 1, 1)
     with pytest.raises(SystemExit): main(['cache', '--target', str(tmp_path / 'nope'), '--data', str(f), '--out', str(tmp_path / 'x')])
-    assert 'nope: no such directory' in capsys.readouterr().err
+    assert "nope': no such path" in capsys.readouterr().err
 
 
 def test_cli_help(capsys):
@@ -149,3 +149,42 @@ def test_cli_help(capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0 and out.startswith('usage: python -m dflash.data cache')
     for opt in ('--target', '--data', '--out', '--layers', '--max-length', '--shard-size', '--skip-bad-lines'): assert opt in out
+
+
+def _port():
+    import socket
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0)); return str(s.getsockname()[1])
+
+
+def _launch_cache(processes, *args, env_extra):
+    "`accelerate launch [--multi_gpu --num_processes N] -m dflash.data cache ...` on CPU (gloo when N > 1)."
+    dist = ['--multi_gpu', '--num_processes', str(processes)] if processes > 1 else ['--cpu', '--num_processes', '1']
+    cmd = [sys.executable, '-m', 'accelerate.commands.launch', *dist, '--num_machines', '1', '--mixed_precision', 'no',
+           '--dynamo_backend', 'no', '--main_process_port', _port(), '-m', 'dflash.data', 'cache', *args]
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', **env_extra,
+           'PYTHONPATH': str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', '')}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r
+
+
+def test_two_processes_write_the_same_cache_as_one(tmp_path, chat_targets):
+    "Shards split over 2 gloo processes: byte-identical to 1 process; the data is tokenized once, by the main process."
+    data_file = _jsonl(tmp_path / 'd.jsonl', 11, seed=5)
+    with open(data_file, 'a') as f:                                   # equal-length samples, to share forwards
+        for _ in range(4): f.write(json.dumps({'messages': [{'role': 'user', 'content': 'the cat'},
+                                                            {'role': 'assistant', 'content': 'the dog runs'}]}) + '\n')
+    args = ['--target', str(chat_targets['qwen3']), '--data', str(data_file), '--layers', '1,4', '--shard-size', '3',
+            '--no-progress']
+    env = {'HF_DATASETS_CACHE': str(tmp_path / 'tok')}
+    _launch_cache(1, *args, '--out', str(tmp_path / 'one'), env_extra=env)
+    tokenized = sorted((tmp_path / 'tok' / 'dflash-tokenized').iterdir())
+    two = _launch_cache(2, *args, '--out', str(tmp_path / 'two'),
+                        env_extra={'HF_DATASETS_CACHE': str(tmp_path / 'tok2')})
+    assert _files(tmp_path / 'two') == _files(tmp_path / 'one') and len(_files(tmp_path / 'one')) == 1 + 2 * 5
+    assert len(list((tmp_path / 'tok2' / 'dflash-tokenized').iterdir())) == 1 and two.stderr.count('  read ') == 1
+    t = TargetFeatures(chat_targets['qwen3'], layer_ids=[1, 4])
+    cache, ds = CacheDataset(tmp_path / 'two', t), ChatDataset.from_jsonl(data_file, t.tokenizer)
+    for i in range(len(ds)): assert torch.equal(cache[i]['context'], t(ds[i]['input_ids'][None])[0])
+    assert len(tokenized) == 1

@@ -57,14 +57,39 @@ def test_generation_markers_give_the_same_mask(chat_tokenizers):
            [t.tolist() for t in tokenize_chat(chat_tokenizers['chatml'], msgs)]
 
 
-def test_template_that_rerenders_earlier_turns_is_an_error(chat_bpe, chat_tokenizers):
+def test_template_that_rerenders_earlier_turns_renders_once(chat_bpe, chat_tokenizers):
+    "Earlier replies rendered differently once later turns follow (as Qwen3 drops reasoning): masked as rendered."
     from conftest import make_chat_tokenizer
-    tok = make_chat_tokenizer(chat_bpe, 'chatml')     # a template that hides earlier assistant turns, as some do
+    tok = make_chat_tokenizer(chat_bpe, 'chatml')
     tok.chat_template = tok.chat_template.replace(
-        "{{ m['content'] }}", "{{ '(earlier)' if m['role'] == 'assistant' and not loop.last else m['content'] }}")
+        "{{ m['content'] }}", "{{ 'earlier' if m['role'] == 'assistant' and not loop.last else m['content'] }}")
     msgs = _conversation(np.random.default_rng(3), system=False, turns=2)
-    with pytest.raises(TemplateError, match=r"f\.jsonl:4: the chat template renders turns 0\.\.1 differently once turn 2"):
-        tokenize_chat(tok, msgs, 'f.jsonl:4')
+    ids, mask = tokenize_chat(tok, msgs, 'f.jsonl:4')
+    assert _masked_runs(tok, ids, mask) == ['earlier<|im_end|>', msgs[-1]['content'] + '<|im_end|>']
+
+
+def test_roles_any_case_and_unknown_role(tmp_path, chat_tokenizers):
+    rec = {'conversations': [{'from': 'SYSTEM', 'value': 'be brief'}, {'from': 'Human', 'value': 'the cat'},
+                             {'from': 'GPT', 'value': 'the dog runs'}]}
+    assert [m['role'] for m in to_messages(rec)] == ['system', 'user', 'assistant']
+    f = _write(tmp_path / 'd.jsonl', [rec, {'messages': [{'role': 'bot', 'content': 'x'}]}])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: messages\[0\]: role 'bot' is not one of "
+                                        r"human, user, gpt, assistant, system, tool \(any case\)"):
+        ChatDataset.from_jsonl(f, chat_tokenizers['chatml'])
+
+
+def test_counts_table_and_no_usable_sample(tmp_path, chat_tokenizers):
+    tok = chat_tokenizers['chatml']
+    good = {'messages': [{'role': 'user', 'content': 'yes'}, {'role': 'assistant', 'content': 'no because the cat'}]}
+    none = {'messages': [{'role': 'user', 'content': 'yes'}]}
+    ds = ChatDataset.from_jsonl(_write(tmp_path / 'd.jsonl', [good, none, '{', good]), tok, skip_bad_lines=True)
+    table = ds.stats.table()
+    for row in ('read', 'used', 'skipped: no assistant reply', 'skipped: malformed line', 'truncated to max_length'):
+        assert row in table
+    assert [l.split()[-1] for l in table.splitlines()[1:3]] == ['4', '2']
+    with pytest.raises(DataError, match=r"u\.jsonl: no usable sample among 2 records: 2 no assistant reply "
+                                        r"\(first: .*u\.jsonl:1: no assistant turn"):
+        ChatDataset.from_jsonl(_write(tmp_path / 'u.jsonl', [none, none]), tok)
 
 
 def test_truncation_and_skips_are_counted(tmp_path, chat_tokenizers):
@@ -106,7 +131,7 @@ def test_malformed_line_names_file_and_line(tmp_path, chat_tokenizers):
     ({'messages': [{'role': 'user', 'content': 'x'}, {'role': 'assistant'}]}, "d.jsonl:2: messages[1] has no 'content' key"),
     ({'conversations': [{'from': 'human'}]}, "d.jsonl:2: conversations[0] has no 'value' key"),
     ({'conversations': [{'value': 'x'}]}, "d.jsonl:2: conversations[0] has no 'from' key"),
-    ({'conversations': [{'from': 'robot', 'value': 'x'}]}, "d.jsonl:2: conversations[0].from='robot' is not one of"),
+    ({'conversations': [{'from': 'robot', 'value': 'x'}]}, "d.jsonl:2: conversations[0]: role 'robot' is not one of"),
     ({'messages': [{'role': 'user', 'content': ['x']}]}, "d.jsonl:2: messages[0].content must be a string"),
     ([1, 2], "d.jsonl:2: expected a JSON object, got list"),
 ])
@@ -140,7 +165,7 @@ def test_target_features_are_the_hidden_states_at_layer_ids(chat_targets, name):
 
 def test_target_features_bad_directories(tmp_path, chat_targets, chat_tokenizers):
     from transformers import T5Config, LlamaConfig, LlamaForCausalLM
-    with pytest.raises(FileNotFoundError, match='missing: no such directory'): TargetFeatures(tmp_path / 'missing')
+    with pytest.raises(FileNotFoundError, match="missing': no such path"): TargetFeatures(tmp_path / 'missing')
     (tmp_path / 'empty').mkdir()
     with pytest.raises(ValueError, match='empty: no config.json, not a transformers model directory'):
         TargetFeatures(tmp_path / 'empty')
@@ -225,3 +250,18 @@ def test_shipped_toy_target(tmp_path):
     write_cache(t, ds, tmp_path / 'cache', progress=False)
     assert torch.equal(CacheDataset(tmp_path / 'cache', t)[0]['context'], ctx[0])
     assert t.drafter_config(block_size=4).context_size == t.config.hidden_size
+
+
+def test_tokenize_command(tmp_path, chat_targets, capsys, monkeypatch):
+    "`python -m dflash.data tokenize`: counts table, cached result; a dataset with nothing usable fails, naming it."
+    from dflash.data import main
+    monkeypatch.setenv('HF_DATASETS_CACHE', str(tmp_path / 'hf'))
+    good = {'messages': [{'role': 'user', 'content': 'yes'}, {'role': 'assistant', 'content': 'no because the cat'}]}
+    f = _write(tmp_path / 'd.jsonl', [good, {'messages': [{'role': 'user', 'content': 'x'}]}, good])
+    main(['tokenize', '--target', str(chat_targets['qwen3']), '--data', str(f)])
+    out, err = capsys.readouterr()
+    assert 'tokenized: 2 samples' in out and 'skipped: no assistant reply' in err
+    assert len(list((tmp_path / 'hf' / 'dflash-tokenized').iterdir())) == 1
+    bad = _write(tmp_path / 'bad.jsonl', [{'messages': [{'role': 'user', 'content': 'x'}]}])
+    with pytest.raises(SystemExit) as e: main(['tokenize', '--target', str(chat_targets['qwen3']), '--data', str(bad)])
+    assert e.value.code == 2 and 'bad.jsonl: no usable sample among 1 records' in capsys.readouterr().err
