@@ -62,10 +62,11 @@ def check_value(name: str, value, allowed: dict) -> str | None:
 # %% ../nbs/00a_options.ipynb #3e2929eb
 _BAD = object()                      # a value that did not convert (its problem is recorded)
 
-def _converter(conv, name: str, parser):
-    "Wrap an argparse `type` so a failure is recorded, not raised."
+def _converter(conv, name: str, parser, optional: bool = False):
+    "Wrap an argparse `type` so a failure is recorded, not raised; an optional option also takes `none`."
     kind = {int: 'an integer', float: 'a number', string_to_bool: 'true or false'}.get(conv, 'a valid value')
     def convert(text):
+        if optional and text.lower() in ('none', 'null'): return None
         try: return conv(text)
         except (TypeError, ValueError, argparse.ArgumentTypeError):
             parser.problems.append(f"{flag(name)} = {text!r} ({parser.source}): not {kind}")
@@ -92,11 +93,13 @@ class OptionParser(HfArgumentParser):
             if a.option_strings[0].startswith('--no'): a.help = argparse.SUPPRESS     # the complement of a bool flag
             else:
                 rule = allowed_text(f.metadata.get('allowed', {}))
-                a.help = (f"{a.help}{f' [{rule}]' if rule else ''} (default: {d})").replace('%', '%%')
-                a.option_strings.sort(key=lambda s: '_' in s)             # show --max-steps before --max_steps
+                shown = '' if d is None else f" (default: {d})"          # None: the help text says what happens
+                a.help = (f"{a.help}{f' [{rule}]' if rule else ''}{shown}").replace('%', '%%')
+                a.option_strings = [s for s in a.option_strings if '_' not in s]   # --max_steps still parses
+                if a.nargs == '+': a.metavar = 'N'
                 self.actions[a.dest] = a
             a.default, a.choices = argparse.SUPPRESS, None
-            if a.type is not None: a.type = _converter(a.type, a.dest, self)
+            if a.type is not None: a.type = _converter(a.type, a.dest, self, _optional(self.hints[a.dest]))
 
     @staticmethod
     def _parse_dataclass_field(parser, f):

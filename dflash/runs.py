@@ -91,7 +91,7 @@ def check_train(c: TrainConfig) -> list[str]:
         probs.append(f"--cache: {bad}")
     if c.batch_size % world:
         probs.append(f"--batch-size = {c.batch_size}: allowed a multiple of the number of processes ({world})")
-    elif c.micro_batch_size > c.batch_size // world:
+    elif c.batch_size >= 1 and c.micro_batch_size > c.batch_size // world:
         probs.append(f"--micro-batch-size = {c.micro_batch_size}: allowed <= batch_size / processes "
                      f"({c.batch_size // world})")
     if c.block_size > c.max_length: probs.append(f"--block-size = {c.block_size}: allowed <= max_length ({c.max_length})")

@@ -135,7 +135,7 @@ def verify_checkpoint(d) -> dict:
 
 complete_checkpoints = checkpoint_dirs
 
-# %% ../nbs/10_trainer.ipynb #62a7a3d3
+# %% ../nbs/10_trainer.ipynb #9d7168c8
 def _flat_optimizer(sd: dict) -> tuple[dict[str, Tensor], dict]:
     "An optimizer state dict as safetensors tensors ('param.key') and JSON (groups, non-tensor state)."
     tensors, scalars = {}, {}
