@@ -384,7 +384,8 @@ def test_bad_run_record(tmp_path, capsys, finished, text, expect):
 def test_overwrite_moves_the_old_run_aside(tmp_path, finished, files):
     run = _copy(finished, tmp_path / 'run', unfinished=False)
     before = tree(run)
-    train_main(['--out', str(run), '--overwrite', '--data', str(files / 'train.jsonl'), *SMALL, '--max-steps', '1'])
+    train_main(['--out', str(run), '--overwrite', '--data', str(files / 'train.jsonl'), '--eval-data',
+                str(files / 'one.jsonl'), *SMALL, '--max-steps', '1'])
     moved = [p for p in tmp_path.iterdir() if p.name.startswith('run.replaced-')]
     assert len(moved) == 1 and tree(moved[0]) == before, "the old run is kept whole"
     assert json.loads((run / 'run.json').read_text())['status'] == 'finished' and not (run / '.lock').exists()
