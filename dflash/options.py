@@ -99,7 +99,8 @@ class OptionParser(HfArgumentParser):
                 if a.nargs == '+': a.metavar = 'N'
                 self.actions[a.dest] = a
             a.default, a.choices = argparse.SUPPRESS, None
-            if a.type is not None: a.type = _converter(a.type, a.dest, self, _optional(self.hints[a.dest]))
+            if a.type is not None:                                    # `none` unsets an optional single value
+                a.type = _converter(a.type, a.dest, self, _optional(self.hints[a.dest]) and a.nargs != '+')
 
     @staticmethod
     def _parse_dataclass_field(parser, f):

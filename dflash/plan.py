@@ -230,9 +230,10 @@ def _check_plan(o: PlanOptions) -> list[str]:
         p = Path(o.target_config)
         d, bad = json_problem(p / 'config.json' if p.is_dir() else p, 'config.json')
         if bad: probs.append(f"--target-config: {bad}")
-        elif 'model_type' not in d: probs.append(f"--target-config {o.target_config}: no 'model_type', not a transformers config")
+        elif 'model_type' not in d:
+            probs.append(f"--target-config {o.target_config}: no 'model_type', not a transformers config")
     try: parse_memory(o.memory)
-    except ValueError as e: probs.append(f"--memory = {o.memory!r}: {e}")
+    except ValueError as e: probs.append(f"--memory: {e}")
     for pol in o.policies or []:
         try: checkpointed_layers(parse_policy(pol), o.layers)
         except (ValueError, TypeError) as e: probs.append(f"--policies: {e}")

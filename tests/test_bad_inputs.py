@@ -204,7 +204,7 @@ def plan_config(tmp_path_factory):
     (['--anchors', '-3'], "--anchors = -3: allowed >= 1"),
     (['--layers', '0'], "--layers = 0: allowed >= 1"),
     (['--block-size', '1'], "--block-size = 1: allowed >= 2"),
-    (['--memory', '12XB'], "--memory = '12XB': memory size '12XB' is not understood"),
+    (['--memory', '12XB'], "--memory: memory size '12XB' is not understood"),
     (['--dtype', 'fp8'], "--dtype = 'fp8': allowed one of bf16, fp16, fp32"),
     (['--policies', '0'], "--policies: checkpointing policy 0: every k-th layer needs k >= 1"),
     (['--micro-batch-size', 'two'], "--micro-batch-size = 'two' (command line): not an integer"),
