@@ -492,6 +492,10 @@ def test_allowed_changes_on_resume_are_applied_and_logged(tmp_path, capsys, fini
     rec = json.loads((run / 'run.json').read_text())
     assert rec['config']['lr'] == 1e-3 and rec['resumes'][-1]['changed']['max_steps'] == [4, 5]
     assert rec['status'] == 'finished' and rec['step'] == 5
+    import csv
+    rows = {int(r['step']): float(r['lr']) for r in csv.DictReader(open(run / 'metrics.csv'))}
+    assert sorted(rows) == [1, 2, 4, 5], "logged every 2 steps after the resume, and the last step"
+    assert 0 < rows[4] <= 1e-3 < rows[2], "the new peak learning rate is applied"
 
 
 def test_non_finite_steps_keep_the_last_good_checkpoint(tmp_path, capsys, finished):
@@ -516,3 +520,15 @@ def test_rotation_never_deletes_the_last_good_checkpoint(tmp_path):
         (d / 'trainer_state.json').write_text(json.dumps({'step': step, 'bad_steps': bad, 'files': {}}))
     rotate_checkpoints(tmp_path, keep=1)
     assert [d.name for d in checkpoint_dirs(tmp_path)] == ['step-0000004', 'step-0000008']
+
+
+# --- 6. the same errors from real processes, as a shell user sees them ----------------------------------------------------
+@pytest.mark.parametrize('module,argv,expect', [
+    ('dflash.train', ['--max-steps', '0', '--lr', 'abc'], "2 bad options"),
+    ('dflash.plan', ['--target-config', str(toy_target_dir()), '--seq-len', '0'], "--seq-len = 0: allowed >= 1"),
+    ('dflash.speculate', ['--num-prompts', '0'], "--num-prompts = 0: allowed >= 1"),
+], ids=['train', 'plan', 'speculate'])
+def test_command_exits_2_with_the_error(tmp_path, module, argv, expect):
+    r = subprocess.run([sys.executable, '-m', module, *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and expect in r.stderr and 'Traceback' not in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == [], "nothing written"
