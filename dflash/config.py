@@ -156,7 +156,8 @@ def from_dict(cls: DrafterConfig, d: dict, source: str = 'config') -> DrafterCon
     dc = d['dflash_config'] if isinstance(d['dflash_config'], dict) else {}
     if not isint(dc.get('mask_token_id')): bad.append(f"dflash_config.mask_token_id={dc.get('mask_token_id')!r}")
     ids = dc.get('target_layer_ids')
-    if ids is not None and not (isinstance(ids, list) and all(map(isint, ids))): bad.append(f"dflash_config.target_layer_ids={ids!r}")
+    if ids is not None and not (isinstance(ids, list) and all(map(isint, ids))):
+        bad.append(f"dflash_config.target_layer_ids={ids!r}")
     if bad: raise ValueError(f"{source}: fields that must be numbers are not: {', '.join(bad)}")
     names = {f.name for f in fields(cls)} - {'rope_parameters', 'mask_token_id', 'target_layer_ids'}
     kw = {k: d[k] for k in names if d.get(k) is not None}

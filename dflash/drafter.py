@@ -257,7 +257,8 @@ def from_pretrained(cls: DFlashDrafter, path, attention: str = 'eager', dtype: t
     model = cls(DrafterConfig.load(path / 'config.json'), attention, **attention_options)
     from safetensors import SafetensorError
     try: state = load_file(path / 'model.safetensors')
-    except SafetensorError as e: raise ValueError(f"{path / 'model.safetensors'}: unreadable, truncated or not safetensors ({e})") from None
+    except SafetensorError as e:
+        raise ValueError(f"{path / 'model.safetensors'}: unreadable, truncated or not safetensors ({e})") from None
     _check_state(model.state_dict(), state, str(path / 'model.safetensors'))
     model.load_state_dict(state)
     return model.to(dtype or next(iter(state.values())).dtype)

@@ -201,7 +201,8 @@ def json_problem(path, what: str = 'file') -> tuple[dict | None, str | None]:
     if not path.is_file(): return None, f"{path}: no such {what}"
     try: d = json.loads(path.read_bytes().decode('utf-8'))
     except UnicodeDecodeError as e: return None, f"{path}: not UTF-8 text ({e})"
-    except json.JSONDecodeError as e: return None, f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+    except json.JSONDecodeError as e:
+        return None, f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
     if not isinstance(d, dict): return None, f"{path}: expected a JSON object, got {type(d).__name__}"
     return d, None
 
@@ -218,7 +219,8 @@ def safetensors_problem(path) -> str | None:
     if not isinstance(header, dict): return f"{path}: not a safetensors file (header is not a mapping)"
     ends = [t['data_offsets'][1] for k, t in header.items() if k != '__metadata__' and isinstance(t, dict)
             and isinstance(t.get('data_offsets'), list) and len(t['data_offsets']) == 2]
-    if len(ends) != len(header) - ('__metadata__' in header): return f"{path}: not a safetensors file (bad tensor entries)"
+    if len(ends) != len(header) - ('__metadata__' in header):
+        return f"{path}: not a safetensors file (bad tensor entries)"
     need = 8 + n + max(ends, default=0)
     if need > size: return f"{path}: truncated ({size} bytes, its header needs {need})"
     return None

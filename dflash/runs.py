@@ -75,7 +75,8 @@ def check_train(c: TrainConfig) -> list[str]:
     "Problems that involve two options or the disk (each option's own range is checked by its field)."
     probs, world = [], int(os.environ.get('WORLD_SIZE', '1'))
     if c.resume and c.overwrite: probs.append("--resume and --overwrite: choose one (continue the run, or replace it)")
-    if Path(c.out).exists() and not Path(c.out).is_dir(): probs.append(f"--out = {c.out!r}: exists and is not a directory")
+    if Path(c.out).exists() and not Path(c.out).is_dir():
+        probs.append(f"--out = {c.out!r}: exists and is not a directory")
     if c.target is not None:
         probs += model_dir_problems(c.target, '--target')
         if c.data is None and c.cache is None: probs.append("--target needs --data FILE (chat JSONL) or --cache DIR")
@@ -94,7 +95,8 @@ def check_train(c: TrainConfig) -> list[str]:
     elif c.batch_size >= 1 and c.micro_batch_size > c.batch_size // world:
         probs.append(f"--micro-batch-size = {c.micro_batch_size}: allowed <= batch_size / processes "
                      f"({c.batch_size // world})")
-    if c.block_size > c.max_length: probs.append(f"--block-size = {c.block_size}: allowed <= max_length ({c.max_length})")
+    if c.block_size > c.max_length:
+        probs.append(f"--block-size = {c.block_size}: allowed <= max_length ({c.max_length})")
     if (p := _policy_problem(str(c.checkpointing))): probs.append(p)
     return probs
 
@@ -138,7 +140,8 @@ def read_run(out) -> dict | None:
     p = Path(out) / 'run.json'
     if not p.exists(): return None
     d, bad = json_problem(p)
-    if bad or not isinstance(d.get('config'), dict): raise RunDirError(bad or f"{p}: no 'config' mapping; not a run record")
+    if bad or not isinstance(d.get('config'), dict):
+        raise RunDirError(bad or f"{p}: no 'config' mapping; not a run record")
     return d
 
 # %% ../nbs/09b_runs.ipynb #183f4c97
@@ -161,7 +164,8 @@ def lock_run(out) -> Path:
             held, bad = json_problem(lock, 'lock')
             if bad: raise RunDirError(f"{lock}: unreadable lock ({bad}); remove it if no run uses {out}")
             if held.get('host') == me['host'] and isinstance(held.get('pid'), int) and not _alive(held['pid']):
-                print(f"{lock}: process {held['pid']} (started {held.get('started')}) is gone; taking over its stale lock")
+                print(f"{lock}: process {held['pid']} (started {held.get('started')}) is gone; "
+                      "taking over its stale lock")
                 lock.unlink(missing_ok=True); continue
             raise RunDirError(f"{out} is in use by process {held.get('pid')} on {held.get('host')} since "
                               f"{held.get('started')} (lock {lock})")

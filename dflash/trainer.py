@@ -83,7 +83,8 @@ def load_parts(cfg: TrainConfig, device) -> RunParts:
         dcfg = features.drafter_config(**dkw)
         train = ChatDataset.from_jsonl(data, tok, cfg.max_length)
     ev = ChatDataset.from_jsonl(eval_data, tok, cfg.max_length) if eval_data and features is not None else None
-    if ev is not None and not len(ev): raise ValueError(f"--eval-data {eval_data}: no usable conversation to evaluate on")
+    if ev is not None and not len(ev):
+        raise ValueError(f"--eval-data {eval_data}: no usable conversation to evaluate on")
     if len(train) < cfg.batch_size:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(train)} samples)")
     return RunParts(tok, features, embed, lm_head, train, ev, dcfg)
@@ -413,7 +414,8 @@ def fit(self: Trainer) -> dict:
                       init_kwargs={'tensorboard': {'purge_step': resumed_at + 1}} if resumed_at else {})
     eval_due = lambda s: (c.eval_every and s % c.eval_every == 0) or s == self.total_steps
     ev = {}
-    if 0 < resumed_at < self.total_steps and eval_due(resumed_at) and resumed_at not in csv_steps(self.out / 'eval.csv'):
+    logged = csv_steps(self.out / 'eval.csv')
+    if 0 < resumed_at < self.total_steps and eval_due(resumed_at) and resumed_at not in logged:
         ev = self._eval_and_log()                              # killed between that checkpoint and its evaluation
     bar = tqdm(total=self.total_steps, initial=self.step, disable=not (main and c.progress_bar), desc='training',
                dynamic_ncols=True)

@@ -13,7 +13,8 @@ from dflash.options import OptionsError
 from dflash.data import DataError, read_jsonl
 
 SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4', '--lr', '3e-3',
-         '--attention', 'eager', '--log-every', '1', '--spec-eval-prompts', '0', '--seed', '3', '--progress-bar', 'false']
+         '--attention', 'eager', '--log-every', '1', '--spec-eval-prompts', '0', '--seed', '3',
+         '--progress-bar', 'false']
 
 
 def refused(capsys, main, argv, *expect, code=2) -> str:
@@ -43,7 +44,7 @@ def files(tmp_path_factory):
     return d
 
 
-# --- 1. options: every bad value named, with what is allowed, before anything loads -----------------------------------
+# --- 1. options: every bad value named, with what is allowed, before anything loads ---------------------------------
 OPTION_CASES = [
     (['--max-grad-norm', '-1'], "--max-grad-norm = -1.0: allowed > 0"),
     (['--max-grad-norm', '0'], "--max-grad-norm = 0.0: allowed > 0"),
@@ -190,7 +191,7 @@ def test_out_is_a_file(tmp_path, capsys):
     refused(capsys, train_main, ['--out', str(tmp_path / 'run')], "exists and is not a directory")
 
 
-# --- 2. the other commands validate the same way ------------------------------------------------------------------------
+# --- 2. the other commands validate the same way --------------------------------------------------------------------
 @pytest.fixture(scope='module')
 def plan_config(tmp_path_factory):
     d = tmp_path_factory.mktemp('plan')
@@ -228,7 +229,8 @@ def _drafter_case(d: Path, kind: str) -> Path:
     conf = json.loads((t / 'config.json').read_text())
     if kind == 'non-numeric-field': (t / 'config.json').write_text(json.dumps({**conf, 'hidden_size': 'abc'}))
     if kind == 'non-numeric-mask':
-        (t / 'config.json').write_text(json.dumps({**conf, 'dflash_config': {**conf['dflash_config'], 'mask_token_id': 'm'}}))
+        dc = {**conf['dflash_config'], 'mask_token_id': 'm'}
+        (t / 'config.json').write_text(json.dumps({**conf, 'dflash_config': dc}))
     if kind == 'garbage-config': (t / 'config.json').write_bytes(b'\xff\xfe not json')
     if kind == 'truncated-weights':
         w = t / 'model.safetensors'; w.write_bytes(w.read_bytes()[:-1000])
@@ -268,7 +270,7 @@ def test_truncated_drafter_loaded_directly_is_named(tmp_path):
         DFlashDrafter.from_pretrained(d)
 
 
-# --- 3. data: unencodable text and malformed lines are named by file:line ---------------------------------------------
+# --- 3. data: unencodable text and malformed lines are named by file:line -------------------------------------------
 @pytest.mark.parametrize('line,expect', [
     ('{"messages": [{"role": "user", "content": "hi \\ud800"}, {"role": "assistant", "content": "x"}]}',
      "text that is not valid Unicode (surrogates not allowed: '\\ud800')"),
@@ -306,7 +308,7 @@ def test_eval_set_with_no_usable_conversation(tmp_path, files):
                     str(tmp_path / 'ev.jsonl'), *SMALL])
 
 
-# --- 4. a real run, and what may and may not happen to it ----------------------------------------------------------------
+# --- 4. a real run, and what may and may not happen to it -----------------------------------------------------------
 RUN = SMALL + ['--max-steps', '4', '--save-every', '2', '--keep-checkpoints', '3', '--eval-every', '2']
 
 
@@ -334,7 +336,8 @@ def _copy(run: Path, dest: Path, unfinished: bool = True) -> Path:
 def test_new_run_into_a_run_is_refused(tmp_path, capsys, finished):
     run = _copy(finished, tmp_path / 'run', unfinished=False)
     before = tree(run)
-    refused(capsys, train_main, ['--out', str(run), *RUN], 'holds a run', 'pass --resume to continue it, or --overwrite')
+    refused(capsys, train_main, ['--out', str(run), *RUN], 'holds a run',
+            'pass --resume to continue it, or --overwrite')
     assert tree(run) == before
 
 
@@ -400,7 +403,7 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, capsys, finished):
     assert (run / 'drafter' / 'model.safetensors').is_file() and not (run / '.lock').exists()
 
 
-# --- 5. checkpoints: corrupt ones are named and skipped, and nothing in them is unpickled -------------------------------
+# --- 5. checkpoints: corrupt ones are named and skipped, and nothing in them is unpickled ---------------------------
 def _corrupt(ckpt: Path, kind: str):
     if kind == 'garbage-state': (ckpt / 'trainer_state.json').write_text('{"step": 4,')
     if kind == 'state-not-object': (ckpt / 'trainer_state.json').write_text('[4]')
@@ -522,7 +525,7 @@ def test_rotation_never_deletes_the_last_good_checkpoint(tmp_path):
     assert [d.name for d in checkpoint_dirs(tmp_path)] == ['step-0000004', 'step-0000008']
 
 
-# --- 6. the same errors from real processes, as a shell user sees them ----------------------------------------------------
+# --- 6. the same errors from real processes, as a shell user sees them ----------------------------------------------
 @pytest.mark.parametrize('module,argv,expect', [
     ('dflash.train', ['--max-steps', '0', '--lr', 'abc'], "2 bad options"),
     ('dflash.plan', ['--target-config', str(toy_target_dir()), '--seq-len', '0'], "--seq-len = 0: allowed >= 1"),
