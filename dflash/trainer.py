@@ -243,6 +243,9 @@ class Trainer:
         gpu = torch.cuda.is_available()      # without one, processes launched together train over gloo (MULTI_CPU)
         self.acc = acc = accelerator or Accelerator(cpu=not gpu, mixed_precision='bf16' if gpu else 'no',
                                                     log_with='tensorboard', project_dir=str(self.out))
+        if acc.distributed_type.value in ('FSDP', 'DEEPSPEED', 'MEGATRON_LM'):
+            raise NotImplementedError(f"{acc.distributed_type.value}: checkpoints hold whole (unsharded) optimizer state, "
+                                      "written by the main process; sharded engines are not supported yet (use DDP)")
         if cfg.batch_size % acc.num_processes:
             raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the number of processes ({acc.num_processes})")
         set_seed(cfg.seed)
