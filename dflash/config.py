@@ -177,6 +177,18 @@ def from_dict(cls: DrafterConfig, d: dict, source: str = 'config', mask_token_id
     missing = [k for k in ('hidden_size', 'num_attention_heads', 'intermediate_size', 'vocab_size',
                            'num_hidden_layers', 'num_target_layers') if k not in d]
     if missing: raise ValueError(f"{source}: missing fields {missing}")
+    ints = ('hidden_size', 'num_attention_heads', 'num_key_value_heads', 'head_dim', 'intermediate_size', 'vocab_size',
+            'num_hidden_layers', 'num_target_layers', 'block_size', 'sliding_window', 'max_position_embeddings')
+    isint = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    bad = [f"{k}={d[k]!r}" for k in ints if d.get(k) is not None and not isint(d[k])]
+    if d.get('rms_norm_eps') is not None and (isinstance(d['rms_norm_eps'], bool) or
+                                              not isinstance(d['rms_norm_eps'], (int, float))): bad.append('rms_norm_eps')
+    dc = d['dflash_config'] if isinstance(d['dflash_config'], dict) else {}
+    if not isint(dc.get('mask_token_id')): bad.append(f"dflash_config.mask_token_id={dc.get('mask_token_id')!r}")
+    ids = dc.get('target_layer_ids')
+    if ids is not None and not (isinstance(ids, list) and all(map(isint, ids))):
+        bad.append(f"dflash_config.target_layer_ids={ids!r}")
+    if bad: raise ValueError(f"{source}: fields that must be numbers are not: {', '.join(bad)}")
     names = {f.name for f in fields(cls)} - {'rope_parameters', 'mask_token_id', 'target_layer_ids'}
     kw = {k: d[k] for k in names if d.get(k) is not None}
     kw.setdefault('num_key_value_heads', d['num_attention_heads'])
@@ -193,4 +205,8 @@ def save(self: DrafterConfig, path):
 
 @patch(cls_method=True)
 def load(cls: DrafterConfig, path, mask_token_id: int | None = None) -> DrafterConfig:
-    return cls.from_dict(json.loads(Path(path).read_text()), source=str(path), mask_token_id=mask_token_id)
+    try: d = json.loads(Path(path).read_bytes().decode('utf-8'))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e: raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict): raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return cls.from_dict(d, source=str(path), mask_token_id=mask_token_id)
+

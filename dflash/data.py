@@ -90,6 +90,9 @@ def read_jsonl(path, skip_bad_lines: bool = False, stats: DataStats | None = Non
             try:
                 rec = json.loads(raw.decode('utf-8'))
                 if not isinstance(rec, dict): raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+                try: json.dumps(rec, ensure_ascii=False).encode('utf-8')
+                except UnicodeEncodeError as e: raise DataError(f"{where}: text that is not valid Unicode ({e.reason}: "
+                                                                f"{e.object[e.start:e.end]!r})") from None
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 e = DataError(f"{where}: malformed JSON line ({e})")
                 if not skip_bad_lines: raise e from None

@@ -258,9 +258,15 @@ def _check_state(expected: dict, found: dict, source: str):
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, "
                              f"config.json implies {tuple(expected[name].shape)}")
 
+def _read_safetensors(f: Path) -> dict:
+    "The tensors of one safetensors file; a truncated or foreign file is named."
+    from safetensors import SafetensorError
+    try: return load_file(f)
+    except SafetensorError as e: raise ValueError(f"{f}: unreadable, truncated or not safetensors ({e})") from None
+
 def _load_weights(path: Path) -> dict:
     "The tensors of `model.safetensors`, or of the shards a `model.safetensors.index.json` lists."
-    if (path / 'model.safetensors').is_file(): return load_file(path / 'model.safetensors')
+    if (path / 'model.safetensors').is_file(): return _read_safetensors(path / 'model.safetensors')
     index = path / 'model.safetensors.index.json'
     if not index.is_file():
         raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json, "
@@ -269,7 +275,7 @@ def _load_weights(path: Path) -> dict:
     state = {}
     for shard in sorted(set(wmap.values())):
         if not (path / shard).is_file(): raise FileNotFoundError(f"{index}: shard {shard} is missing")
-        part = load_file(path / shard)
+        part = _read_safetensors(path / shard)
         state.update({k: v for k, v in part.items() if wmap.get(k) == shard})
     return state
 

@@ -18,7 +18,7 @@ from .memory import _Tracker, fmt_bytes
 
 # %% auto #0
 __all__ = ['DTYPES', 'POLICIES', 'parse_memory', 'StepMemory', 'budgets', 'step_memory', 'recommend_policy', 'format_table',
-           'recommendation', 'online_target_bytes', 'online_advice', 'main']
+           'recommendation', 'online_target_bytes', 'online_advice', 'PlanOptions', 'main']
 
 # %% ../nbs/07a_plan.ipynb #3b47ea57
 _UNITS = {'': 1, 'b': 1, 'kb': 10**3, 'mb': 10**6, 'gb': 10**9, 'tb': 10**12,
@@ -228,24 +228,47 @@ def _target_config(path):
     if 'model_type' not in d: raise ValueError(f"--target-config {path}: no 'model_type', not a transformers config")
     return AutoConfig.for_model(**d)
 
+from .options import option, parse_options, OptionsError, exit_bad_options, json_problem
+from .checkpointing import checkpointed_layers
+
+@dataclass
+class PlanOptions:
+    target_config: str | None = option(None, "the target's transformers config.json (or its directory); required")
+    seq_len: int = option(8000, 'tokens per sequence', ge=1)
+    anchors: int = option(512, 'blocks per sequence', ge=1)
+    memory: str = option('80GiB', 'GPU memory for training: 80GiB, 96GB, 24000MiB, ...')
+    layers: int = option(5, 'drafter layers', ge=1)
+    block_size: int = option(16, 'tokens per block', ge=2)
+    dtype: str = option('bf16', 'autocast dtype over fp32 master weights (fp32: none)', choices=list(DTYPES))
+    attention: str = option('sdpa', 'attention backend', choices=['sdpa', 'eager'])
+    micro_batch_size: int = option(1, 'sequences per forward', ge=1)
+    optimizer: str = option('fused', 'AdamW implementation', choices=['fused', 'foreach'])
+    policies: list[str] | None = option(None, "policies to try, fastest first: none, k (every k-th layer), all "
+                                              f"(default: {' '.join(map(str, POLICIES))})")
+
+def _check_plan(o: PlanOptions) -> list[str]:
+    "Problems of the plan's options beyond each one's range: the config file, the memory size, the policies."
+    probs = []
+    if o.target_config is None: probs.append("--target-config is required")
+    else:
+        p = Path(o.target_config)
+        d, bad = json_problem(p / 'config.json' if p.is_dir() else p, 'config.json')
+        if bad: probs.append(f"--target-config: {bad}")
+        elif 'model_type' not in d:
+            probs.append(f"--target-config {o.target_config}: no 'model_type', not a transformers config")
+    try: parse_memory(o.memory)
+    except ValueError as e: probs.append(f"--memory: {e}")
+    for pol in o.policies or []:
+        try: checkpointed_layers(parse_policy(pol), o.layers)
+        except (ValueError, TypeError) as e: probs.append(f"--policies: {e}")
+    return probs
+
 def main(argv=None) -> int:
     "Predict the peak memory of a drafter training step per checkpointing policy and recommend one."
-    ap = argparse.ArgumentParser(prog='python -m dflash.plan', description=main.__doc__)
-    ap.add_argument('--target-config', required=True, help="the target's transformers config.json (or its directory)")
-    ap.add_argument('--seq-len', type=int, default=8000, help='tokens per sequence')
-    ap.add_argument('--anchors', type=int, default=512, help='blocks per sequence')
-    ap.add_argument('--memory', default='80GiB', help='GPU memory for training: 80GiB, 96GB, 24000MiB, ...')
-    ap.add_argument('--layers', type=int, default=5, help='drafter layers')
-    ap.add_argument('--block-size', type=int, default=16, help='tokens per block')
-    ap.add_argument('--dtype', default='bf16', choices=list(DTYPES), help='autocast dtype over fp32 master weights (fp32: none)')
-    ap.add_argument('--attention', default='sdpa', choices=['sdpa', 'eager'], help='attention backend')
-    ap.add_argument('--micro-batch-size', type=int, default=1, help='sequences per forward')
-    ap.add_argument('--optimizer', default='fused', choices=['fused', 'foreach'], help='AdamW implementation')
-    ap.add_argument('--policies', nargs='+', type=parse_policy, default=list(POLICIES),
-                    help="policies to try, fastest first: none, k (every k-th layer), all")
-    a = ap.parse_args(argv)
-    try: budget = parse_memory(a.memory)
-    except ValueError as e: ap.error(f"--memory: {e}")
+    try: a, _ = parse_options(PlanOptions, argv, 'python -m dflash.plan', main.__doc__, check=_check_plan)
+    except OptionsError as e: exit_bad_options(e)
+    budget = parse_memory(a.memory)
+    a.policies = [parse_policy(p) for p in a.policies] if a.policies else list(POLICIES)
     tc = _target_config(a.target_config)
     cfg = DrafterConfig.from_target(tc, mask_token_id=tc.vocab_size - 1, num_hidden_layers=a.layers, block_size=a.block_size)
     print(f"drafter: {a.layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads "

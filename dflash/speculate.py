@@ -17,7 +17,7 @@ from .data import read_jsonl, to_messages, target_features
 
 # %% auto #0
 __all__ = ['check_compatible', 'SpecResult', 'speculative_generate', 'greedy_generate', 'eval_prompts', 'acceptance_eval',
-           'plot_acceptance', 'main']
+           'plot_acceptance', 'SpeculateOptions', 'main']
 
 # %% ../nbs/09a_speculate.ipynb #5491609a
 def check_compatible(drafter_config: DrafterConfig, target_config, block_size: int | None = None, name: str = 'drafter'):
@@ -144,23 +144,45 @@ def plot_acceptance(hist: list[int], ax=None, title: str = ''):
     return ax
 
 # %% ../nbs/09a_speculate.ipynb #d1b01d47
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog='python -m dflash.speculate',
-                                description='Measure the acceptance length and speed of a DFlash drafter on a target.')
-    p.add_argument('--target', required=True, help='local target model directory (transformers)')
-    p.add_argument('--drafter', required=True, help='drafter directory (config.json + model.safetensors)')
-    p.add_argument('--data', required=True, help='chat JSONL; prompts are the turns before the first assistant turn')
-    p.add_argument('--max-new-tokens', type=int, default=128, help='tokens to generate per prompt (default 128)')
-    p.add_argument('--block-size', type=int, default=None, help="block size (default: the drafter's)")
-    p.add_argument('--num-prompts', type=int, default=32, help='prompts to evaluate (default 32)')
-    p.add_argument('--dtype', default=None, choices=['float32', 'bfloat16', 'float16'],
-                   help='model dtype (default: bfloat16 on GPU, float32 on CPU)')
-    p.add_argument('--out', default=None, help='directory for acceptance.json and acceptance.png (default: none)')
-    return p
+from .options import option, parse_options, OptionsError, exit_bad_options, json_problem, model_dir_problems, \
+    safetensors_problem
+
+@dataclass
+class SpeculateOptions:
+    target: str | None = option(None, 'local target model directory (transformers); required')
+    drafter: str | None = option(None, 'drafter directory (config.json + model.safetensors); required')
+    data: str | None = option(None, 'chat JSONL; prompts are the turns before the first assistant turn; required',
+                              path='file')
+    max_new_tokens: int = option(128, 'tokens to generate per prompt', ge=1)
+    block_size: int | None = option(None, "block size (default: the drafter's)", ge=2)
+    num_prompts: int = option(32, 'prompts to evaluate', ge=1)
+    dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, float32 on CPU)',
+                               choices=['float32', 'bfloat16', 'float16'])
+    out: str | None = option(None, 'directory for acceptance.json and acceptance.png (default: none)')
+
+def _check_speculate(o: SpeculateOptions) -> list[str]:
+    "Problems beyond each option's range: required options, and the model directories read without loading them."
+    probs = [f"--{k} is required" for k in ('target', 'drafter', 'data') if getattr(o, k) is None]
+    if o.target is not None: probs += model_dir_problems(o.target, '--target')
+    if o.drafter is not None:
+        d = Path(o.drafter)
+        conf, bad = json_problem(d / 'config.json', 'config.json')
+        if not d.is_dir(): probs.append(f"--drafter = {o.drafter!r}: no such directory")
+        elif bad: probs.append(f"--drafter: {bad}")
+        else:
+            try: DrafterConfig.from_dict(conf, source=str(d / 'config.json'))
+            except (ValueError, TypeError, KeyError) as e: probs.append(f"--drafter: {e}")
+        w = d / 'model.safetensors'
+        if d.is_dir(): probs += [f"--drafter: {w}: no such file"] if not w.is_file() else \
+            [f"--drafter: {b}" for b in [safetensors_problem(w)] if b]
+    return probs
 
 def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    a = _parser().parse_args(argv)
+    try: a, _ = parse_options(SpeculateOptions, argv, 'python -m dflash.speculate',
+                              'Measure the acceptance length and speed of a DFlash drafter on a target.',
+                              check=_check_speculate)
+    except OptionsError as e: exit_bad_options(e)
     dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev.type == 'cuda' else torch.float32)
     target_cfg_path = Path(a.target) / 'config.json'

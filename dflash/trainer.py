@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_trainer.ipynb #132bd6a8
 from __future__ import annotations
-import csv, json, os, re, resource, shutil, time
+import csv, json, os, re, resource, shutil, signal, time
 from contextlib import nullcontext
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
@@ -12,9 +12,10 @@ import torch
 from torch import Tensor
 from fastcore.basics import patch
 from safetensors import safe_open
+from safetensors.torch import save_file, load_file
 from tqdm.auto import tqdm
 from accelerate import Accelerator
-from accelerate.utils import set_seed, DistributedType
+from accelerate.utils import set_seed
 from transformers import AutoConfig, AutoTokenizer, get_cosine_schedule_with_warmup
 from .config import DrafterConfig
 from .layout import BlockLayout
@@ -25,48 +26,14 @@ from .planner import _free_bytes
 from .objective import dflash_objective, ObjectiveSums
 from .data import ChatDataset, CacheDataset, TargetFeatures, collate
 from .toy import toy_target_dir, toy_data_dir
+from .options import json_problem
+from .runs import TrainConfig, write_atomic, write_json, fsync_path, file_sha256
 
 # %% auto #0
-__all__ = ['TrainConfig', 'frozen_head_weights', 'RunParts', 'load_parts', 'epoch_order', 'step_samples', 'rank_micro_batches',
-           'complete_checkpoints', 'save_checkpoint', 'peak_memory_mb', 'append_csv', 'sums_metrics', 'Trainer']
-
-# %% ../nbs/10_trainer.ipynb #cb43fb52
-@dataclass
-class TrainConfig:
-    target: str | None = None         # local target model directory (default: the shipped toy target)
-    data: str | None = None           # chat JSONL for training (default: the toy corpus)
-    eval_data: str | None = None      # held-out chat JSONL (default: toy eval set, or none for a real target)
-    cache: str | None = None          # offline hidden-state cache directory (from `python -m dflash.data cache`)
-    out: str = 'runs/dflash'          # run directory: checkpoints, metrics, the exported drafter
-    num_layers: int = 5               # drafter layers
-    target_layer_ids: list | None = None  # target layers the drafter reads (default: DFlash's spread)
-    block_size: int = 16              # tokens per drafted block
-    num_anchors: int = 512            # blocks per sequence (at most)
-    gamma: float | None = 7.0         # loss decay over block positions, exp(-(k-1)/gamma); None: no decay
-    max_length: int = 3072            # tokens per sequence; longer ones are truncated (and counted)
-    batch_size: int = 8               # sequences per optimizer step, over all processes
-    micro_batch_size: int = 1         # sequences per forward on one process
-    epochs: float = 1.0               # passes over the data (ignored when max_steps is set)
-    max_steps: int | None = None      # optimizer steps
-    lr: float = 6e-4                  # AdamW peak learning rate
-    weight_decay: float = 0.0         # AdamW weight decay
-    warmup_ratio: float = 0.04        # share of steps with linear warmup, then cosine decay
-    max_grad_norm: float = 1.0        # gradient-norm clipping
-    attention: str = 'sdpa'           # attention backend: sdpa, flex or eager
-    checkpointing: str = 'auto'       # layer checkpointing: auto (cheapest that fits), none, all, every k-th (k), or a list
-    memory_fraction: float = 0.9      # share of free device memory the attention planner may use
-    seed: int = 0                     # seeds init, data order and anchors
-    log_every: int = 10               # steps between metric rows
-    eval_every: int = 200             # steps between evaluations (0: only at the end)
-    eval_samples: int | None = None   # held-out samples per evaluation (None: all)
-    eval_batch_size: int = 8          # sequences per evaluation forward on one process
-    save_every: int = 500             # steps between checkpoints (0: only at the end)
-    keep_checkpoints: int = 2         # checkpoints kept (older ones are deleted)
-    max_bad_steps: int = 10           # consecutive non-finite steps before the run stops
-    progress_bar: bool = True         # show a progress bar (main process)
-    resume: bool = False              # continue from the last complete checkpoint in `out`
-    spec_eval_prompts: int = 16       # held-out prompts for speculative-decoding tau before/after training (0: skip)
-    spec_new_tokens: int = 64         # tokens generated per prompt in that evaluation
+__all__ = ['complete_checkpoints', 'frozen_head_weights', 'RunParts', 'load_parts', 'epoch_order', 'step_samples',
+           'rank_micro_batches', 'CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'rotate_checkpoints',
+           'save_checkpoint', 'load_checkpoint', 'peak_memory_mb', 'append_csv', 'sums_metrics', 'truncate_csv',
+           'csv_steps', 'Trainer']
 
 # %% ../nbs/10_trainer.ipynb #0ebcce23
 def frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
@@ -117,6 +84,10 @@ def load_parts(cfg: TrainConfig, device) -> RunParts:
         embed, lm_head = features.embed_weight, features.lm_head_weight
         dcfg = features.drafter_config(**dkw)
     ev = ChatDataset.from_jsonl(eval_data, tok, cfg.max_length) if eval_data and features is not None else None
+    if ev is not None and not len(ev):
+        raise ValueError(f"--eval-data {eval_data}: no usable conversation to evaluate on")
+    if len(train) < cfg.batch_size:
+        raise ValueError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(train)} samples)")
     return RunParts(tok, features, embed, lm_head, train, ev, dcfg)
 
 # %% ../nbs/10_trainer.ipynb #ebc581f4
@@ -140,26 +111,92 @@ def rank_micro_batches(ids: list[int], rank: int, world: int, micro: int) -> lis
 # %% ../nbs/10_trainer.ipynb #a756897e
 _CKPT = re.compile(r'^step-(\d+)$')
 
-def complete_checkpoints(out) -> list[Path]:
-    "Complete checkpoints in `out/checkpoints`, oldest first."
+class CheckpointError(RuntimeError):
+    "A checkpoint that is missing files, corrupt, or not of this format."
+
+def checkpoint_dirs(out) -> list[Path]:
+    "Checkpoint directories `out/checkpoints/step-N`, oldest first (whole or not: `verify_checkpoint` tells)."
     d = Path(out) / 'checkpoints'
     if not d.is_dir(): return []
-    found = [(int(m[1]), p) for p in d.iterdir() if (m := _CKPT.match(p.name)) and (p / 'trainer_state.json').is_file()]
+    found = [(int(m[1]), p) for p in d.iterdir() if (m := _CKPT.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
 
-def save_checkpoint(accelerator: Accelerator, out, step: int, state: dict, keep: int):
-    "Save the accelerate state and `state` atomically as `out/checkpoints/step-N`; rotate old ones."
+def verify_checkpoint(d) -> dict:
+    "The trainer state of checkpoint `d`, after checking each file it lists against its size and SHA-256."
+    d = Path(d)
+    st, bad = json_problem(d / 'trainer_state.json', 'trainer_state.json')
+    if bad: raise CheckpointError(bad)
+    if not isinstance(st.get('files'), dict) or not isinstance(st.get('step'), int):
+        raise CheckpointError(f"{d / 'trainer_state.json'}: no 'step' and 'files' checksums; not a dflash checkpoint")
+    for name, meta in st['files'].items():
+        p = d / name
+        if not p.is_file(): raise CheckpointError(f"{p}: missing")
+        if p.stat().st_size != meta.get('bytes') or file_sha256(p) != meta.get('sha256'):
+            raise CheckpointError(f"{p}: corrupt (size or SHA-256 differs from trainer_state.json)")
+    return st
+
+complete_checkpoints = checkpoint_dirs
+
+# %% ../nbs/10_trainer.ipynb #9d7168c8
+def _flat_optimizer(sd: dict) -> tuple[dict[str, Tensor], dict]:
+    "An optimizer state dict as safetensors tensors ('param.key') and JSON (groups, non-tensor state)."
+    tensors, scalars = {}, {}
+    for i, s in sd['state'].items():
+        for k, v in s.items():
+            if torch.is_tensor(v): tensors[f'{i}.{k}'] = v.detach().contiguous().cpu()
+            else: scalars[f'{i}.{k}'] = v
+    return tensors, {'param_groups': sd['param_groups'], 'scalars': scalars}
+
+def _nested_optimizer(tensors: dict, meta: dict) -> dict:
+    state = {}
+    for key, v in [*tensors.items(), *meta['scalars'].items()]:
+        i, k = key.split('.', 1)
+        state.setdefault(int(i), {})[k] = v
+    return {'state': state, 'param_groups': meta['param_groups']}
+
+def _bad_steps(d) -> int | None:
+    st, bad = json_problem(Path(d) / 'trainer_state.json')
+    return None if bad else st.get('bad_steps')
+
+def rotate_checkpoints(out, keep: int):
+    "Delete all but the newest `keep` checkpoints, and never the newest one written after a finite step."
+    found = checkpoint_dirs(out)
+    good = [d for d in found if _bad_steps(d) == 0]
+    for old in found[:-keep]:
+        if not good or old != good[-1]: shutil.rmtree(old)
+
+def _fault(point: str):
+    "Fault injection for tests: `DFLASH_KILL_AT=point` kills this process here, as a power cut would."
+    if os.environ.get('DFLASH_KILL_AT') == point: os.kill(os.getpid(), signal.SIGKILL)
+
+def save_checkpoint(accelerator: Accelerator, out, step: int, model, opt, sched, state: dict, keep: int):
+    "Write weights, optimizer, schedule and `state` as `out/checkpoints/step-N`, flushed and whole; rotate old ones."
     d = Path(out) / 'checkpoints'
     tmp, final = d / f'.step-{step:07d}.partial', d / f'step-{step:07d}'
+    weights = accelerator.get_state_dict(model)                     # every process takes part (sharded engines)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
+        tensors, opt_meta = _flat_optimizer(opt.state_dict())
+        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / 'model.safetensors')
+        save_file(tensors, tmp / 'optimizer.safetensors')
+        files = {}
+        for name in ('model.safetensors', 'optimizer.safetensors'):
+            fsync_path(tmp / name)
+            files[name] = {'bytes': (tmp / name).stat().st_size, 'sha256': file_sha256(tmp / name)}
+        _fault('checkpoint')
+        write_json(tmp / 'trainer_state.json', {**state, 'optimizer': opt_meta, 'scheduler': sched.state_dict(),
+                                                'files': files})
+        os.replace(tmp, final); fsync_path(d)
+        rotate_checkpoints(out, keep)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    if accelerator.is_main_process:
-        (tmp / 'trainer_state.json').write_text(json.dumps(state, indent=1))
-        os.replace(tmp, final)
-        for old in complete_checkpoints(out)[:-keep]: shutil.rmtree(old)
-    accelerator.wait_for_everyone()
+
+def load_checkpoint(accelerator: Accelerator, d, model, opt, sched) -> dict:
+    "Verify checkpoint `d` and load it into model, optimizer and schedule (safetensors and JSON only); its state."
+    st = verify_checkpoint(d)
+    accelerator.unwrap_model(model).load_state_dict(load_file(Path(d) / 'model.safetensors'))
+    opt.load_state_dict(_nested_optimizer(load_file(Path(d) / 'optimizer.safetensors'), st['optimizer']))
+    sched.load_state_dict(st['scheduler'])
+    return st
 
 # %% ../nbs/10_trainer.ipynb #507a1840
 def peak_memory_mb(device) -> float:
@@ -182,6 +219,22 @@ def sums_metrics(s: ObjectiveSums, prefix: str = '') -> dict:
     m.update({f'{prefix}acc_{k}': a for k, a in enumerate(s.accuracy.tolist()) if k >= 1})
     return m
 
+def truncate_csv(path, last_step: int):
+    "Drop the rows of a metrics CSV after `last_step` (a resume continues from there), rewriting it whole."
+    path = Path(path)
+    if not path.is_file(): return
+    with open(path, newline='') as f: rows = list(csv.reader(f))
+    if not rows: return
+    keep = [r for r in rows[1:] if r and int(float(r[0])) <= last_step]
+    if len(keep) == len(rows) - 1: return
+    lines = [','.join(rows[0])] + [','.join(r) for r in keep]
+    write_atomic(path, '\n'.join(lines) + '\n')
+
+def csv_steps(path) -> list[int]:
+    "The steps logged in a metrics CSV."
+    if not Path(path).is_file(): return []
+    return [int(float(r['step'])) for r in csv.DictReader(open(path, newline=''))]
+
 # %% ../nbs/10_trainer.ipynb #d2a16c6e
 _PLAN_DTYPE = {'bf16': 'bf16', 'fp16': 'fp16'}                    # accelerate's mixed precision -> the plan's dtype
 
@@ -189,15 +242,15 @@ def _refuse_unsupported_plugins():
     "DeepSpeed steps its own engine in `backward`, which breaks the trainer's accumulation and non-finite skipping."
     if os.environ.get('ACCELERATE_USE_DEEPSPEED', 'false').lower() == 'true':
         raise ValueError("DeepSpeed is not supported by dflash.train: its engine steps inside backward, which breaks "
-                         "the trainer's gradient accumulation and non-finite step skipping; use DDP (the default) or "
-                         "FSDP (accelerate config, or --use_fsdp)")
+                         "the trainer's gradient accumulation and non-finite step skipping; use DDP (the default)")
 
-def _check_fsdp_applied(acc: Accelerator):
-    "FSDP asked for (accelerate config or --use_fsdp) but not set up by accelerate (on CPU it is not): stop, no DDP."
+def _refuse_sharded(acc: Accelerator):
+    "FSDP (asked for, or set up) and other sharded engines: checkpoints hold whole optimizer state, so stop."
     asked = os.environ.get('ACCELERATE_USE_FSDP', 'false').lower() == 'true'
-    if asked and acc.distributed_type != DistributedType.FSDP:
-        raise ValueError(f"FSDP was requested but accelerate set up {acc.distributed_type.value} on {acc.device.type}: "
-                         "accelerate's FSDP plugin needs GPUs (it is not applied on CPU); drop --use_fsdp or use GPUs")
+    if asked or acc.distributed_type.value in ('FSDP', 'DEEPSPEED', 'MEGATRON_LM'):
+        raise NotImplementedError(f"{'FSDP' if asked else acc.distributed_type.value} is not supported by dflash.train "
+                                  "yet: its checkpoints hold whole (unsharded) optimizer state, written by the main "
+                                  "process; use DDP (the default: accelerate launch --multi_gpu)")
 
 class Trainer:
     "Train a DFlash drafter with accelerate (1 CPU process, 1 GPU, or many)."
@@ -210,8 +263,8 @@ class Trainer:
         precision = None if launched else 'bf16' if gpu else 'no'
         self.acc = acc = accelerator or Accelerator(cpu=not gpu, mixed_precision=precision,
                                                     log_with='tensorboard', project_dir=str(self.out))
-        _check_fsdp_applied(acc)
         gpu = acc.device.type == 'cuda'
+        _refuse_sharded(acc)
         if cfg.batch_size % acc.num_processes:
             raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the number of processes ({acc.num_processes})")
         set_seed(cfg.seed)
@@ -230,7 +283,6 @@ class Trainer:
         self.total_steps = cfg.max_steps or max(1, int(cfg.epochs * (len(p.train) // cfg.batch_size)))
         self.sched = get_cosine_schedule_with_warmup(opt, round(cfg.warmup_ratio * self.total_steps), self.total_steps)
         self.model, self.opt = acc.prepare(drafter, opt)
-        acc.register_for_checkpointing(self.sched)
         self.step, self.bad_steps = 0, 0
 
 # %% ../nbs/10_trainer.ipynb #a18a946a
@@ -300,61 +352,115 @@ def train_step(self: Trainer) -> dict:
 def evaluate(self: Trainer) -> dict:
     "Loss, tau and accuracy per position on the held-out set (global over processes)."
     ev, c, acc = self.parts.eval, self.cfg, self.acc
-    if ev is None: return {}
+    if ev is None or not len(ev): return {}
     self.model.eval()
-    total = None
+    B, dev = c.block_size, acc.device
+    z = lambda *s: torch.zeros(s, device=dev)
+    total = ObjectiveSums(z(), z(), z(B), z(B), z(), z())      # a process with no sample adds zeros
     n = len(ev) if c.eval_samples is None else min(c.eval_samples, len(ev))
     for m in rank_micro_batches(list(range(n)), acc.process_index, acc.num_processes, c.eval_batch_size):
-        s = self._sums(*self._micro_batch(ev, m, epoch=0))
-        total = s if total is None else total + s
+        total = total + self._sums(*self._micro_batch(ev, m, epoch=0))
     self.model.train()
     return sums_metrics(self._reduce(total), prefix='eval_')
 
 # %% ../nbs/10_trainer.ipynb #ddf1d485
 @patch
-def save(self: Trainer):
-    save_checkpoint(self.acc, self.out, self.step, {'step': self.step, 'bad_steps': self.bad_steps},
-                    self.cfg.keep_checkpoints)
+def save(self: Trainer, final: bool = False):
+    if self.bad_steps and not final:
+        if self.acc.is_main_process: print(f"step {self.step}: no checkpoint during {self.bad_steps} non-finite steps")
+        return
+    save_checkpoint(self.acc, self.out, self.step, self.model, self.opt, self.sched,
+                    {'step': self.step, 'bad_steps': self.bad_steps}, self.cfg.keep_checkpoints)
+
+@patch
+def _apply_options(self: Trainer):
+    "Apply this run's lr and weight decay over a loaded optimizer and schedule."
+    s = self.sched
+    s.base_lrs = [self.cfg.lr for _ in s.base_lrs]
+    for g, f in zip(self.opt.param_groups, s.lr_lambdas):
+        g['initial_lr'], g['weight_decay'], g['lr'] = self.cfg.lr, self.cfg.weight_decay, self.cfg.lr * f(s.last_epoch)
+    s._last_lr = [g['lr'] for g in self.opt.param_groups]
 
 @patch
 def resume(self: Trainer) -> Path | None:
-    "Load the last complete checkpoint in `out`, if any."
-    found = complete_checkpoints(self.out)
-    if not found: return None
-    self.acc.load_state(str(found[-1]))
-    st = json.loads((found[-1] / 'trainer_state.json').read_text())
-    self.step, self.bad_steps = st['step'], st['bad_steps']
-    return found[-1]
+    "Load the newest intact checkpoint in `out` (None: there is none); corrupt ones are named and skipped."
+    found, problems = checkpoint_dirs(self.out), []
+    for d in reversed(found):
+        try: st = load_checkpoint(self.acc, d, self.model, self.opt, self.sched)
+        except (CheckpointError, OSError, ValueError, KeyError, RuntimeError) as e:
+            problems.append(f"{d.name}: {e}")
+            if self.acc.is_main_process: print(f"checkpoint {d} is unusable ({e}); trying an older one")
+            continue
+        self.step, self.bad_steps = st['step'], st['bad_steps']
+        self._apply_options()
+        return d
+    if problems: raise CheckpointError(f"{self.out}: no intact checkpoint to resume from:\n  " + '\n  '.join(problems))
+    return None
 
 # %% ../nbs/10_trainer.ipynb #8ae0131f
 @patch
+def export(self: Trainer):
+    "Write the drafter in the DFlash format to `out/drafter`, whole: a hidden directory, flushed, renamed."
+    if self.acc.is_main_process:
+        tmp, final, old = self.out / '.drafter.partial', self.out / 'drafter', self.out / '.drafter.old'
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.acc.unwrap_model(self.model).save_pretrained(tmp)
+        for f in tmp.iterdir(): fsync_path(f)
+        _fault('export')
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists(): os.rename(final, old)
+        os.rename(tmp, final); fsync_path(self.out)
+        shutil.rmtree(old, ignore_errors=True)
+    self.acc.wait_for_everyone()
+
+@patch
+def _eval_and_log(self: Trainer) -> dict:
+    ev = self.evaluate()
+    if self.acc.is_main_process and ev:
+        append_csv(self.out / 'eval.csv', {'step': self.step, **ev}); self.acc.log(ev, step=self.step)
+    return ev
+
+@patch
 def fit(self: Trainer) -> dict:
-    "Train to `total_steps`; returns the last train and eval metrics."
+    "Train to `total_steps`, save, export, evaluate; returns the last train and eval metrics."
     c, acc, main = self.cfg, self.acc, self.acc.is_main_process
     if main: self.out.mkdir(parents=True, exist_ok=True)
+    if c.resume and (where := self.resume()):
+        if main:
+            print(f"resumed from {where} at step {self.step}")
+            for f in ('metrics.csv', 'eval.csv'): truncate_csv(self.out / f, self.step)
+    acc.wait_for_everyone()
+    resumed_at = self.step
     acc.init_trackers('tensorboard', config={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
-                                             for k, v in asdict(c).items()})
-    if c.resume and (where := self.resume()) and main: print(f"resumed from {where} at step {self.step}")
-    bar = tqdm(total=self.total_steps, initial=self.step, disable=not (main and c.progress_bar), desc='training', dynamic_ncols=True)
-    last, ev = {}, {}
+                                             for k, v in asdict(c).items()},
+                      init_kwargs={'tensorboard': {'purge_step': resumed_at + 1}} if resumed_at else {})
+    eval_due = lambda s: (c.eval_every and s % c.eval_every == 0) or s == self.total_steps
+    ev = {}
+    logged = csv_steps(self.out / 'eval.csv')
+    if 0 < resumed_at < self.total_steps and eval_due(resumed_at) and resumed_at not in logged:
+        ev = self._eval_and_log()                              # killed between that checkpoint and its evaluation
+    bar = tqdm(total=self.total_steps, initial=self.step, disable=not (main and c.progress_bar), desc='training',
+               dynamic_ncols=True)
+    last = {}
     while self.step < self.total_steps:
         last = self.train_step()
         bar.update(1); bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}",
                                        tok_s=f"{last['tokens_per_s']:.0f}")
         done = self.step == self.total_steps
-        if main and (self.step % c.log_every == 0 or done):
+        if main and ((c.log_every and self.step % c.log_every == 0) or done):
             append_csv(self.out / 'metrics.csv', last); acc.log(last, step=self.step)
-        if (c.eval_every and self.step % c.eval_every == 0) or done:
-            ev = self.evaluate()
-            if main and ev: append_csv(self.out / 'eval.csv', {'step': self.step, **ev}); acc.log(ev, step=self.step)
-        if (c.save_every and self.step % c.save_every == 0) or done: self.save()
+        if done: break
+        if c.save_every and self.step % c.save_every == 0: self.save()
+        if eval_due(self.step): ev = self._eval_and_log()
     bar.close()
-    state = acc.get_state_dict(self.model)                 # every process: under FSDP this gathers the shards
-    if main:
-        drafter = acc.unwrap_model(self.model)
-        if acc.distributed_type == DistributedType.FSDP:   # sharded parameters: save the gathered full copy
-            drafter = DFlashDrafter(self.parts.drafter_config); drafter.load_state_dict(state)
-        drafter.save_pretrained(self.out / 'drafter')
+    if not (checkpoint_dirs(self.out) and checkpoint_dirs(self.out)[-1].name == f'step-{self.step:07d}'):
+        self.save(final=True)                                  # 1. the final checkpoint
+    self.export()                                              # 2. the drafter
+    _fault('final_eval')
+    if self.step not in csv_steps(self.out / 'eval.csv'): ev = self._eval_and_log()   # 3. the final evaluation
     for t in acc.trackers: t.finish()                      # flush TensorBoard; the process group stays up
     acc.wait_for_everyone()
+    if not last and main and (rows := list(csv.DictReader(open(self.out / 'metrics.csv')))):
+        last = {k: float(v) for k, v in rows[-1].items()}      # resumed after the last step: its logged metrics
     return {**last, **ev, 'mixed_precision': acc.mixed_precision, 'distributed_type': acc.distributed_type.value}
+

@@ -107,3 +107,30 @@ def test_from_target_config_on_disk(tmp_path, make):
     d = DFlashDrafter(cfg)
     ctx, lay, emb = _batch(cfg)
     assert d(ctx, lay, emb).shape == (2, lay.num_blocks * 4, 64)
+
+
+@pytest.mark.parametrize('edit,expect', [
+    (lambda c: {**c, 'hidden_size': 'abc'}, "fields that must be numbers are not: hidden_size='abc'"),
+    (lambda c: {**c, 'num_attention_heads': 4.0}, "num_attention_heads=4.0"),
+    (lambda c: {**c, 'rms_norm_eps': 'small'}, "rms_norm_eps"),
+    (lambda c: {**c, 'dflash_config': {**c['dflash_config'], 'target_layer_ids': '1,3'}},
+     "dflash_config.target_layer_ids='1,3'")])
+def test_non_numeric_config_fields_are_named(tmp_path, small_config, edit, expect):
+    DFlashDrafter(small_config).save_pretrained(tmp_path)
+    conf = json.loads((tmp_path / 'config.json').read_text())
+    (tmp_path / 'config.json').write_text(json.dumps(edit(conf)))
+    with pytest.raises(ValueError, match='config.json: fields that must be numbers') as e:
+        DFlashDrafter.from_pretrained(tmp_path)
+    assert expect in str(e.value)
+
+
+def test_garbage_config_and_truncated_weights_are_named(tmp_path, small_config):
+    DFlashDrafter(small_config).save_pretrained(tmp_path)
+    good = (tmp_path / 'config.json').read_text()
+    (tmp_path / 'config.json').write_text(good[:40])
+    with pytest.raises(ValueError, match='config.json: not valid JSON'): DFlashDrafter.from_pretrained(tmp_path)
+    (tmp_path / 'config.json').write_text(good)
+    w = tmp_path / 'model.safetensors'
+    w.write_bytes(w.read_bytes()[:-10])
+    with pytest.raises(ValueError, match='model.safetensors: unreadable, truncated or not safetensors'):
+        DFlashDrafter.from_pretrained(tmp_path)

@@ -1,12 +1,12 @@
 "The training CLI through real `accelerate launch` processes on CPU: 1 vs 2 processes, resume, bad runs."
-import csv, os, signal, socket, subprocess, sys, time
+import csv, json, os, signal, socket, subprocess, sys, time
 from pathlib import Path
 import pytest
 
 # a small, fast run on the shipped toy target: every option that matters is explicit
 SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4',
          '--micro-batch-size', '1', '--lr', '3e-3', '--attention', 'eager', '--log-every', '1', '--eval-every', '0',
-         '--spec-eval-prompts', '0', '--seed', '3']
+         '--eval-samples', '8', '--spec-eval-prompts', '0', '--seed', '3']
 
 
 def _port() -> str:
@@ -15,12 +15,12 @@ def _port() -> str:
         return str(s.getsockname()[1])
 
 
-def launch(out, *args, processes=1, wait=True):
-    "Run `accelerate launch -m dflash.train` with `processes` CPU processes."
+def launch(out, *args, processes=1, wait=True, env=None):
+    "Run `accelerate launch -m dflash.train` with `processes` CPU processes (and extra environment `env`)."
     dist = ['--multi_gpu', '--num_processes', str(processes)] if processes > 1 else ['--cpu', '--num_processes', '1']
     cmd = [sys.executable, '-m', 'accelerate.commands.launch', *dist, '--num_machines', '1', '--mixed_precision', 'no',
            '--dynamo_backend', 'no', '--main_process_port', _port(), '-m', 'dflash.train', '--out', str(out), *args]
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1'}
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', **(env or {})}
     if not wait: return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                          start_new_session=True)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -50,10 +50,20 @@ def test_one_and_two_processes_train_the_same_model(tmp_path):
         assert (tmp_path / run / 'drafter' / 'model.safetensors').is_file()
 
 
-def test_killed_run_resumes_exactly(tmp_path):
-    args = [*SMALL, '--max-steps', '8', '--save-every', '2', '--keep-checkpoints', '3']
-    straight = launch(tmp_path / 'straight', *args)
-    assert straight.returncode == 0, straight.stdout + straight.stderr
+KILL_ARGS = [*SMALL, '--max-steps', '8', '--save-every', '2', '--keep-checkpoints', '3']
+
+
+@pytest.fixture(scope='module')
+def straight(tmp_path_factory):
+    "The uninterrupted run the killed ones are compared with."
+    out = tmp_path_factory.mktemp('straight') / 'run'
+    r = launch(out, *KILL_ARGS)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+def test_killed_run_resumes_exactly(tmp_path, straight):
+    args = KILL_ARGS
     proc = launch(tmp_path / 'killed', *args, wait=False)
     ckpts = tmp_path / 'killed' / 'checkpoints'
     deadline = time.time() + 600
@@ -67,7 +77,33 @@ def test_killed_run_resumes_exactly(tmp_path):
     resumed = launch(tmp_path / 'killed', *args, '--resume')
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert 'resumed from' in resumed.stdout + resumed.stderr
-    assert_close(losses(tmp_path / 'killed'), losses(tmp_path / 'straight'), rel=1e-6)
+    assert_close(losses(tmp_path / 'killed'), losses(straight), rel=1e-6)
+
+
+def steps(path) -> list[int]:
+    return [int(r['step']) for r in csv.DictReader(open(path))]
+
+
+@pytest.mark.parametrize('point', ['export', 'final_eval'])
+def test_killed_in_final_export_or_evaluation_loses_nothing(tmp_path, straight, point):
+    """A kill during the final export or the final evaluation: the final checkpoint (and, for the evaluation, the
+    drafter) are already on disk; a resume finishes the rest and gives the uninterrupted run's drafter and metrics."""
+    from safetensors.torch import load_file
+    import torch
+    run = tmp_path / 'killed'
+    killed = launch(run, *KILL_ARGS, env={'DFLASH_KILL_AT': point})
+    assert killed.returncode != 0 and not (run / 'summary.json').exists(), killed.stdout + killed.stderr
+    assert (run / 'checkpoints' / 'step-0000008' / 'trainer_state.json').is_file(), "the final checkpoint came first"
+    want = load_file(straight / 'drafter' / 'model.safetensors')
+    same = lambda a: a.keys() == want.keys() and all(torch.equal(a[k], want[k]) for k in a)
+    if point == 'export': assert not (run / 'drafter').exists() and (run / '.drafter.partial').is_dir()
+    else: assert same(load_file(run / 'drafter' / 'model.safetensors')), "the drafter was exported before evaluation"
+    resumed = launch(run, *KILL_ARGS, '--resume')
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert same(load_file(run / 'drafter' / 'model.safetensors')) and not (run / '.drafter.partial').exists()
+    assert json.loads((run / 'run.json').read_text())['status'] == 'finished' and (run / 'summary.json').is_file()
+    assert steps(run / 'metrics.csv') == steps(straight / 'metrics.csv') == list(range(1, 9))
+    assert steps(run / 'eval.csv') == steps(straight / 'eval.csv') == [8], "the final evaluation is logged once"
 
 
 def test_non_finite_losses_stop_the_run(tmp_path):
@@ -78,8 +114,15 @@ def test_non_finite_losses_stop_the_run(tmp_path):
 
 
 def test_help_documents_every_option():
+    "Every option with its help text; the defaults shown are those of the no-argument (toy) run."
+    from dataclasses import fields
+    from dflash.runs import TrainConfig
+    from dflash.train import toy_profile
     r = subprocess.run([sys.executable, '-m', 'dflash.train', '--help'], capture_output=True, text=True)
     assert r.returncode == 0
-    for flag in ('--target', '--data', '--cache', '--num-anchors', '--checkpointing', '--resume', '--config'):
-        assert flag in r.stdout
-    assert '(default: 512)' in r.stdout and '(default: 0.0006)' in r.stdout
+    text, packed = ' '.join(r.stdout.split()), ''.join(r.stdout.split())     # help lines wrap at spaces and hyphens
+    for f in fields(TrainConfig):
+        assert '--' + f.name.replace('_', '-') in text and ''.join(f.metadata['help'].split()) in packed, f.name
+    toy = toy_profile()
+    assert f"(default: {toy['num_anchors']})" in text and f"(default: {toy['lr']})" in text
+    assert '--config' in text

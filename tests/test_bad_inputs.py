@@ -1,0 +1,537 @@
+"""Bad inputs and faults, tried as a user meets them: each gets a named error before training, or the run's outputs
+are preserved. Option and run-directory cases call the commands' `main` in-process (that is all the command does before
+it would load a model); cases that need a trained run share one small real run on the toy target."""
+import hashlib, json, os, pickle, shutil, subprocess, sys, time
+from pathlib import Path
+import pytest, torch
+from safetensors.torch import load_file
+from dflash.toy import toy_target_dir, toy_data_dir, assets_dir
+from dflash.train import main as train_main
+from dflash.plan import main as plan_main
+from dflash.speculate import main as speculate_main
+from dflash.options import OptionsError
+from dflash.data import DataError, read_jsonl
+
+SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4', '--lr', '3e-3',
+         '--attention', 'eager', '--log-every', '1', '--spec-eval-prompts', '0', '--seed', '3',
+         '--progress-bar', 'false']
+
+
+def refused(capsys, main, argv, *expect, code=2) -> str:
+    "Run a command's `main` in-process; it must exit with `code` and print every `expect` on stderr."
+    with pytest.raises(SystemExit) as e: main(argv)
+    assert e.value.code == code
+    err = capsys.readouterr().err
+    for x in expect: assert x in err, (x, err)
+    return err
+
+
+def tree(d) -> dict:
+    "Every file under `d` with its SHA-256: a run's outputs, to compare before and after."
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(d).rglob('*'))
+            if p.is_file()}
+
+
+@pytest.fixture(scope='module')
+def files(tmp_path_factory):
+    "Small data files and a copy of the toy target to break."
+    d = tmp_path_factory.mktemp('inputs')
+    lines = (toy_data_dir() / 'train.jsonl').read_text().splitlines()
+    (d / 'train.jsonl').write_text('\n'.join(lines[:16]) + '\n')
+    (d / 'one.jsonl').write_text(lines[16] + '\n')            # a short eval set: one conversation
+    (d / 'empty.jsonl').write_text('\n\n')
+    shutil.copytree(toy_target_dir(), d / 'target')
+    return d
+
+
+# --- 1. options: every bad value named, with what is allowed, before anything loads ---------------------------------
+OPTION_CASES = [
+    (['--max-grad-norm', '-1'], "--max-grad-norm = -1.0: allowed > 0"),
+    (['--max-grad-norm', '0'], "--max-grad-norm = 0.0: allowed > 0"),
+    (['--max-steps', '0'], "--max-steps = 0: allowed >= 1"),
+    (['--max-steps', '-5'], "--max-steps = -5: allowed >= 1"),
+    (['--batch-size', '-4'], "--batch-size = -4: allowed >= 1"),
+    (['--batch-size', '0'], "--batch-size = 0: allowed >= 1"),
+    (['--gamma', '0'], "--gamma = 0.0: allowed > 0"),
+    (['--gamma', '-2'], "--gamma = -2.0: allowed > 0"),
+    (['--log-every', '-1'], "--log-every = -1: allowed >= 0"),
+    (['--eval-every', '-3'], "--eval-every = -3: allowed >= 0"),
+    (['--save-every', '-1'], "--save-every = -1: allowed >= 0"),
+    (['--keep-checkpoints', '0'], "--keep-checkpoints = 0: allowed >= 1"),
+    (['--lr=-1e-3'], "--lr = -0.001: allowed >= 0"),
+    (['--lr', 'nan'], "--lr = nan: allowed >= 0"),
+    (['--lr', 'inf'], "--lr = inf: allowed >= 0"),
+    (['--lr', 'fast'], "--lr = 'fast' (command line): not a number"),
+    (['--warmup-ratio', '1.5'], "--warmup-ratio = 1.5: allowed >= 0 and < 1"),
+    (['--memory-fraction', '0'], "--memory-fraction = 0.0: allowed > 0 and <= 1"),
+    (['--memory-fraction', '2'], "--memory-fraction = 2.0: allowed > 0 and <= 1"),
+    (['--num-layers', '0'], "--num-layers = 0: allowed >= 1"),
+    (['--num-layers', '2.5'], "--num-layers = '2.5' (command line): not an integer"),
+    (['--block-size', '1'], "--block-size = 1: allowed >= 2"),
+    (['--num-anchors', '0'], "--num-anchors = 0: allowed >= 1"),
+    (['--max-length', '1'], "--max-length = 1: allowed >= 2"),
+    (['--micro-batch-size', '0'], "--micro-batch-size = 0: allowed >= 1"),
+    (['--epochs', '0'], "--epochs = 0.0: allowed > 0"),
+    (['--seed', '-1'], "--seed = -1: allowed >= 0"),
+    (['--eval-samples', '0'], "--eval-samples = 0: allowed >= 1"),
+    (['--eval-batch-size', '0'], "--eval-batch-size = 0: allowed >= 1"),
+    (['--max-bad-steps', '0'], "--max-bad-steps = 0: allowed >= 1"),
+    (['--spec-eval-prompts', '-1'], "--spec-eval-prompts = -1: allowed >= 0"),
+    (['--spec-new-tokens', '0'], "--spec-new-tokens = 0: allowed >= 1"),
+    (['--attention', 'dense'], "--attention = 'dense': allowed one of sdpa, flex, eager"),
+    (['--checkpointing', 'sometimes'], "--checkpointing = 'sometimes': allowed auto, none, all"),
+    (['--checkpointing', '[0,-1]'], "--checkpointing = '[0,-1]': allowed"),
+    (['--target-layer-ids', '1,3'], "--target-layer-ids = '1,3' (command line): not an integer"),
+    (['--target-layer-ids', '-1'], "--target-layer-ids = [-1]: allowed >= 0"),
+    (['--progress-bar', 'maybe'], "--progress-bar = 'maybe' (command line): not true or false"),
+    (['--learning-rate', '1e-3'], "--learning-rate: unknown option"),
+    (['--lr'], "--lr: expected one argument"),
+    (['--resume', '--overwrite'], "--resume and --overwrite: choose one"),
+    (['--block-size', '32', '--max-length', '16'], "--block-size = 32: allowed <= max_length (16)"),
+    (['--batch-size', '4', '--micro-batch-size', '8'], "--micro-batch-size = 8: allowed <= batch_size / processes (4)"),
+    (['--data', 'missing.jsonl'], "--data = 'missing.jsonl': no such file"),
+    (['--eval-data', 'missing.jsonl'], "--eval-data = 'missing.jsonl': no such file"),
+    (['--cache', 'no-such-cache'], "--cache = 'no-such-cache': no such directory"),
+    (['--config', 'no-such.yaml'], "--config no-such.yaml: no such file"),
+]
+
+
+@pytest.mark.parametrize('argv,expect', OPTION_CASES, ids=[' '.join(a) for a, _ in OPTION_CASES])
+def test_bad_option(tmp_path, capsys, monkeypatch, argv, expect):
+    monkeypatch.chdir(tmp_path)
+    refused(capsys, train_main, ['--out', str(tmp_path / 'run'), *argv], expect)
+    assert not (tmp_path / 'run').exists(), "nothing is written before the options are good"
+
+
+def test_every_bad_option_in_one_error(tmp_path, capsys):
+    "Seven bad values: one error lists them all, each with its value and the allowed range."
+    err = refused(capsys, train_main, ['--out', str(tmp_path / 'r'), '--max-steps', '0', '--max-grad-norm', '-1',
+                                       '--batch-size', '-4', '--gamma', '0', '--log-every', '-1', '--lr', 'x',
+                                       '--attention', 'dense'], '7 bad options')
+    assert len([l for l in err.splitlines() if l.startswith('  --')]) == 7
+
+
+YAML_CASES = [
+    ('target_layer_ids: "1,3"\n', "--target-layer-ids = '1,3'"),
+    ('batch_size: 2.5\n', "--batch-size = '2.5'"),
+    ('num_layers: true\n', "--num-layers = 'true'"),
+    ('lr: null\n', "lr: null"),
+    ('learning_rate: 0.1\n', "'learning_rate'"),
+    ('lr: [1, 2]\n', "lr = [1, 2]"),
+    ('lr: {a: 1}\n', "lr = {'a': 1}"),
+    ('- lr: 1\n', "expected a mapping of options, got list"),
+    ('lr: [1\n', "not valid YAML at line"),
+    ('max_steps: 0\nbatch_size: -1\n', "--max-steps = 0: allowed >= 1"),
+]
+
+
+@pytest.mark.parametrize('text,expect', YAML_CASES, ids=[t.strip() for t, _ in YAML_CASES])
+def test_bad_yaml(tmp_path, capsys, text, expect):
+    (tmp_path / 'run.yaml').write_text(text)
+    refused(capsys, train_main, ['--out', str(tmp_path / 'run'), '--config', str(tmp_path / 'run.yaml')], expect)
+    assert not (tmp_path / 'run').exists()
+
+
+def test_yaml_scientific_notation_is_a_float(tmp_path):
+    "PyYAML reads `1e-3` as a string; the options read it as the flag `--lr 1e-3` would be."
+    from dflash.train import parse_config
+    (tmp_path / 'run.yaml').write_text('lr: 1e-3\nweight_decay: 1e-2\ngamma: null\n')
+    c = parse_config(['--config', str(tmp_path / 'run.yaml')])
+    assert (c.lr, c.weight_decay, c.gamma) == (1e-3, 1e-2, None)
+
+
+def _target_case(d: Path, kind: str) -> Path:
+    "A copy of the toy target broken one way."
+    t = d / kind
+    shutil.copytree(toy_target_dir(), t)
+    if kind == 'garbage-config': (t / 'config.json').write_text('{"model_type": "qwen3",, }')
+    if kind == 'no-config': (t / 'config.json').unlink()
+    if kind == 'config-list': (t / 'config.json').write_text('[1, 2]')
+    if kind == 'no-model-type': (t / 'config.json').write_text('{"hidden_size": 8}')
+    if kind == 'truncated-weights':
+        w = t / 'model.safetensors'; w.write_bytes(w.read_bytes()[:len(w.read_bytes()) // 2])
+    if kind == 'garbage-weights': (t / 'model.safetensors').write_bytes(b'\x00' * 4)
+    if kind == 'no-weights': (t / 'model.safetensors').unlink()
+    return t
+
+
+TARGET_CASES = [('garbage-config', "config.json: not valid JSON (Expecting property name"),
+                ('no-config', "no such config.json"), ('config-list', "expected a JSON object, got list"),
+                ('no-model-type', "no 'model_type' field"), ('truncated-weights', "model.safetensors: truncated"),
+                ('garbage-weights', "model.safetensors: not a safetensors file"),
+                ('no-weights', "no *.safetensors weights")]
+
+
+@pytest.mark.parametrize('kind,expect', TARGET_CASES, ids=[k for k, _ in TARGET_CASES])
+def test_bad_target_directory(tmp_path, capsys, files, kind, expect):
+    t = _target_case(tmp_path, kind)
+    refused(capsys, train_main, ['--out', str(tmp_path / 'run'), '--target', str(t), '--data',
+                                 str(files / 'train.jsonl')], '--target', expect)
+
+
+@pytest.mark.parametrize('argv,expect', [
+    (['--target', '{target}'], "--target needs --data FILE (chat JSONL) or --cache DIR"),
+    (['--target', '{target}', '--data', '{train}', '--target-layer-ids', '1', '9'],
+     "--target-layer-ids = [1, 9]: allowed 0..5 (the target has 6 layers)"),
+    (['--data', '{empty}'], "--data = '{empty}': empty file (no conversation)"),
+    (['--eval-data', '{empty}'], "--eval-data = '{empty}': empty file (no conversation)"),
+    (['--cache', '{dir}'], "manifest.json"),
+    (['--target', '/no/such/model', '--data', '{train}'], "--target = '/no/such/model': no such directory"),
+], ids=['target-without-data', 'layer-id-out-of-range', 'empty-data', 'empty-eval-data', 'cache-without-manifest',
+        'missing-target'])
+def test_bad_paths(tmp_path, capsys, files, argv, expect):
+    subs = dict(target=str(files / 'target'), train=str(files / 'train.jsonl'), empty=str(files / 'empty.jsonl'),
+                dir=str(tmp_path))
+    argv = [a.format(**subs) for a in argv]
+    refused(capsys, train_main, ['--out', str(tmp_path / 'run'), *argv], expect.format(**subs))
+
+
+def test_out_is_a_file(tmp_path, capsys):
+    (tmp_path / 'run').write_text('not a directory')
+    refused(capsys, train_main, ['--out', str(tmp_path / 'run')], "exists and is not a directory")
+
+
+# --- 2. the other commands validate the same way --------------------------------------------------------------------
+@pytest.fixture(scope='module')
+def plan_config(tmp_path_factory):
+    d = tmp_path_factory.mktemp('plan')
+    shutil.copy(toy_target_dir() / 'config.json', d / 'config.json')
+    (d / 'garbage.json').write_text('{"model_type": ')
+    return d
+
+
+@pytest.mark.parametrize('argv,expect', [
+    (['--seq-len', '0'], "--seq-len = 0: allowed >= 1"),
+    (['--anchors', '-3'], "--anchors = -3: allowed >= 1"),
+    (['--layers', '0'], "--layers = 0: allowed >= 1"),
+    (['--block-size', '1'], "--block-size = 1: allowed >= 2"),
+    (['--memory', '12XB'], "--memory: memory size '12XB' is not understood"),
+    (['--dtype', 'fp8'], "--dtype = 'fp8': allowed one of bf16, fp16, fp32"),
+    (['--policies', '0'], "--policies: checkpointing policy 0: every k-th layer needs k >= 1"),
+    (['--micro-batch-size', 'two'], "--micro-batch-size = 'two' (command line): not an integer"),
+    (['--target-config', '{d}/garbage.json'], "not valid JSON"),
+    (['--target-config', '{d}/missing.json'], "no such config.json"),
+], ids=['seq-len-0', 'anchors-negative', 'layers-0', 'block-1', 'memory-unit', 'dtype', 'policy-0', 'micro-text',
+        'garbage-config', 'missing-config'])
+def test_plan_bad_option(capsys, plan_config, argv, expect):
+    base = ['--target-config', str(plan_config / 'config.json')]
+    refused(capsys, plan_main, base + [a.format(d=plan_config) for a in argv], expect)
+
+
+def test_plan_needs_a_target_config(capsys):
+    refused(capsys, plan_main, ['--seq-len', '0'], "--target-config is required", "--seq-len = 0")
+
+
+def _drafter_case(d: Path, kind: str) -> Path:
+    "A copy of the shipped toy drafter broken one way."
+    t = d / kind
+    shutil.copytree(assets_dir() / 'toy-drafter', t)
+    conf = json.loads((t / 'config.json').read_text())
+    if kind == 'non-numeric-field': (t / 'config.json').write_text(json.dumps({**conf, 'hidden_size': 'abc'}))
+    if kind == 'non-numeric-mask':
+        dc = {**conf['dflash_config'], 'mask_token_id': 'm'}
+        (t / 'config.json').write_text(json.dumps({**conf, 'dflash_config': dc}))
+    if kind == 'garbage-config': (t / 'config.json').write_bytes(b'\xff\xfe not json')
+    if kind == 'truncated-weights':
+        w = t / 'model.safetensors'; w.write_bytes(w.read_bytes()[:-1000])
+    if kind == 'no-weights': (t / 'model.safetensors').unlink()
+    return t
+
+
+@pytest.mark.parametrize('kind,expect', [
+    ('non-numeric-field', "fields that must be numbers are not: hidden_size='abc'"),
+    ('non-numeric-mask', "dflash_config.mask_token_id='m'"),
+    ('garbage-config', "config.json: not UTF-8 text"),
+    ('truncated-weights', "model.safetensors: truncated"),
+    ('no-weights', "model.safetensors: no such file")])
+def test_speculate_bad_drafter(tmp_path, capsys, kind, expect):
+    d = _drafter_case(tmp_path, kind)
+    refused(capsys, speculate_main, ['--target', str(toy_target_dir()), '--drafter', str(d), '--data',
+                                     str(toy_data_dir() / 'eval.jsonl')], '--drafter', expect)
+
+
+@pytest.mark.parametrize('argv,expect', [
+    (['--num-prompts', '0'], "--num-prompts = 0: allowed >= 1"),
+    (['--max-new-tokens', '-1'], "--max-new-tokens = -1: allowed >= 1"),
+    (['--block-size', '1'], "--block-size = 1: allowed >= 2"),
+    (['--dtype', 'int8'], "--dtype = 'int8': allowed one of float32, bfloat16, float16"),
+    (['--data', 'missing.jsonl'], "--data = 'missing.jsonl': no such file"),
+], ids=['prompts-0', 'new-tokens', 'block-1', 'dtype', 'missing-data'])
+def test_speculate_bad_option(capsys, argv, expect):
+    base = ['--target', str(toy_target_dir()), '--drafter', str(assets_dir() / 'toy-drafter'),
+            '--data', str(toy_data_dir() / 'eval.jsonl')]
+    refused(capsys, speculate_main, base + argv, expect)
+
+
+def test_truncated_drafter_loaded_directly_is_named(tmp_path):
+    from dflash.drafter import DFlashDrafter
+    d = _drafter_case(tmp_path, 'truncated-weights')
+    with pytest.raises(ValueError, match='model.safetensors: unreadable, truncated or not safetensors'):
+        DFlashDrafter.from_pretrained(d)
+
+
+# --- 3. data: unencodable text and malformed lines are named by file:line -------------------------------------------
+@pytest.mark.parametrize('line,expect', [
+    ('{"messages": [{"role": "user", "content": "hi \\ud800"}, {"role": "assistant", "content": "x"}]}',
+     "text that is not valid Unicode (surrogates not allowed: '\\ud800')"),
+    ('{"messages": [{"role": "user", "content": "hi"}, ', "malformed JSON line"),
+    (b'{"messages": "\xff\xfe"}', "malformed JSON line"),
+    ('[1, 2, 3]', "expected a JSON object, got list"),
+], ids=['lone-surrogate', 'cut-line', 'invalid-utf8', 'not-an-object'])
+def test_bad_data_line_is_named(tmp_path, line, expect):
+    good = (toy_data_dir() / 'eval.jsonl').read_text().splitlines()[0]
+    p = tmp_path / 'bad.jsonl'
+    p.write_bytes(good.encode() + b'\n' + (line if isinstance(line, bytes) else line.encode()) + b'\n')
+    with pytest.raises(DataError, match=f"bad.jsonl:2: ") as e: list(read_jsonl(p))
+    assert expect in str(e.value), str(e.value)
+
+
+def test_training_on_a_lone_surrogate_names_file_and_line(tmp_path, files):
+    "The same through the training command: the error names the line before any step is taken."
+    p = tmp_path / 'train.jsonl'
+    lines = (files / 'train.jsonl').read_text().splitlines()
+    p.write_text('\n'.join(lines[:5] + ['{"messages": [{"role": "user", "content": "\\udc80"}]}'] + lines[5:]) + '\n')
+    with pytest.raises(DataError, match=r'train.jsonl:6: text that is not valid Unicode'):
+        train_main(['--out', str(tmp_path / 'run'), '--data', str(p), *SMALL, '--max-steps', '1'])
+    assert not (tmp_path / 'run' / 'checkpoints').exists()
+
+
+def test_train_set_smaller_than_a_batch(tmp_path, files):
+    with pytest.raises(ValueError, match=r'--batch-size 16 is larger than the training set \(1 samples\)'):
+        train_main(['--out', str(tmp_path / 'run'), '--data', str(files / 'one.jsonl'), *SMALL, '--batch-size', '16'])
+
+
+def test_eval_set_with_no_usable_conversation(tmp_path, files):
+    (tmp_path / 'ev.jsonl').write_text('{"messages": [{"role": "user", "content": "only a question"}]}\n')
+    with pytest.raises(ValueError, match='no usable conversation to evaluate on'):
+        train_main(['--out', str(tmp_path / 'run'), '--data', str(files / 'train.jsonl'), '--eval-data',
+                    str(tmp_path / 'ev.jsonl'), *SMALL])
+
+
+# --- 4. a real run, and what may and may not happen to it -----------------------------------------------------------
+RUN = SMALL + ['--max-steps', '4', '--save-every', '2', '--keep-checkpoints', '3', '--eval-every', '2']
+
+
+@pytest.fixture(scope='module')
+def finished(tmp_path_factory, files):
+    "A finished run on the toy target with a one-conversation eval set (which once crashed the final evaluation)."
+    out = tmp_path_factory.mktemp('runs') / 'finished'
+    summary = train_main(['--out', str(out), '--data', str(files / 'train.jsonl'), '--eval-data',
+                          str(files / 'one.jsonl'), *RUN])
+    assert 'eval_loss' in summary['metrics'] and (out / 'drafter' / 'model.safetensors').is_file()
+    assert json.loads((out / 'run.json').read_text())['status'] == 'finished'
+    return out
+
+
+def _copy(run: Path, dest: Path, unfinished: bool = True) -> Path:
+    "A copy of the run; `unfinished`: as if it had been killed after its last checkpoint, before the export."
+    shutil.copytree(run, dest)
+    if unfinished:
+        shutil.rmtree(dest / 'drafter'); (dest / 'summary.json').unlink()
+        rec = json.loads((dest / 'run.json').read_text())
+        (dest / 'run.json').write_text(json.dumps({**rec, 'status': 'running'}))
+    return dest
+
+
+def test_new_run_into_a_run_is_refused(tmp_path, capsys, finished):
+    run = _copy(finished, tmp_path / 'run', unfinished=False)
+    before = tree(run)
+    refused(capsys, train_main, ['--out', str(run), *RUN], 'holds a run',
+            'pass --resume to continue it, or --overwrite')
+    assert tree(run) == before
+
+
+def test_resume_of_a_finished_run_changes_nothing(tmp_path, capsys, finished):
+    run = _copy(finished, tmp_path / 'run', unfinished=False)
+    before = tree(run)
+    assert train_main(['--out', str(run), '--resume']) == {}
+    assert 'this run finished at step 4; --resume leaves it as it is' in capsys.readouterr().out
+    assert tree(run) == before
+
+
+def test_resume_with_changed_layout_is_refused(tmp_path, capsys, finished, files):
+    run = _copy(finished, tmp_path / 'run')
+    before = tree(run)
+    refused(capsys, train_main, ['--out', str(run), '--resume', '--batch-size', '8', '--num-layers', '3', '--seed', '1',
+                                 '--data', str(toy_data_dir() / 'eval.jsonl')],
+            '4 bad options', "--batch-size = 8: the run was started with 4", "--num-layers = 3", "--seed = 1", "--data")
+    assert tree(run) == before
+
+
+def test_run_directory_in_use_is_refused(tmp_path, capsys, finished):
+    run = _copy(finished, tmp_path / 'run')
+    holder = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+    try:
+        (run / '.lock').write_text(json.dumps({'pid': holder.pid, 'host': os.uname().nodename, 'started': 'now'}))
+        before = tree(run)
+        refused(capsys, train_main, ['--out', str(run), '--resume'], f'is in use by process {holder.pid}')
+        assert tree(run) == before
+    finally: holder.kill(); holder.wait()
+
+
+def test_unreadable_lock_is_refused(tmp_path, capsys, finished):
+    run = _copy(finished, tmp_path / 'run')
+    (run / '.lock').write_text('')
+    refused(capsys, train_main, ['--out', str(run), '--resume'], '.lock: unreadable lock')
+
+
+@pytest.mark.parametrize('text,expect', [('{"config": ', 'run.json: not valid JSON'),
+                                         ('{"status": "running"}', "run.json: no 'config' mapping")],
+                         ids=['garbage', 'no-config'])
+def test_bad_run_record(tmp_path, capsys, finished, text, expect):
+    run = _copy(finished, tmp_path / 'run')
+    (run / 'run.json').write_text(text)
+    refused(capsys, train_main, ['--out', str(run), '--resume'], expect)
+
+
+def test_overwrite_moves_the_old_run_aside(tmp_path, finished, files):
+    run = _copy(finished, tmp_path / 'run', unfinished=False)
+    before = tree(run)
+    train_main(['--out', str(run), '--overwrite', '--data', str(files / 'train.jsonl'), '--eval-data',
+                str(files / 'one.jsonl'), *SMALL, '--max-steps', '1'])
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith('run.replaced-')]
+    assert len(moved) == 1 and tree(moved[0]) == before, "the old run is kept whole"
+    assert json.loads((run / 'run.json').read_text())['status'] == 'finished' and not (run / '.lock').exists()
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, capsys, finished):
+    run = _copy(finished, tmp_path / 'run')
+    dead = subprocess.Popen([sys.executable, '-c', 'pass']); dead.wait()
+    (run / '.lock').write_text(json.dumps({'pid': dead.pid, 'host': os.uname().nodename, 'started': 'then'}))
+    train_main(['--out', str(run), '--resume'])
+    assert f'process {dead.pid} (started then) is gone; taking over its stale lock' in capsys.readouterr().out
+    assert (run / 'drafter' / 'model.safetensors').is_file() and not (run / '.lock').exists()
+
+
+# --- 5. checkpoints: corrupt ones are named and skipped, and nothing in them is unpickled ---------------------------
+def _corrupt(ckpt: Path, kind: str):
+    if kind == 'garbage-state': (ckpt / 'trainer_state.json').write_text('{"step": 4,')
+    if kind == 'state-not-object': (ckpt / 'trainer_state.json').write_text('[4]')
+    if kind == 'old-format-state': (ckpt / 'trainer_state.json').write_text('{"step": 4, "bad_steps": 0}')
+    if kind == 'no-state': (ckpt / 'trainer_state.json').unlink()
+    if kind == 'truncated-model':
+        w = ckpt / 'model.safetensors'; w.write_bytes(w.read_bytes()[:-64])
+    if kind == 'truncated-optimizer':
+        w = ckpt / 'optimizer.safetensors'; w.write_bytes(w.read_bytes()[:100])
+    if kind == 'flipped-byte':
+        w = ckpt / 'model.safetensors'; b = bytearray(w.read_bytes()); b[-5] ^= 0xFF; w.write_bytes(bytes(b))
+    if kind == 'missing-model': (ckpt / 'model.safetensors').unlink()
+
+
+CORRUPT = [('garbage-state', 'trainer_state.json: not valid JSON'), ('state-not-object', 'expected a JSON object'),
+           ('old-format-state', "no 'step' and 'files' checksums"), ('no-state', 'no such trainer_state.json'),
+           ('truncated-model', 'model.safetensors: corrupt'), ('truncated-optimizer', 'optimizer.safetensors: corrupt'),
+           ('flipped-byte', 'model.safetensors: corrupt'), ('missing-model', 'model.safetensors: missing')]
+
+
+@pytest.fixture(scope='module')
+def resumer(finished):
+    "A trainer of the finished run's options, to resume from broken copies of it."
+    from dflash.trainer import Trainer
+    from dflash.runs import TrainConfig
+    rec = json.loads((finished / 'run.json').read_text())
+    return Trainer(TrainConfig(**{**rec['config'], 'resume': True}))
+
+
+@pytest.mark.parametrize('kind,expect', CORRUPT, ids=[k for k, _ in CORRUPT])
+def test_corrupt_newest_checkpoint_falls_back(tmp_path, capsys, finished, resumer, kind, expect):
+    run = _copy(finished, tmp_path / 'run')
+    _corrupt(run / 'checkpoints' / 'step-0000004', kind)
+    resumer.out = run
+    assert resumer.resume().name == 'step-0000002' and resumer.step == 2
+    out = capsys.readouterr().out
+    assert 'step-0000004 is unusable' in out and expect in out and 'trying an older one' in out, out
+
+
+def test_no_intact_checkpoint_names_each(tmp_path, resumer, finished):
+    from dflash.trainer import CheckpointError
+    run = _copy(finished, tmp_path / 'run')
+    _corrupt(run / 'checkpoints' / 'step-0000004', 'truncated-model')
+    _corrupt(run / 'checkpoints' / 'step-0000002', 'garbage-state')
+    resumer.out = run
+    with pytest.raises(CheckpointError, match='no intact checkpoint') as e: resumer.resume()
+    assert 'step-0000004' in str(e.value) and 'step-0000002' in str(e.value)
+
+
+class _Payload:
+    "Unpickling this runs a shell command that leaves a marker file."
+    def __init__(self, marker): self.marker = marker
+    def __reduce__(self): return (os.system, (f'touch {self.marker}',))
+
+
+def test_planted_pickles_never_run_and_resume_falls_back_exactly(tmp_path, capsys, finished):
+    "Payloads where accelerate would read pickles; a corrupt newest checkpoint; the resumed run equals the original."
+    marker = tmp_path / 'payload-ran'
+    payload = pickle.dumps(_Payload(marker))
+    pickle.loads(payload); assert marker.exists(), "the payload does run when unpickled"
+    marker.unlink()
+    run = _copy(finished, tmp_path / 'run')
+    for ckpt in (run / 'checkpoints').iterdir():
+        for name in ('custom_checkpoint_0.pkl', 'random_states_0.pkl', 'optimizer.bin', 'scheduler.bin',
+                     'pytorch_model.bin', 'sampler.bin'):
+            (ckpt / name).write_bytes(payload)
+    for name in ('custom_checkpoint_0.pkl', 'training_args.bin'): (run / name).write_bytes(payload)
+    _corrupt(run / 'checkpoints' / 'step-0000004', 'truncated-model')
+    summary = train_main(['--out', str(run), '--resume'])
+    assert not marker.exists(), "no planted pickle was loaded"
+    assert 'resumed from' in capsys.readouterr().out and summary['metrics']['step'] == 4
+    a, b = load_file(run / 'drafter' / 'model.safetensors'), load_file(finished / 'drafter' / 'model.safetensors')
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "resuming from step 2 is exact"
+    import csv
+    assert [int(r['step']) for r in csv.DictReader(open(run / 'metrics.csv'))] == [1, 2, 3, 4]
+    assert [int(r['step']) for r in csv.DictReader(open(run / 'eval.csv'))] == [2, 4]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ea = EventAccumulator(str(run / 'tensorboard')); ea.Reload()
+    for tag in ('loss', 'eval_loss'):
+        steps = [e.step for e in ea.Scalars(tag)]
+        assert steps == sorted(set(steps)), (tag, steps)
+
+
+def test_allowed_changes_on_resume_are_applied_and_logged(tmp_path, capsys, finished):
+    run = _copy(finished, tmp_path / 'run')
+    shutil.rmtree(run / 'checkpoints' / 'step-0000004')
+    train_main(['--out', str(run), '--resume', '--lr', '1e-3', '--max-steps', '5', '--log-every', '2'])
+    assert "changed on resume: lr 0.003 -> 0.001, max_steps 4 -> 5, log_every 1 -> 2" in capsys.readouterr().out
+    rec = json.loads((run / 'run.json').read_text())
+    assert rec['config']['lr'] == 1e-3 and rec['resumes'][-1]['changed']['max_steps'] == [4, 5]
+    assert rec['status'] == 'finished' and rec['step'] == 5
+    import csv
+    rows = {int(r['step']): float(r['lr']) for r in csv.DictReader(open(run / 'metrics.csv'))}
+    assert sorted(rows) == [1, 2, 4, 5], "logged every 2 steps after the resume, and the last step"
+    assert 0 < rows[4] <= 1e-3 < rows[2], "the new peak learning rate is applied"
+
+
+def test_non_finite_steps_keep_the_last_good_checkpoint(tmp_path, capsys, finished):
+    "A resume at a huge learning rate goes non-finite; saves stop, rotation keeps the last good checkpoint, it aborts."
+    from dflash.trainer import verify_checkpoint, checkpoint_dirs
+    run = _copy(finished, tmp_path / 'run')
+    shutil.rmtree(run / 'checkpoints' / 'step-0000004')
+    with pytest.raises(RuntimeError, match='non-finite steps in a row'):
+        train_main(['--out', str(run), '--resume', '--lr', '1e30', '--max-grad-norm', '1e30', '--max-steps', '40',
+                    '--save-every', '1', '--keep-checkpoints', '1', '--max-bad-steps', '3', '--eval-every', '0'])
+    good = [d for d in checkpoint_dirs(run) if verify_checkpoint(d)['bad_steps'] == 0]
+    assert good, "a good checkpoint survives"
+    assert all(verify_checkpoint(d)['bad_steps'] == 0 for d in checkpoint_dirs(run)), "none written mid-streak"
+    assert 'no checkpoint during' in capsys.readouterr().out
+    assert not (run / '.lock').exists(), "the lock is released when the run fails"
+
+
+def test_rotation_never_deletes_the_last_good_checkpoint(tmp_path):
+    from dflash.trainer import rotate_checkpoints, checkpoint_dirs
+    for step, bad in [(2, 0), (4, 0), (6, 2), (8, 3)]:
+        d = tmp_path / 'checkpoints' / f'step-{step:07d}'; d.mkdir(parents=True)
+        (d / 'trainer_state.json').write_text(json.dumps({'step': step, 'bad_steps': bad, 'files': {}}))
+    rotate_checkpoints(tmp_path, keep=1)
+    assert [d.name for d in checkpoint_dirs(tmp_path)] == ['step-0000004', 'step-0000008']
+
+
+# --- 6. the same errors from real processes, as a shell user sees them ----------------------------------------------
+@pytest.mark.parametrize('module,argv,expect', [
+    ('dflash.train', ['--max-steps', '0', '--lr', 'abc'], "2 bad options"),
+    ('dflash.plan', ['--target-config', str(toy_target_dir()), '--seq-len', '0'], "--seq-len = 0: allowed >= 1"),
+    ('dflash.speculate', ['--num-prompts', '0'], "--num-prompts = 0: allowed >= 1"),
+], ids=['train', 'plan', 'speculate'])
+def test_command_exits_2_with_the_error(tmp_path, module, argv, expect):
+    r = subprocess.run([sys.executable, '-m', module, *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and expect in r.stderr and 'Traceback' not in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == [], "nothing written"
