@@ -184,7 +184,8 @@ def from_dict(cls: DrafterConfig, d: dict, source: str = 'config', mask_token_id
     if d.get('rms_norm_eps') is not None and (isinstance(d['rms_norm_eps'], bool) or
                                               not isinstance(d['rms_norm_eps'], (int, float))): bad.append('rms_norm_eps')
     dc = d['dflash_config'] if isinstance(d['dflash_config'], dict) else {}
-    if not isint(dc.get('mask_token_id')): bad.append(f"dflash_config.mask_token_id={dc.get('mask_token_id')!r}")
+    if dc.get('mask_token_id') is not None and not isint(dc['mask_token_id']):
+        bad.append(f"dflash_config.mask_token_id={dc['mask_token_id']!r}")
     ids = dc.get('target_layer_ids')
     if ids is not None and not (isinstance(ids, list) and all(map(isint, ids))):
         bad.append(f"dflash_config.target_layer_ids={ids!r}")
