@@ -303,7 +303,7 @@ def test_train_set_smaller_than_a_batch(tmp_path, files):
 
 def test_eval_set_with_no_usable_conversation(tmp_path, files):
     (tmp_path / 'ev.jsonl').write_text('{"messages": [{"role": "user", "content": "only a question"}]}\n')
-    with pytest.raises(ValueError, match='no usable conversation to evaluate on'):
+    with pytest.raises(ValueError, match='ev.jsonl: no usable sample among 1 records'):
         train_main(['--out', str(tmp_path / 'run'), '--data', str(files / 'train.jsonl'), '--eval-data',
                     str(tmp_path / 'ev.jsonl'), *SMALL])
 
