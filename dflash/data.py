@@ -457,9 +457,15 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument('--device', default=None, help='device (default: cuda if available, else cpu)')
     c.add_argument('--skip-bad-lines', action='store_true', help='skip and count malformed lines instead of stopping')
     c.add_argument('--no-progress', action='store_true', help='no progress bar')
+    sub.add_parser('regenerate', add_help=False, help='regenerate the assistant turns with the target (see '
+                   'python -m dflash.regenerate --help)')
     return p
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ['regenerate']:                       # its own module, which comes after this one: imported lazily
+        from dflash.regenerate import main as regenerate
+        return regenerate(argv[1:])
     args = _parser().parse_args(argv)
     try:
         dtype = None if args.dtype == 'auto' else getattr(torch, args.dtype)
