@@ -481,11 +481,12 @@ def _add_train(sub):
 _SUBCOMMANDS['train'] = _add_train
 
 # %% ../nbs/13_bench.ipynb #77f2d9a3
+from .regenerate import TransformersEngine, end_of_turn_ids, load_conversations, regenerate_batch
+from .toy import load_toy_target, toy_data_dir
+
 def bench_regenerate(n: int = 32, batch_size: int = 16, max_new_tokens: int = 64, repeats: int = 2, device: str = 'cpu',
                      threads: int = 1) -> list[dict]:
     "Tokens/s of regenerating `n` toy conversations in batches of `batch_size` and one at a time, interleaved."
-    from .regenerate import TransformersEngine, end_of_turn_ids, load_conversations, regenerate_batch
-    from .toy import load_toy_target, toy_data_dir
     old = torch.get_num_threads()
     if threads: torch.set_num_threads(threads)
     try:
