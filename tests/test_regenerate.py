@@ -91,13 +91,13 @@ def test_two_processes_write_the_file_of_one(small_data, tmp_path):
     args = ['--data', small_data, '--batch-size', '3', '--max-new-tokens', '32', '--no-progress']
     one = cli(*args[:-1], '--out', tmp_path / 'one.jsonl')
     assert one.returncode == 0, one.stderr
-    cmd = [sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes', '2', '--num_machines', '1',
-           '--mixed_precision', 'no', '--dynamo_backend', 'no', '--main_process_port', _port(),
+    cmd = [sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes', '2',
+           '--num_machines', '1', '--mixed_precision', 'no', '--dynamo_backend', 'no', '--main_process_port', _port(),
            '-m', 'dflash.regenerate', *map(str, args), '--out', str(tmp_path / 'two.jsonl')]
     two = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     assert (tmp_path / 'two.jsonl').read_bytes() == (tmp_path / 'one.jsonl').read_bytes()
-    assert two.stdout.count('regenerated: ') == 1          # one report, from the main process
+    assert two.stdout.count("regenerated: ") == 1                     # one report, from the main process
 
 
 def test_data_command_dispatches_to_regenerate(small_data, tmp_path):
