@@ -492,7 +492,8 @@ def bench_regenerate(n: int = 32, batch_size: int = 16, max_new_tokens: int = 64
     try:
         model, tok = load_toy_target()
         model = model.to(device)
-        engine = TransformersEngine(model, end_of_turn_ids(tok, model.generation_config), tok.pad_token_id, max_new_tokens)
+        stops = end_of_turn_ids(tok, model.generation_config)
+        engine = TransformersEngine(model, stops, tok.pad_token_id, max_new_tokens)
         convs = [m for _, m in load_conversations(toy_data_dir() / 'eval.jsonl')[0][:n]]
         rows = []
         for r in range(repeats):
@@ -502,16 +503,19 @@ def bench_regenerate(n: int = 32, batch_size: int = 16, max_new_tokens: int = 64
                     info = regenerate_batch(engine, tok, convs[i:i + bs])[1]
                     tokens += info['tokens']; turns += info['turns']
                 _sync(torch.device(device)); dt = time.perf_counter() - t0
-                rows.append(dict(mode=mode, batch_size=bs, repeat=r, conversations=len(convs), turns=turns, tokens=tokens,
-                                 seconds=round(dt, 3), tokens_per_s=round(tokens / dt, 1)))
+                rows.append(dict(mode=mode, batch_size=bs, repeat=r, conversations=len(convs), turns=turns,
+                                 tokens=tokens, seconds=round(dt, 3), tokens_per_s=round(tokens / dt, 1)))
         return rows
     finally: torch.set_num_threads(old)
 
 def run_regenerate(args) -> list[dict]:
     rows = bench_regenerate(args.n, args.batch_size, args.max_new_tokens, args.repeats, args.device, args.threads)
-    med = {m: statistics.median(r['tokens_per_s'] for r in rows if r['mode'] == m) for m in ('batched', 'one at a time')}
+    med = {m: statistics.median(r['tokens_per_s'] for r in rows if r['mode'] == m)
+           for m in ('batched', 'one at a time')}
     print(f"{'mode':14} {'batch':>5} {'repeat':>6} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
-    for r in rows: print(f"{r['mode']:14} {r['batch_size']:5d} {r['repeat']:6d} {r['tokens']:7d} {r['seconds']:8.2f} {r['tokens_per_s']:9.1f}")
+    for r in rows:
+        print(f"{r['mode']:14} {r['batch_size']:5d} {r['repeat']:6d} {r['tokens']:7d} {r['seconds']:8.2f} "
+              f"{r['tokens_per_s']:9.1f}")
     print(f"batched / one at a time (median tokens/s): {med['batched'] / med['one at a time']:.2f}x")
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -363,7 +363,7 @@ def regenerate_corpus(out=None, batch_size: int = 256, max_new_tokens: int = 128
 
 # %% ../nbs/09_toy.ipynb #0d5af628
 @call_parse
-def main(command: str,              # `build`: make the corpus, tokenizer and target; `regenerate`: the regenerated corpus
+def main(command: str,              # `build`: the corpus, tokenizer and target; `regenerate`: the regenerated corpus
          out: str = None,           # output folder (default: the package's assets)
          steps: int = 1000,         # training steps of the target
          seed: int = 0,             # seed of the corpus and the training
