@@ -9,6 +9,15 @@ from dflash.toy import load_toy_target, toy_data_dir
 ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1'}
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    "The toy target's matrices are tiny: one thread, which never waits on a busy second core."
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture
 def small_data(tmp_path):
     "The first 12 held-out toy conversations (one to three assistant turns each)."
