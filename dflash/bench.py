@@ -38,7 +38,7 @@ from .toy import toy_config, toy_target_dir, toy_data_dir
 # %% auto #0
 __all__ = ['METHODS', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'dense_attention', 'gather_attention', 'bench_many', 'physical_floor',
            'run_attention', 'parser', 'main', 'StepCase', 'step_case', 'drafter_step', 'bench_policies', 'run_step',
-           'make_target', 'launch_train', 'throughput', 'run_train', 'run_data']
+           'make_target', 'launch_train', 'throughput', 'run_train', 'bench_regenerate', 'run_regenerate', 'run_data']
 
 # %% ../nbs/13_bench.ipynb #e0bdccab
 def dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window=None) -> Tensor:
@@ -188,8 +188,6 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument('--seed', type=int, default=0)
     a.add_argument('--out', default='bench_out', help="directory for attention.csv and attention.png ('' for none)")
     a.set_defaults(run=run_attention)
-    # `data` is defined below the __main__ line: found through the imported module when run as a script
-    _SUBCOMMANDS.setdefault('data', lambda s: __import__('dflash.bench', fromlist=['_']).__dict__['_add_data'](s))
     for add in _SUBCOMMANDS.values(): add(sub)
     from dflash.gpu_bench import _add_gpu; _add_gpu(sub)   # `gpu` (13a_gpu): imported here, as it imports this module
     return p
@@ -483,8 +481,61 @@ def _add_train(sub):
 
 _SUBCOMMANDS['train'] = _add_train
 
-# %% ../nbs/13_bench.ipynb #6ab0d565
-if __name__ == '__main__' and '__file__' in globals(): main()
+# %% ../nbs/13_bench.ipynb #77f2d9a3
+from .regenerate import TransformersEngine, end_of_turn_ids, load_conversations, regenerate_batch
+from .toy import load_toy_target, toy_data_dir
+
+def bench_regenerate(n: int = 32, batch_size: int = 16, max_new_tokens: int = 64, repeats: int = 2, device: str = 'cpu',
+                     threads: int = 1) -> list[dict]:
+    "Tokens/s of regenerating `n` toy conversations in batches of `batch_size` and one at a time, interleaved."
+    old = torch.get_num_threads()
+    if threads: torch.set_num_threads(threads)
+    try:
+        model, tok = load_toy_target()
+        model = model.to(device)
+        stops = end_of_turn_ids(tok, model.generation_config)
+        engine = TransformersEngine(model, stops, tok.pad_token_id, max_new_tokens)
+        convs = [m for _, m in load_conversations(toy_data_dir() / 'eval.jsonl')[0][:n]]
+        rows = []
+        for r in range(repeats):
+            for mode, bs in (('batched', batch_size), ('one at a time', 1)):
+                _sync(torch.device(device)); t0, tokens, turns = time.perf_counter(), 0, 0
+                for i in range(0, len(convs), bs):
+                    info = regenerate_batch(engine, tok, convs[i:i + bs])[1]
+                    tokens += info['tokens']; turns += info['turns']
+                _sync(torch.device(device)); dt = time.perf_counter() - t0
+                rows.append(dict(mode=mode, batch_size=bs, repeat=r, conversations=len(convs), turns=turns,
+                                 tokens=tokens, seconds=round(dt, 3), tokens_per_s=round(tokens / dt, 1)))
+        return rows
+    finally: torch.set_num_threads(old)
+
+def run_regenerate(args) -> list[dict]:
+    rows = bench_regenerate(args.n, args.batch_size, args.max_new_tokens, args.repeats, args.device, args.threads)
+    med = {m: statistics.median(r['tokens_per_s'] for r in rows if r['mode'] == m)
+           for m in ('batched', 'one at a time')}
+    print(f"{'mode':14} {'batch':>5} {'repeat':>6} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
+    for r in rows:
+        print(f"{r['mode']:14} {r['batch_size']:5d} {r['repeat']:6d} {r['tokens']:7d} {r['seconds']:8.2f} "
+              f"{r['tokens_per_s']:9.1f}")
+    print(f"batched / one at a time (median tokens/s): {med['batched'] / med['one at a time']:.2f}x")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, 'regenerate.csv'), 'w', newline='') as f:
+            w = csv.DictWriter(f, list(rows[0])); w.writeheader(); w.writerows(rows)
+    return rows
+
+def _add_regenerate(sub):
+    g = sub.add_parser('regenerate', help='tokens/s of regeneration by the toy target, batched against one at a time')
+    g.add_argument('--n', type=int, default=32, help='held-out toy conversations')
+    g.add_argument('--batch-size', type=int, default=16)
+    g.add_argument('--max-new-tokens', type=int, default=64)
+    g.add_argument('--repeats', type=int, default=2)
+    g.add_argument('--device', default='cpu', choices=['cpu', 'cuda'])
+    g.add_argument('--threads', type=int, default=1, help='torch threads during the run (0: leave as is)')
+    g.add_argument('--out', default='bench_out', help="directory for regenerate.csv ('' for none)")
+    g.set_defaults(run=run_regenerate)
+
+_SUBCOMMANDS['regenerate'] = _add_regenerate
 
 # %% ../nbs/13_bench.ipynb #9e56f721
 from .toy import make_corpus
@@ -547,3 +598,6 @@ def _add_data(sub):
     d.set_defaults(run=run_data)
 
 _SUBCOMMANDS['data'] = _add_data
+
+# %% ../nbs/13_bench.ipynb #6ab0d565
+if __name__ == '__main__' and '__file__' in globals(): main()

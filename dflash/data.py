@@ -796,6 +796,13 @@ def tokenize_command(args):
 
 _SUBCOMMANDS['tokenize'] = _add_tokenize
 
+def _add_regenerate(sub):
+    "Listed for --help; `dflash.regenerate` (later in the stack) parses its own options."
+    sub.add_parser('regenerate', add_help=False, help='regenerate the assistant turns with the target '
+                   '(python -m dflash.data regenerate --help)')
+
+_SUBCOMMANDS['regenerate'] = _add_regenerate
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='python -m dflash.data', description='dflash data tools')
     sub = p.add_subparsers(dest='command', required=True)
@@ -821,6 +828,10 @@ def cache_command(args):
               f"{len(man['shards'])} shards)")
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ['regenerate']:                       # its own module, which comes after this one: imported lazily
+        from dflash.regenerate import main as regenerate
+        return regenerate(argv[1:])
     args = parser().parse_args(argv)
     try: args.run(args)
     except (ValueError, FileNotFoundError) as e:                        # DataError and TemplateError are ValueErrors

@@ -18,7 +18,7 @@ __all__ = ['WORDS', 'DAYS', 'MONTHS', 'SYSTEM_PROMPTS', 'BRIEF_PROMPT', 'WORD_TA
            'task_ends', 'task_next_terms', 'task_count_range', 'task_sort', 'task_number_list', 'task_day',
            'task_month', 'conversation', 'make_corpus', 'write_jsonl', 'read_jsonl', 'toy_splits', 'train_tokenizer',
            'encode_chat', 'embedding_rows', 'toy_config', 'assistant_accuracy', 'train_target', 'assets_dir',
-           'toy_target_dir', 'toy_data_dir', 'load_toy_target', 'build', 'main']
+           'toy_target_dir', 'toy_data_dir', 'load_toy_target', 'build', 'regenerate_corpus', 'main']
 
 # %% ../nbs/09_toy.ipynb #94365d82
 WORDS = ('apple banana cherry grape lemon mango melon peach pear plum berry bread butter cheese honey pepper salt '
@@ -349,13 +349,29 @@ def _build(out, steps, batch_size, lr, n_train, n_eval, vocab_size, seed, model_
     if verbose: print(f"held-out assistant accuracy {log['accuracy']:.4f}; built in {log['build_seconds']:.0f}s")
     return log
 
+# %% ../nbs/09_toy.ipynb #11c67828
+def regenerate_corpus(out=None, batch_size: int = 256, max_new_tokens: int = 128, progress: bool = True) -> dict:
+    "Regenerate `toy-data/{train,eval}.jsonl` under `out` (default: the package's assets) with the toy target there."
+    from dflash.regenerate import RegenConfig, regenerate
+    out, res = Path(out) if out is not None else assets_dir(), {}
+    for split in ('train', 'eval'):
+        cfg = RegenConfig(data=str(out / 'toy-data' / f'{split}.jsonl'), target=str(out / 'toy-target'),
+                          out=str(out / 'toy-data' / f'{split}-regenerated.jsonl'), batch_size=batch_size,
+                          max_new_tokens=max_new_tokens, progress=progress)
+        res[split] = regenerate(cfg)
+    return res
+
 # %% ../nbs/09_toy.ipynb #0d5af628
 @call_parse
-def main(command: str,              # `build`: make the corpus, tokenizer and target
+def main(command: str,              # `build`: the corpus, tokenizer and target; `regenerate`: the regenerated corpus
          out: str = None,           # output folder (default: the package's assets)
          steps: int = 1000,         # training steps of the target
          seed: int = 0,             # seed of the corpus and the training
          threads: int = 1):         # torch threads (one is about as fast for a model this small, and never stalls)
-    "Build the toy target: `python -m dflash.toy build [--out DIR]`."
-    if command != 'build': raise SystemExit(f"unknown command {command!r}; the only command is 'build'")
-    build(out, steps=steps, seed=seed, threads=threads)
+    "Build the toy target (`python -m dflash.toy build [--out DIR]`), then its regenerated corpus (`... regenerate`)."
+    if command not in ('build', 'regenerate'):
+        raise SystemExit(f"unknown command {command!r}; the commands are 'build' and 'regenerate'")
+    if command == 'build': return build(out, steps=steps, seed=seed, threads=threads)
+    old = torch.get_num_threads(); torch.set_num_threads(threads)
+    try: return regenerate_corpus(out)
+    finally: torch.set_num_threads(old)

@@ -42,8 +42,11 @@ def parse_config(argv=None) -> TrainConfig:
 
 # %% ../nbs/11_train.ipynb #7588c06c
 def toy_profile() -> dict:
-    "The options of the default run on the toy target."
-    return yaml.safe_load((importlib.resources.files('dflash') / 'assets' / 'toy-run.yaml').read_text())
+    "The options of the default run on the toy target (its data files named relative to the package's assets)."
+    assets = importlib.resources.files('dflash') / 'assets'
+    p = yaml.safe_load((assets / 'toy-run.yaml').read_text())
+    return {**p, **{k: str(assets / p[k]) for k in ('data', 'eval_data') if p.get(k)}}
+
 
 # %% ../nbs/11_train.ipynb #44a8a7d8
 def spec_tau(trainer) -> dict | None:

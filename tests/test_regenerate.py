@@ -1,0 +1,162 @@
+"Regeneration of chat data by the target: batched against unbatched, killed and rerun, 1 and 2 processes, refusals."
+import json, os, signal, socket, subprocess, sys, time
+from pathlib import Path
+import pytest, torch
+from dflash.regenerate import (RegenConfig, TransformersEngine, cut_at_stop, end_of_turn_ids, index_path,
+                               load_conversations, prompt_ids, regenerate, regenerate_batch, validate, vllm_unavailable)
+from dflash.toy import load_toy_target, toy_data_dir
+
+ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1'}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    "The toy target's matrices are tiny: one thread, which never waits on a busy second core."
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture
+def small_data(tmp_path):
+    "The first 12 held-out toy conversations (one to three assistant turns each)."
+    p = tmp_path / 'in.jsonl'
+    p.write_text(''.join(l + '\n' for l in (toy_data_dir() / 'eval.jsonl').read_text().splitlines()[:12]))
+    return p
+
+
+def cli(*args, wait=True):
+    cmd = [sys.executable, '-m', 'dflash.regenerate', '--no-progress', *map(str, args)]
+    if not wait: return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+def test_batched_equals_unbatched_greedy(small_data):
+    "Left-padded batches with the KV cache give, token for token, what one-at-a-time greedy generate gives (float64)."
+    model, tok = load_toy_target(dtype=torch.float64)
+    stops = end_of_turn_ids(tok, model.generation_config)
+    convs = [m for _, m in load_conversations(small_data)[0]]
+    got, info = regenerate_batch(TransformersEngine(model, stops, tok.pad_token_id, max_new_tokens=40), tok, convs)
+    assert info['turns'] > len(convs)                      # some conversations have later turns
+    for n, msgs in enumerate(convs):
+        msgs, ref = [dict(m) for m in msgs], []
+        for i, m in enumerate(msgs):
+            if m['role'] != 'assistant': continue
+            ids = torch.tensor([prompt_ids(tok, msgs[:i], {})])           # earlier turns: the regenerated ones
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
+                                 eos_token_id=stops, pad_token_id=tok.pad_token_id)
+            toks = cut_at_stop(out[0, ids.shape[1]:].tolist(), stops)[0]
+            m['content'] = tok.decode(toks, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            ref.append(toks)
+        assert info['token_ids'][n] == ref, n
+        assert got[n] == msgs, n
+        assert [m for m in got[n] if m['role'] != 'assistant'] == [m for m in convs[n] if m['role'] != 'assistant']
+
+
+def test_sampling_is_seeded(small_data, tmp_path):
+    "Sampling draws the same text for the same seed and other text for another seed."
+    kw = dict(data=str(small_data), batch_size=4, max_new_tokens=24, temperature=1.0, top_p=0.9, progress=False)
+    texts = []
+    for name, seed in (('a', 1), ('b', 1), ('c', 2)):
+        regenerate(RegenConfig(out=str(tmp_path / f'{name}.jsonl'), seed=seed, **kw))
+        texts.append((tmp_path / f'{name}.jsonl').read_text())
+    assert texts[0] == texts[1] and texts[0] != texts[2]
+
+
+def test_killed_run_reruns_to_the_same_file(small_data, tmp_path):
+    "A real process killed mid-file (plus a half-written line), then rerun, writes the uninterrupted run's file."
+    args = ['--data', small_data, '--batch-size', '2', '--max-new-tokens', '32']
+    full = cli(*args, '--out', tmp_path / 'full.jsonl')
+    assert full.returncode == 0, full.stderr
+    out = tmp_path / 'killed.jsonl'
+    p = cli(*args, '--out', out, wait=False)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        if index_path(out).is_file() and len(index_path(out).read_text().splitlines()) >= 3: break   # 2 batches done
+        time.sleep(0.02)
+    p.send_signal(signal.SIGKILL); p.wait()
+    finished = len(index_path(out).read_text().splitlines()) - 1
+    assert 2 <= finished < 6, finished                     # killed mid-file: 6 batches in all
+    with open(out, 'a') as f: f.write('{"messages": [{"role": "us')     # what a kill inside a write leaves
+    rerun = cli(*args, '--out', out)
+    assert rerun.returncode == 0, rerun.stderr
+    r = json.loads(rerun.stdout.split('regenerated: ')[1])
+    assert r['resumed_batches'] == finished and r['regenerated'] == 12 - 2 * finished
+    assert out.read_bytes() == (tmp_path / 'full.jsonl').read_bytes()
+    again = cli(*args, '--out', out)                       # finished: nothing to do, nothing changed
+    assert json.loads(again.stdout.split('regenerated: ')[1])['regenerated'] == 0
+    assert out.read_bytes() == (tmp_path / 'full.jsonl').read_bytes()
+
+
+def _port() -> str:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return str(s.getsockname()[1])
+
+
+def test_two_processes_write_the_file_of_one(small_data, tmp_path):
+    "Under accelerate launch the batches are split over 2 processes; the output is byte for byte the 1-process file."
+    args = ['--data', small_data, '--batch-size', '3', '--max-new-tokens', '32', '--no-progress']
+    one = cli(*args[:-1], '--out', tmp_path / 'one.jsonl')
+    assert one.returncode == 0, one.stderr
+    cmd = [sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes', '2',
+           '--num_machines', '1', '--mixed_precision', 'no', '--dynamo_backend', 'no', '--main_process_port', _port(),
+           '-m', 'dflash.regenerate', *map(str, args), '--out', str(tmp_path / 'two.jsonl')]
+    two = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert (tmp_path / 'two.jsonl').read_bytes() == (tmp_path / 'one.jsonl').read_bytes()
+    assert two.stdout.count("regenerated: ") == 1                     # one report, from the main process
+
+
+def test_data_command_dispatches_to_regenerate(small_data, tmp_path):
+    "`python -m dflash.data regenerate` is the same command."
+    r = subprocess.run([sys.executable, '-m', 'dflash.data', 'regenerate', '--data', str(small_data), '--out',
+                        str(tmp_path / 'o.jsonl'), '--batch-size', '12', '--max-new-tokens', '8', '--no-progress'],
+                       env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert len((tmp_path / 'o.jsonl').read_text().splitlines()) == 12
+
+
+@pytest.mark.skipif(vllm_unavailable() is None, reason='vLLM and a GPU are here: the engine runs instead')
+def test_vllm_refused_with_the_reason(small_data, tmp_path):
+    r = cli('--data', small_data, '--out', tmp_path / 'o.jsonl', '--engine', 'vllm')
+    assert r.returncode == 2 and f"engine vllm: {vllm_unavailable()}" in r.stderr, r.stderr
+    assert 'Loading weights' not in r.stderr and not (tmp_path / 'o.jsonl').exists()
+
+
+@pytest.mark.skipif(vllm_unavailable() is not None, reason=f'vLLM engine: {vllm_unavailable()}')
+def test_vllm_matches_transformers_greedy(small_data, tmp_path):
+    "Where vLLM runs: its greedy regeneration of the toy corpus in float32 matches the transformers engine's turns."
+    kw = dict(data=str(small_data), batch_size=12, max_new_tokens=32, dtype='float32', progress=False)
+    regenerate(RegenConfig(out=str(tmp_path / 'hf.jsonl'), **kw))
+    regenerate(RegenConfig(out=str(tmp_path / 'vllm.jsonl'), engine='vllm', **kw))
+    hf, vl = [(tmp_path / f).read_text().splitlines() for f in ('hf.jsonl', 'vllm.jsonl')]
+    same = sum(a == b for a, b in zip(hf, vl))
+    assert same >= 0.9 * len(hf), (same, len(hf))          # float32 kernels differ; near-ties may flip a turn
+
+
+def test_bad_options_and_lines_fail_before_loading(small_data, tmp_path):
+    r = cli('--data', tmp_path / 'none.jsonl', '--out', tmp_path / 'o.jsonl', '--batch-size', '0', '--top-p', '2',
+            '--thinking', 'maybe', '--engine', 'tpu')
+    assert r.returncode == 2
+    for bad in ('none.jsonl: no such file', 'batch_size 0', 'top_p 2.0', "thinking 'maybe'", "engine 'tpu'"):
+        assert bad in r.stderr, (bad, r.stderr)
+    assert 'Loading weights' not in r.stderr
+    bad = tmp_path / 'bad.jsonl'
+    bad.write_text(small_data.read_text().splitlines()[0] + '\n{"messages": [{"role": "user", "content": "x"}\n')
+    r = cli('--data', bad, '--out', tmp_path / 'o.jsonl')
+    assert r.returncode == 2 and f'{bad}:2: malformed JSON line' in r.stderr and 'Loading weights' not in r.stderr
+    with pytest.raises(ValueError, match='no enable_thinking switch'):   # the toy template has no thinking switch
+        regenerate(RegenConfig(data=str(small_data), out=str(tmp_path / 'o.jsonl'), thinking='off', progress=False))
+
+
+def test_rerun_with_other_options_is_refused(small_data, tmp_path):
+    out = tmp_path / 'o.jsonl'
+    regenerate(RegenConfig(data=str(small_data), out=str(out), batch_size=12, max_new_tokens=8, progress=False))
+    with pytest.raises(ValueError, match='other options'):
+        regenerate(RegenConfig(data=str(small_data), out=str(out), batch_size=12, max_new_tokens=9, progress=False))
+    foreign = tmp_path / 'foreign.jsonl'
+    foreign.write_text('{"messages": []}\n')
+    with pytest.raises(ValueError, match='not written by this command'):
+        regenerate(RegenConfig(data=str(small_data), out=str(foreign), progress=False))
