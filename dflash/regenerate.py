@@ -9,7 +9,8 @@ from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 import torch
 from tqdm.auto import tqdm
-from .data import DataError, DataStats, read_jsonl, to_messages, target_identity, _check_target_dir
+from .config import resolve_local
+from .data import DataError, DataStats, read_records, to_messages, target_identity, _check_target_dir
 from .drafter import _atomic_write
 
 # %% auto #0
@@ -22,9 +23,9 @@ __all__ = ['ENGINES', 'DTYPES', 'ROLES', 'INDEX_FORMAT', 'RegenConfig', 'vllm_un
 # %% ../nbs/08a_regenerate.ipynb #924b1aed
 @dataclass
 class RegenConfig:
-    data: str                          # chat JSONL to regenerate (messages or ShareGPT conversations)
+    data: str                          # chat data to regenerate: JSONL/JSON/parquet, a directory, a hub dataset id
     out: str                           # output JSONL, append-only; `<out>.index` records the finished batches
-    target: str | None = None          # local target model directory (default: the shipped toy target)
+    target: str | None = None          # target model directory or hub id (default: the shipped toy target)
     engine: str = 'transformers'       # transformers, or vllm (needs vLLM and a GPU)
     batch_size: int = 32               # conversations generated together (left-padded)
     max_new_tokens: int = 512          # tokens per assistant turn at most
@@ -40,7 +41,7 @@ ENGINES = ('transformers', 'vllm')
 DTYPES = ('float32', 'float64', 'bfloat16', 'float16')
 
 def _target_dir(cfg: RegenConfig) -> Path:
-    if cfg.target is not None: return Path(cfg.target)
+    if cfg.target is not None: return resolve_local(cfg.target)                # a hub id: the local cache only
     from dflash.toy import toy_target_dir                       # the package's default target (lazily: toy comes later)
     return toy_target_dir()
 
@@ -53,11 +54,15 @@ def vllm_unavailable() -> str | None:
 def check_options(cfg: RegenConfig) -> list[str]:
     "Every problem with the options, each naming the option and what it may be."
     p = []
-    if not Path(cfg.data).is_file(): p.append(f"data {cfg.data}: no such file")
-    if Path(cfg.out).resolve() == Path(cfg.data).resolve(): p.append(f"out {cfg.out}: must differ from data")
+    try: data = resolve_local(cfg.data, 'dataset')
+    except FileNotFoundError as e: p.append(f"data: {e}")
+    else:
+        if Path(cfg.out).resolve() == data.resolve(): p.append(f"out {cfg.out}: must differ from data")
     if Path(cfg.out).is_dir(): p.append(f"out {cfg.out}: is a directory, expected a JSONL file path")
-    t = _target_dir(cfg)
-    if not (t / 'config.json').is_file(): p.append(f"target {t}: no config.json, not a local model directory")
+    try: t = _target_dir(cfg)
+    except FileNotFoundError as e: p.append(f"target: {e}")
+    else:
+        if not (t / 'config.json').is_file(): p.append(f"target {t}: no config.json, not a local model directory")
     if cfg.engine not in ENGINES: p.append(f"engine {cfg.engine!r}: must be one of {list(ENGINES)}")
     elif cfg.engine == 'vllm' and (why := vllm_unavailable()):
         p.append(f"engine vllm: {why}; use --engine transformers")
@@ -82,7 +87,7 @@ ROLES = ('system', 'user', 'assistant')
 def load_conversations(path, skip_bad_lines: bool = False) -> tuple[list[tuple[dict, list[dict]]], DataStats]:
     "`(record, messages)` of every usable line, and what was skipped."
     stats, out = DataStats(), []
-    for where, rec in read_jsonl(path, skip_bad_lines, stats):
+    for where, rec in read_records(path, skip_bad_lines, stats):
         try:
             msgs = to_messages(rec, where)
             for i, m in enumerate(msgs):
@@ -235,9 +240,12 @@ def regenerate_batch(engine, tokenizer, convs: list[list[dict]], template_kw: di
 INDEX_FORMAT = 'dflash-regenerate/1'
 
 def _sha256_file(path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        while b := f.read(chunk): h.update(b)
+    "The checksum of a data file, or of a directory's files (names and contents) for a saved or hub dataset."
+    path, h = resolve_local(path, 'dataset'), hashlib.sha256()
+    for f in sorted(q for q in path.rglob('*') if q.is_file()) if path.is_dir() else [path]:
+        h.update(str(f.relative_to(path) if path.is_dir() else '').encode())
+        with open(f, 'rb') as fh:
+            while b := fh.read(chunk): h.update(b)
     return h.hexdigest()
 
 def run_header(cfg: RegenConfig) -> dict:
