@@ -64,7 +64,8 @@ def layer_ids(text: str) -> list[int]:
     "Target layer ids from '1,9,17'; ValueError if that is not a list of layer ids."
     try: ids = [int(x) for x in text.split(',')]
     except ValueError: ids = [-1]
-    if any(i < 0 for i in ids): raise ValueError(f"--layers = {text!r}: allowed comma-separated layer ids >= 0, like 1,9,17")
+    if any(i < 0 for i in ids):
+        raise ValueError(f"--layers = {text!r}: allowed comma-separated layer ids >= 0, like 1,9,17")
     return ids
 
 def _check_cache(o: CacheOptions) -> list[str]:

@@ -8,8 +8,8 @@ import sys
 from dataclasses import dataclass
 from .options import option, OptionParser
 
-_PROG, _ABOUT = 'python -m dflash.plan', 'Predict the peak memory of a drafter training step per checkpointing policy ' \
-                                         'and recommend one.'
+_PROG = 'python -m dflash.plan'
+_ABOUT = 'Predict the peak memory of a drafter training step per checkpointing policy and recommend one.'
 
 @dataclass
 class PlanOptions:
@@ -19,7 +19,8 @@ class PlanOptions:
     memory: str = option('80GiB', 'GPU memory for training: 80GiB, 96GB, 24000MiB, ...')
     layers: int = option(5, 'drafter layers', ge=1)
     block_size: int = option(16, 'tokens per block', ge=2)
-    dtype: str = option('bf16', 'autocast dtype over fp32 master weights (fp32: none)', choices=['bf16', 'fp16', 'fp32'])
+    dtype: str = option('bf16', 'autocast dtype over fp32 master weights (fp32: none)',
+                        choices=['bf16', 'fp16', 'fp32'])
     attention: str = option('sdpa', 'attention backend', choices=['sdpa', 'eager'])
     micro_batch_size: int = option(1, 'sequences per forward', ge=1)
     optimizer: str = option('fused', 'AdamW implementation', choices=['fused', 'foreach'])
@@ -30,8 +31,9 @@ if __name__ == '__main__' and '__file__' in globals() and {'-h', '--help'} & set
     OptionParser(PlanOptions, _PROG, _ABOUT).parse_args(['--help'])          # help before torch loads
 
 # %% auto #0
-__all__ = ['DTYPES', 'POLICIES', 'PlanOptions', 'parse_memory', 'StepMemory', 'budgets', 'step_memory', 'recommend_policy',
-           'format_table', 'recommendation', 'online_target_bytes', 'online_advice', 'main']
+__all__ = ['DTYPES', 'POLICIES', 'TARGET_PRESETS', 'GPU_SIZES', 'PlanOptions', 'parse_memory', 'StepMemory', 'budgets',
+           'step_memory', 'recommend_policy', 'format_table', 'recommendation', 'online_target_bytes', 'online_advice',
+           'main', 'target_drafter_config', 'memory_parts', 'fit_figure', 'fit_widget']
 
 # %% ../nbs/07a_plan.ipynb #500a9cad
 import argparse, json, re, sys, time
@@ -296,3 +298,116 @@ def main(argv=None) -> int:
 
 # %% ../nbs/07a_plan.ipynb #3eed0329
 if __name__ == '__main__' and '__file__' in globals(): sys.exit(main())
+
+# %% ../nbs/07a_plan.ipynb #bfda98e7
+TARGET_PRESETS = {         # transformers config sizes of a few common targets
+    'Qwen3-4B': dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    'Qwen3-8B': dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    'Llama-3.1-8B': dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256),
+    'Qwen3-32B': dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936)}
+GPU_SIZES = ('24GB', '40GB', '48GB', '80GB', '94GB', '141GB', '192GB')
+
+def target_drafter_config(sizes: dict, layers: int = 5) -> DrafterConfig:
+    "The drafter config training would derive for a Qwen3-shaped target of these sizes."
+    from transformers import Qwen3Config
+    tc = Qwen3Config(**sizes, rms_norm_eps=1e-6, max_position_embeddings=40960)
+    return DrafterConfig.from_target(tc, mask_token_id=tc.vocab_size - 1, num_hidden_layers=layers)
+
+# %% ../nbs/07a_plan.ipynb #dd813bb4
+_PARTS = ('weights', 'grads', 'AdamW', 'activations', 'optimizer step', 'frozen')
+
+def memory_parts(r: StepMemory) -> dict:
+    "A step's total split into parts that add up to it (bytes): the bars of the fit chart."
+    return dict(zip(_PARTS, (r.weights, r.grads, r.optimizer, r.activations, max(r.step_peak - r.fwd_bwd_peak, 0),
+                             r.frozen)))
+
+def fit_figure(table: list[StepMemory], budget_bytes: int, chosen=None, title: str = ''):
+    "Stacked bars of each policy's step memory (GB) against the budget; `chosen` is marked."
+    from matplotlib.figure import Figure            # not pyplot: nothing global, nothing shown by itself
+    fig = Figure(figsize=(7, 0.6 * len(table) + 1.6), layout='constrained')
+    ax = fig.subplots()
+    for y, r in enumerate(table):
+        left = 0.
+        for k, (part, b) in enumerate(memory_parts(r).items()):
+            ax.barh(y, b / 1e9, left=left, color=f'C{k}', label=part if y == 0 else None)
+            left += b / 1e9
+    ax.axvline(budget_bytes / 1e9, color='red', ls='--', label=f'budget {budget_bytes / 1e9:.1f} GB')
+    ax.set_yticks(range(len(table)), [f"{r.policy}{'  <- chosen' if r.policy == chosen else ''}" for r in table])
+    ax.invert_yaxis()
+    ax.set(xlabel='GB (1e9 bytes) per process', ylabel='checkpointing policy', title=title)
+    ax.legend(loc='upper left', bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    return fig
+
+# %% ../nbs/07a_plan.ipynb #bc49df7d
+def fit_widget(target: str = 'Qwen3-8B', memory: str = '80GB', seq_len: int = 8000, anchors: int = 512,
+               policy: str = 'auto', layers: int = 5):
+    """Will my run fit? Pick a target (preset or sizes), GPU memory, sequence length, anchors and a policy: the table,
+    the recommendation and a chart of each policy's step against the budget. Shows its first state at once."""
+    import base64, io
+    import ipywidgets as W
+    box = lambda w: W.Layout(width=w)
+    sizes = {k: W.IntText(v, description=k.replace('num_', '').replace('_', ' '), layout=box('230px'),
+                          style={'description_width': '130px'}) for k, v in TARGET_PRESETS[target].items()}
+    preset = W.Dropdown(options=[*TARGET_PRESETS, 'custom'], value=target, description='target')
+    gpu = W.Combobox(value=memory, options=list(GPU_SIZES), description='GPU memory', ensure_option=False,
+                     continuous_update=False, style={'description_width': 'initial'}, layout=box('200px'))
+    seq = W.IntText(seq_len, description='seq len', layout=box('180px'))
+    anc = W.IntText(anchors, description='anchors', layout=box('180px'))
+    lay = W.IntText(layers, description='layers', layout=box('180px'))
+    pol = W.Dropdown(options=['auto', *map(str, POLICIES)], value=str(policy), description='policy',
+                     layout=box('200px'))
+    out = W.Output()
+
+    class FitWidget(W.VBox):
+        "The widget; `summary`, `table`, `best` and `png` hold its current state."
+        def __repr__(self): return f"will it fit? {self.summary}"
+
+    w = FitWidget([preset, W.GridBox(list(sizes.values()), layout=W.Layout(grid_template_columns='repeat(3, 240px)')),
+                   W.HBox([gpu, seq, anc, lay, pol]), out])
+    w.summary, w.table, w.best, w.png, hold = '', [], None, b'', [False]
+
+    def redraw(_=None):
+        if hold[0]: return
+        try:
+            budget = parse_memory(gpu.value)
+            bad = [x.description for x in (*sizes.values(), seq, anc, lay) if x.value < 1]
+            if bad: raise ValueError(f"{', '.join(bad)}: must be at least 1")
+            cfg = target_drafter_config({k: x.value for k, x in sizes.items()}, lay.value)
+            best, table = recommend_policy(cfg, seq.value, anc.value, budget, full_table=True)
+        except (ValueError, TypeError) as e:
+            w.summary, w.table, w.png = f"cannot plan: {e}", [], b''
+            out.outputs = ({'output_type': 'stream', 'name': 'stdout', 'text': w.summary + '\n'},); return
+        chosen = best if pol.value == 'auto' else next(r.policy for r in table if str(r.policy) == pol.value)
+        r = next(t for t in table if t.policy == chosen)
+        w.summary, w.table, w.best = recommendation(best, table, budget), table, best
+        text = format_table(table, budget) + '\n' + w.summary
+        if chosen != best:
+            text += f"\nwith {chosen}: {_gb(r.total)} GB, {'fits' if r.total <= budget else 'does not fit'}"
+        title = f"{preset.value}: S={seq.value}, {anc.value} anchors, {lay.value} layers"
+        fig = fit_figure(table, budget, chosen, title)
+        buf = io.BytesIO(); fig.savefig(buf, format='png', dpi=80); w.png = buf.getvalue()
+        out.outputs = ({'output_type': 'stream', 'name': 'stdout', 'text': text + '\n'},
+                       {'output_type': 'display_data', 'metadata': {},
+                        'data': {'image/png': base64.b64encode(w.png).decode(), 'text/plain': '<fit chart>'}})
+
+    def use_preset(change):
+        if change['new'] == 'custom': return
+        hold[0] = True
+        for k, v in TARGET_PRESETS[change['new']].items(): sizes[k].value = v
+        hold[0] = False; redraw()
+
+    def size_edited(_):
+        if hold[0]: return
+        if preset.value != 'custom' and any(sizes[k].value != v for k, v in TARGET_PRESETS[preset.value].items()):
+            hold[0] = True; preset.value = 'custom'; hold[0] = False
+        redraw()
+
+    preset.observe(use_preset, 'value')
+    for x in sizes.values(): x.observe(size_edited, 'value')
+    for x in (gpu, seq, anc, lay, pol): x.observe(redraw, 'value')
+    redraw()                                           # the first state, at once
+    return w

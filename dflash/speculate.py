@@ -165,8 +165,8 @@ def eval_prompts(path, tokenizer, n: int | None = None) -> list[Tensor]:
 def acceptance_eval(target, drafter: DFlashDrafter, prompts: list[Tensor], max_new_tokens: int = 64,
                     block_size: int | None = None, stop_token_ids=(), baseline: bool = False,
                     progress: bool = False) -> dict:
-    """τ, the acceptance histogram and timings of speculative decoding over `prompts` (and plain decoding, if `baseline`);
-    `progress`: a bar of prompts done with tokens/s and the running τ."""
+    """τ, the acceptance histogram and timings of speculative decoding over `prompts` (and plain decoding, if
+    `baseline`); `progress`: a bar of prompts done with tokens/s and the running τ."""
     dev = next(target.parameters()).device
     acc, draft_s, verify_s, tokens = [], 0., 0., 0
     t0 = time.perf_counter()
