@@ -115,7 +115,9 @@ def parse_command(argv=None) -> tuple[str, object]:
     return name, opts
 
 # %% ../nbs/08_data.ipynb #2b331094
-if __name__ == '__main__' and '__file__' in globals(): parse_command()
+if __name__ == '__main__' and '__file__' in globals() and sys.argv[1:2] and \
+        sys.argv[1] in (*_SUBCOMMANDS, '-h', '--help'):
+    parse_command()             # a subcommand registered further down is parsed by `main`, after the heavy imports
 
 # %% ../nbs/08_data.ipynb #f53506d1
 import numpy as np
