@@ -192,7 +192,7 @@ def plot_acceptance(hist: list[int], ax=None, title: str = ''):
     import matplotlib.pyplot as plt
     ax = ax or plt.subplots(figsize=(6, 3), layout='constrained')[1]   # room for the axis labels
     ax.bar(range(1, len(hist) + 1), hist)
-    ax.set(xlabel='tokens accepted per verify step', ylabel='steps', title=title)
+    ax.set(xlabel='tokens accepted per verify step', ylabel='steps', title=title, xticks=range(1, len(hist) + 1))
     return ax
 
 # %% ../nbs/09a_speculate.ipynb #d1b01d47
