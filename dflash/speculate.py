@@ -4,20 +4,67 @@
 
 # %% ../nbs/09a_speculate.ipynb #3aa57e83
 from __future__ import annotations
-import argparse, inspect, json, time
+import inspect, json, sys, time
 from pathlib import Path
 from dataclasses import dataclass, field
+from .config import DrafterConfig
+from .options import option, parse_options, OptionsError, exit_bad_options, json_problem, model_dir_problems, \
+    safetensors_problem
+
+# %% auto #0
+__all__ = ['SpeculateOptions', 'parse_speculate', 'check_compatible', 'SpecResult', 'speculative_generate', 'greedy_generate',
+           'eval_prompts', 'acceptance_eval', 'plot_acceptance', 'main']
+
+# %% ../nbs/09a_speculate.ipynb #bfab8dcc
+@dataclass
+class SpeculateOptions:
+    target: str | None = option(None, 'local target model directory (transformers); required')
+    drafter: str | None = option(None, 'drafter directory (config.json + model.safetensors); required')
+    data: str | None = option(None, 'chat JSONL; prompts are the turns before the first assistant turn; required',
+                              path='file')
+    max_new_tokens: int = option(128, 'tokens to generate per prompt', ge=1)
+    block_size: int | None = option(None, "block size (default: the drafter's)", ge=2)
+    num_prompts: int = option(32, 'prompts to evaluate', ge=1)
+    dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, float32 on CPU)',
+                               choices=['float32', 'bfloat16', 'float16'])
+    out: str | None = option(None, 'directory for acceptance.json and acceptance.png (default: none)')
+    progress: bool = option(True, 'show a progress bar: prompts done, tokens/s, running tau (--no-progress: none)')
+
+def _check_speculate(o: SpeculateOptions) -> list[str]:
+    "Problems beyond each option's range: required options, and the model directories read without loading them."
+    probs = [f"--{k} is required" for k in ('target', 'drafter', 'data') if getattr(o, k) is None]
+    if o.target is not None: probs += model_dir_problems(o.target, '--target')
+    if o.drafter is not None:
+        d = Path(o.drafter)
+        conf, bad = json_problem(d / 'config.json', 'config.json')
+        if not d.is_dir(): probs.append(f"--drafter = {o.drafter!r}: no such directory")
+        elif bad: probs.append(f"--drafter: {bad}")
+        else:
+            try: DrafterConfig.from_dict(conf, source=str(d / 'config.json'))
+            except (ValueError, TypeError, KeyError) as e: probs.append(f"--drafter: {e}")
+        w = d / 'model.safetensors'
+        if d.is_dir(): probs += [f"--drafter: {w}: no such file"] if not w.is_file() else \
+            [f"--drafter: {b}" for b in [safetensors_problem(w)] if b]
+    return probs
+
+def parse_speculate(argv=None) -> SpeculateOptions:
+    "The checked options of `python -m dflash.speculate`; `--help` prints and exits 0, bad options exit 2."
+    try: return parse_options(SpeculateOptions, argv, 'python -m dflash.speculate',
+                              'Measure the acceptance length and speed of a DFlash drafter on a target.',
+                              check=_check_speculate)[0]
+    except OptionsError as e: exit_bad_options(e)
+
+# %% ../nbs/09a_speculate.ipynb #cb096869
+if __name__ == '__main__' and '__file__' in globals(): parse_speculate()   # help and bad options before torch loads
+
+# %% ../nbs/09a_speculate.ipynb #fcd9d88d
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from tqdm import tqdm
 from transformers import DynamicCache, GenerationConfig
-from .config import DrafterConfig
 from .drafter import DFlashDrafter, ContextCache
 from .data import read_jsonl, to_messages, target_features
-
-# %% auto #0
-__all__ = ['check_compatible', 'SpecResult', 'speculative_generate', 'greedy_generate', 'eval_prompts', 'acceptance_eval',
-           'plot_acceptance', 'SpeculateOptions', 'main']
 
 # %% ../nbs/09a_speculate.ipynb #5491609a
 def check_compatible(drafter_config: DrafterConfig, target_config, block_size: int | None = None, name: str = 'drafter'):
@@ -116,21 +163,26 @@ def eval_prompts(path, tokenizer, n: int | None = None) -> list[Tensor]:
 
 @torch.no_grad()
 def acceptance_eval(target, drafter: DFlashDrafter, prompts: list[Tensor], max_new_tokens: int = 64,
-                    block_size: int | None = None, stop_token_ids=(), baseline: bool = False) -> dict:
-    "τ, the acceptance histogram and timings of speculative decoding over `prompts` (and plain decoding, if `baseline`)."
+                    block_size: int | None = None, stop_token_ids=(), baseline: bool = False,
+                    progress: bool = False) -> dict:
+    """τ, the acceptance histogram and timings of speculative decoding over `prompts` (and plain decoding, if
+    `baseline`); `progress`: a bar of prompts done with tokens/s and the running τ."""
     dev = next(target.parameters()).device
     acc, draft_s, verify_s, tokens = [], 0., 0., 0
     t0 = time.perf_counter()
-    for p in prompts:
+    bar = tqdm(prompts, desc='speculative', unit='prompt', disable=not progress)
+    for p in bar:
         r = speculative_generate(target, drafter, p.to(dev), max_new_tokens, block_size, stop_token_ids)
         acc += r.acceptance; draft_s += r.draft_s; verify_s += r.verify_s; tokens += len(r.tokens)
+        bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.1f} tok/s, tau {sum(acc) / max(len(acc), 1):.2f}")
     spec_s = time.perf_counter() - t0
     out = {'tau': sum(acc) / max(len(acc), 1), 'steps': len(acc), 'tokens': tokens, 'spec_s': spec_s,
            'draft_s': draft_s, 'verify_s': verify_s,
            'histogram': [acc.count(k) for k in range(1, (block_size or drafter.config.block_size) + 1)]}
     if baseline:
         t0 = time.perf_counter()
-        for p in prompts: greedy_generate(target, p.to(dev), max_new_tokens, stop_token_ids)
+        for p in tqdm(prompts, desc='plain', unit='prompt', disable=not progress):
+            greedy_generate(target, p.to(dev), max_new_tokens, stop_token_ids)
         out['plain_s'] = time.perf_counter() - t0
         out['speedup'] = out['plain_s'] / spec_s
     return out
@@ -138,51 +190,16 @@ def acceptance_eval(target, drafter: DFlashDrafter, prompts: list[Tensor], max_n
 def plot_acceptance(hist: list[int], ax=None, title: str = ''):
     "Bar chart of how many verify steps accepted 1, 2, ... tokens."
     import matplotlib.pyplot as plt
-    ax = ax or plt.subplots(figsize=(6, 3))[1]
+    ax = ax or plt.subplots(figsize=(6, 3), layout='constrained')[1]   # room for the axis labels
     ax.bar(range(1, len(hist) + 1), hist)
-    ax.set(xlabel='tokens accepted per verify step', ylabel='steps', title=title)
+    ax.set(xlabel='tokens accepted per verify step', ylabel='steps', title=title, xticks=range(1, len(hist) + 1))
     return ax
 
 # %% ../nbs/09a_speculate.ipynb #d1b01d47
-from .options import option, parse_options, OptionsError, exit_bad_options, json_problem, model_dir_problems, \
-    safetensors_problem
-
-@dataclass
-class SpeculateOptions:
-    target: str | None = option(None, 'local target model directory (transformers); required')
-    drafter: str | None = option(None, 'drafter directory (config.json + model.safetensors); required')
-    data: str | None = option(None, 'chat JSONL; prompts are the turns before the first assistant turn; required',
-                              path='file')
-    max_new_tokens: int = option(128, 'tokens to generate per prompt', ge=1)
-    block_size: int | None = option(None, "block size (default: the drafter's)", ge=2)
-    num_prompts: int = option(32, 'prompts to evaluate', ge=1)
-    dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, float32 on CPU)',
-                               choices=['float32', 'bfloat16', 'float16'])
-    out: str | None = option(None, 'directory for acceptance.json and acceptance.png (default: none)')
-
-def _check_speculate(o: SpeculateOptions) -> list[str]:
-    "Problems beyond each option's range: required options, and the model directories read without loading them."
-    probs = [f"--{k} is required" for k in ('target', 'drafter', 'data') if getattr(o, k) is None]
-    if o.target is not None: probs += model_dir_problems(o.target, '--target')
-    if o.drafter is not None:
-        d = Path(o.drafter)
-        conf, bad = json_problem(d / 'config.json', 'config.json')
-        if not d.is_dir(): probs.append(f"--drafter = {o.drafter!r}: no such directory")
-        elif bad: probs.append(f"--drafter: {bad}")
-        else:
-            try: DrafterConfig.from_dict(conf, source=str(d / 'config.json'))
-            except (ValueError, TypeError, KeyError) as e: probs.append(f"--drafter: {e}")
-        w = d / 'model.safetensors'
-        if d.is_dir(): probs += [f"--drafter: {w}: no such file"] if not w.is_file() else \
-            [f"--drafter: {b}" for b in [safetensors_problem(w)] if b]
-    return probs
-
 def main(argv=None) -> dict:
+    "`python -m dflash.speculate`: tau, its histogram and the speed against plain decoding, with a progress bar."
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    try: a, _ = parse_options(SpeculateOptions, argv, 'python -m dflash.speculate',
-                              'Measure the acceptance length and speed of a DFlash drafter on a target.',
-                              check=_check_speculate)
-    except OptionsError as e: exit_bad_options(e)
+    a = parse_speculate(argv)
     dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev.type == 'cuda' else torch.float32)
     target_cfg_path = Path(a.target) / 'config.json'
@@ -195,7 +212,8 @@ def main(argv=None) -> dict:
     drafter = DFlashDrafter.from_pretrained(a.drafter, dtype=dtype).to(dev).eval()
     prompts = eval_prompts(a.data, tok, a.num_prompts)
     if not prompts: raise ValueError(f"{a.data}: no conversation with a turn before an assistant turn")
-    r = acceptance_eval(target, drafter, prompts, a.max_new_tokens, a.block_size, [tok.eos_token_id], baseline=True)
+    r = acceptance_eval(target, drafter, prompts, a.max_new_tokens, a.block_size, [tok.eos_token_id], baseline=True,
+                         progress=a.progress)
     print(f"prompts {len(prompts)}  tokens {r['tokens']}  verify steps {r['steps']}")
     print(f"tau (mean acceptance length) {r['tau']:.3f}")
     print("histogram (tokens per step: steps) " + '  '.join(f"{k}:{n}" for k, n in enumerate(r['histogram'], 1)))
@@ -204,7 +222,8 @@ def main(argv=None) -> dict:
     if a.out:
         out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
         (out / 'acceptance.json').write_text(json.dumps(r, indent=1))
-        plot_acceptance(r['histogram'], title=f"tau = {r['tau']:.2f}").figure.savefig(out / 'acceptance.png', dpi=120)
+        plot_acceptance(r['histogram'], title=f"tau = {r['tau']:.2f}").figure.savefig(out / 'acceptance.png', dpi=120,
+                                                                                        bbox_inches='tight')
         print(f"wrote {out / 'acceptance.json'} and {out / 'acceptance.png'}")
     return r
 

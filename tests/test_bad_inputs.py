@@ -10,7 +10,7 @@ from dflash.train import main as train_main
 from dflash.plan import main as plan_main
 from dflash.speculate import main as speculate_main
 from dflash.options import OptionsError
-from dflash.data import DataError, read_jsonl
+from dflash.data import DataError, read_jsonl, main as data_main
 
 SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4', '--lr', '3e-3',
          '--attention', 'eager', '--log-every', '1', '--spec-eval-prompts', '0', '--seed', '3',
@@ -525,12 +525,49 @@ def test_rotation_never_deletes_the_last_good_checkpoint(tmp_path):
     assert [d.name for d in checkpoint_dirs(tmp_path)] == ['step-0000004', 'step-0000008']
 
 
+@pytest.mark.parametrize('argv,expect', [
+    (['tokenize', '--max-length', '0'], "--max-length = 0: allowed >= 1"),
+    (['tokenize', '--num-proc', '0'], "--num-proc = 0: allowed >= 1"),
+    (['tokenize', '--max-length', 'long'], "--max-length = 'long' (command line): not an integer"),
+    (['tokenize', '--data', 'missing.jsonl'], "--data = 'missing.jsonl': no such file"),
+    (['tokenize', '--target', 'no/such-model'], "--target: model 'no/such-model'"),
+    (['tokenize', '--chat-template', 'missing.jinja'], "--chat-template = 'missing.jinja': no such file"),
+    (['tokenize', '--shard-size', '4'], "--shard-size: unknown option"),
+    (['cache', '--shard-size', '0'], "--shard-size = 0: allowed >= 1"),
+    (['cache', '--batch-tokens', '-1'], "--batch-tokens = -1: allowed >= 1"),
+    (['cache', '--layers', '1;3'], "--layers = '1;3': allowed comma-separated layer ids >= 0"),
+    (['cache', '--layers', '1,-3'], "--layers = '1,-3': allowed comma-separated layer ids >= 0"),
+    (['cache', '--dtype', 'fp8'], "--dtype = 'fp8': allowed one of auto, float32, bfloat16, float16"),
+    (['cache', '--num-draft-layers', '0'], "--num-draft-layers = 0: allowed >= 1"),
+    (['cachez'], "'cachez': unknown command; one of tokenize, cache"),
+], ids=['max-length-0', 'num-proc-0', 'max-length-text', 'missing-data', 'missing-target', 'missing-template',
+        'option-of-another-command', 'shard-size-0', 'batch-tokens', 'layers-text', 'layers-negative', 'dtype',
+        'draft-layers-0', 'unknown-command'])
+def test_data_bad_option(tmp_path, capsys, files, argv, expect):
+    "`python -m dflash.data`: each bad value named with what is allowed, before the tokenizer or the target loads."
+    cmd, rest = argv[0], argv[1:]
+    base = ['--target', str(files / 'target'), '--data', str(files / 'train.jsonl')]
+    base += ['--out', str(tmp_path / 'cache')] if cmd == 'cache' else []
+    refused(capsys, data_main, [cmd, *base, *rest] if cmd in ('tokenize', 'cache') else argv, expect)
+    assert not (tmp_path / 'cache').exists()
+
+
+def test_data_every_bad_option_in_one_error(tmp_path, capsys):
+    err = refused(capsys, data_main, ['cache', '--max-length', '0', '--layers', 'x', '--shard-size', '-2'],
+                  '6 bad options', '--target is required', '--data is required', '--out is required',
+                  '--max-length = 0', "--layers = 'x'", '--shard-size = -2')
+    assert err.count('\n  ') == 6, err
+
+
 # --- 6. the same errors from real processes, as a shell user sees them ----------------------------------------------
 @pytest.mark.parametrize('module,argv,expect', [
     ('dflash.train', ['--max-steps', '0', '--lr', 'abc'], "2 bad options"),
     ('dflash.plan', ['--target-config', str(toy_target_dir()), '--seq-len', '0'], "--seq-len = 0: allowed >= 1"),
     ('dflash.speculate', ['--num-prompts', '0'], "--num-prompts = 0: allowed >= 1"),
-], ids=['train', 'plan', 'speculate'])
+    ('dflash.data', ['cache', '--target', str(toy_target_dir()), '--data', 'missing.jsonl', '--out', 'c'],
+     "--data = 'missing.jsonl': no such file"),
+    ('dflash.data', [], "usage: python -m dflash.data {tokenize,cache"),
+], ids=['train', 'plan', 'speculate', 'data', 'data-no-command'])
 def test_command_exits_2_with_the_error(tmp_path, module, argv, expect):
     r = subprocess.run([sys.executable, '-m', module, *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and expect in r.stderr and 'Traceback' not in r.stderr, r.stderr

@@ -188,3 +188,13 @@ def test_two_processes_write_the_same_cache_as_one(tmp_path, chat_targets):
     cache, ds = CacheDataset(tmp_path / 'two', t), ChatDataset.from_jsonl(data_file, t.tokenizer)
     for i in range(len(ds)): assert torch.equal(cache[i]['context'], t(ds[i]['input_ids'][None])[0])
     assert len(tokenized) == 1
+
+
+@pytest.mark.parametrize('argv', [['--help'], ['cache', '--help'], ['tokenize', '--help']])
+def test_help_answers_before_torch_loads(argv):
+    "`python -m dflash.data [cmd] --help` imports neither torch, transformers' models nor datasets."
+    r = subprocess.run([sys.executable, '-X', 'importtime', '-m', 'dflash.data', *argv], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith('usage: python -m dflash.data'), r.stderr[-2000:]
+    loaded = {line.rsplit('|', 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith('import time:')}
+    assert not {'torch', 'datasets', 'transformers.models'} & loaded, sorted(loaded)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest, torch
 import dflash
 from conftest import END_OF_TURN, chat_sentence
-from dflash.data import (ChatDataset, DataError, DataStats, TargetFeatures, TemplateError, collate, make_loader,
+from dflash.data import (ChatDataset, DataError, DataStats, TargetFeatures, TemplateError, collate,
                          read_jsonl, to_messages, tokenize_chat, tokenize_conversation)
 from dflash.layout import BlockLayout
 
@@ -198,30 +198,13 @@ def test_collate_pads_and_keeps_per_sample_blocks(tmp_path, chat_tokenizers):
     assert torch.equal(lay.anchors[1][lay.keep[1]], alone.anchors[0])
 
 
-def test_loader_is_seeded_by_epoch_and_works_under_accelerate(tmp_path, chat_tokenizers):
-    from accelerate import Accelerator
-    tok, rng = chat_tokenizers['chatml'], np.random.default_rng(6)
-    ds = ChatDataset.from_jsonl(_write(tmp_path / 'd.jsonl', [{'messages': _conversation(rng, turns=1)} for _ in range(9)]), tok)
-    dl = make_loader(ds, batch_size=4, seed=7, pad_token_id=tok.pad_token_id)
-    def order(loader, epoch):
-        loader.set_epoch(epoch) if hasattr(loader, 'set_epoch') else loader.sampler.set_epoch(epoch)
-        return [i for b in loader for i in b['sample_ids'].tolist()]
-    plain = {e: order(dl, e) for e in (0, 1)}
-    assert sorted(plain[0]) == list(range(9)) and plain[0] != plain[1]
-    assert order(make_loader(ds, batch_size=4, seed=7), 0) == plain[0]                 # same seed, same order
-    prepared = Accelerator(cpu=True).prepare(make_loader(ds, batch_size=4, seed=7))
-    assert {e: order(prepared, e) for e in (0, 1)} == plain
-    batch = next(iter(prepared))
-    assert set(batch) == {'input_ids', 'loss_mask', 'attention_mask', 'sample_ids'}
-
-
 def test_online_features_feed_the_drafter(chat_targets, tmp_path):
     "End to end: JSONL -> batch -> target features -> layout -> drafter, sizes all agreeing."
     from dflash.drafter import DFlashDrafter
     t = TargetFeatures(chat_targets['qwen3'], num_draft_layers=2)
     rng = np.random.default_rng(7)
     ds = ChatDataset.from_jsonl(_write(tmp_path / 'd.jsonl', [{'messages': _conversation(rng)} for _ in range(2)]), t.tokenizer)
-    b = next(iter(make_loader(ds, batch_size=2, pad_token_id=t.tokenizer.pad_token_id)))
+    b = collate([ds[0], ds[1]], pad_token_id=t.tokenizer.pad_token_id)
     cfg = t.drafter_config(block_size=4)
     lay = BlockLayout.from_batch(b['input_ids'], b['loss_mask'], cfg.mask_token_id, cfg.block_size, num_anchors=4,
                                  sample_ids=b['sample_ids'])

@@ -61,3 +61,26 @@ def test_command_line(tmp_path):
     assert run.returncode == 0, run.stderr
     report = json.loads((out / 'acceptance.json').read_text())
     assert report['tau'] >= 1 and sum(report['histogram']) == report['steps'] and (out / 'acceptance.png').is_file()
+    bar = run.stderr.replace('\r', '\n')                   # the progress bar: prompts done, tokens/s, running tau
+    assert 'speculative: 100%' in bar and '3/3' in bar and 'tok/s, tau ' in bar and 'plain: 100%' in bar, run.stderr
+
+
+def test_histogram_keeps_its_labels():
+    "The acceptance plot's x label lies inside the saved figure (it was cut off before)."
+    from dflash.speculate import plot_acceptance
+    ax = plot_acceptance([5, 3, 2, 1], title='tau = 1.82')
+    fig = ax.figure
+    fig.canvas.draw()
+    box = ax.xaxis.label.get_window_extent()
+    assert box.y0 >= 0 and box.x0 >= 0 and box.x1 <= fig.bbox.x1, (box, fig.bbox)
+
+
+@pytest.mark.parametrize('module', ['dflash.speculate', 'dflash.plan'])
+def test_help_answers_before_torch_loads(module):
+    "`--help` prints every option with its default without importing torch or transformers' models."
+    r = subprocess.run([sys.executable, '-X', 'importtime', '-m', module, '--help'], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith(f'usage: python -m {module}'), r.stderr[-2000:]
+    loaded = {line.rsplit('|', 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith('import time:')}
+    assert not {'torch', 'transformers.models', 'matplotlib'} & loaded, sorted(loaded)
+    assert r.stdout.count('(default: ') <= r.stdout.count('\n  --'), 'one default per option at most'
