@@ -64,6 +64,18 @@ def straight(tmp_path_factory):
     return out
 
 
+def wait_released(run, timeout: float = 60):
+    "Wait until the process holding `run`'s lock has exited: a killed child can outlive its launcher for a moment."
+    lock = Path(run) / '.lock'
+    if not lock.is_file(): return
+    pid, deadline = json.loads(lock.read_text())['pid'], time.time() + timeout
+    while time.time() < deadline:
+        try: os.kill(pid, 0)
+        except ProcessLookupError: return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid}, killed, still exists after {timeout} s")
+
+
 def test_killed_run_resumes_exactly(tmp_path, straight):
     args = KILL_ARGS
     proc = launch(tmp_path / 'killed', *args, wait=False)
@@ -73,7 +85,7 @@ def test_killed_run_resumes_exactly(tmp_path, straight):
         assert proc.poll() is None, proc.stdout.read()
         assert time.time() < deadline
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL); proc.wait()
+    os.killpg(proc.pid, signal.SIGKILL); proc.wait(); wait_released(tmp_path / 'killed')
     assert not (tmp_path / 'killed' / 'drafter').exists(), "the run was killed before the end"
     (ckpts / '.step-0000006.partial').mkdir(exist_ok=True)        # and a checkpoint cut off mid-write
     resumed = launch(tmp_path / 'killed', *args, '--resume')
