@@ -186,3 +186,10 @@ def test_help_shows_one_default_per_option():
         assert len(shown) == 1, (f.name, text)
         value = toy.get(f.name, f.default)
         if value is not None and value is not MISSING: assert shown[0] == str(value), (f.name, shown[0], value)
+
+
+def test_help_loads_no_heavy_module():
+    "`--help` stays fast: the command's module imports neither torch nor matplotlib (they load when a run starts)."
+    code = "import sys, dflash.train; print(sorted({'torch', 'matplotlib', 'accelerate'} & set(sys.modules)))"
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == '[]', r.stdout + r.stderr
