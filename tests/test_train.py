@@ -116,6 +116,7 @@ def test_killed_in_final_export_or_evaluation_loses_nothing(tmp_path, straight, 
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert same(load_file(run / 'drafter' / 'model.safetensors')) and not (run / '.drafter.partial').exists()
     assert json.loads((run / 'run.json').read_text())['status'] == 'finished' and (run / 'summary.json').is_file()
+    assert (run / 'curves.png').is_file(), "the resume that finishes the run draws its curves"
     assert steps(run / 'metrics.csv') == steps(straight / 'metrics.csv') == list(range(1, 9))
     assert steps(run / 'eval.csv') == steps(straight / 'eval.csv') == [8], "the final evaluation is logged once"
 
