@@ -21,8 +21,8 @@ class TrainConfig:
     data: str | None = option(None, "chat JSONL for training (default: the toy corpus)", path='file')
     eval_data: str | None = option(None, "held-out chat JSONL (default: toy eval set, or none for a real target)",
                                    path='file')
-    cache: str | None = option(None, "offline hidden-state cache directory (from `python -m dflash.data cache`)",
-                               path='dir')
+    cache: str | None = option(None, "offline hidden-state cache directory (from `python -m dflash.data cache`) "
+                                     "(default: none: the target runs online)", path='dir')
     out: str = option('runs/dflash', "run directory: checkpoints, metrics, the exported drafter")
     num_layers: int = option(5, "drafter layers", ge=1)
     target_layer_ids: list[int] | None = option(None, "target layers the drafter reads, space separated "
@@ -46,7 +46,7 @@ class TrainConfig:
     seed: int = option(0, "seeds init, data order and anchors", ge=0)
     log_every: int = option(10, "steps between metric rows (0: only the last step)", ge=0)
     eval_every: int = option(200, "steps between evaluations (0: only at the end)", ge=0)
-    eval_samples: int | None = option(None, "held-out samples per evaluation (default: all)", ge=1)
+    eval_samples: int | None = option(None, "held-out samples per evaluation; none: all", ge=1)
     eval_batch_size: int = option(8, "sequences per evaluation forward on one process", ge=1)
     save_every: int = option(500, "steps between checkpoints (0: only at the end)", ge=0)
     keep_checkpoints: int = option(2, "checkpoints kept (older ones are deleted)", ge=1)

@@ -4,16 +4,17 @@
 
 # %% ../nbs/11_train.ipynb #e61e91ca
 from __future__ import annotations
-import importlib.resources, os, sys, time
+import csv, importlib.resources, io, os, sys, time
 from dataclasses import asdict
 from pathlib import Path
 import yaml
 from .options import OptionParser, OptionsError, build_options, exit_bad_options
 from .runs import (TrainConfig, check_train, read_run, resume_changes, claim_run, unlock_run, write_json,
-                         RunDirError)
+                         write_atomic, RunDirError)
 
 # %% auto #0
-__all__ = ['PROG', 'DESCRIPTION', 'configure', 'parse_config', 'toy_profile', 'spec_tau', 'main']
+__all__ = ['PROG', 'DESCRIPTION', 'configure', 'parse_config', 'toy_profile', 'spec_tau', 'main', 'draw_curves',
+           'draw_acceptance', 'draw_run']
 
 # %% ../nbs/11_train.ipynb #eb366dd9
 PROG = 'accelerate launch -m dflash.train'
@@ -60,7 +61,8 @@ def spec_tau(trainer) -> dict | None:
     was_training = drafter.training
     drafter.eval()
     prompts = eval_prompts(eval_path, p.tokenizer, c.spec_eval_prompts)
-    r = acceptance_eval(p.features.model, drafter, prompts, c.spec_new_tokens, stop_token_ids=[p.tokenizer.eos_token_id])
+    r = acceptance_eval(p.features.model, drafter, prompts, c.spec_new_tokens,
+                        stop_token_ids=[p.tokenizer.eos_token_id])
     drafter.train(was_training)
     return r
 
@@ -87,11 +89,13 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool) -> 
     if is_main:
         summary = {'metrics': metrics, 'spec_before': before, 'spec_after': after, 'drafter': str(out / 'drafter')}
         write_json(out / 'summary.json', summary)
+        pictures = draw_run(out, before, after)          # before 'finished': a resume of a killed run draws them
         write_json(out / 'run.json', {**record, 'status': 'finished', 'step': trainer.step})
         if 'eval_tau' in metrics: print(f"held-out tau (training-time estimate): {metrics['eval_tau']:.3f}")
         if before: print(f"speculative decoding tau before training: {before['tau']:.3f}")
         if after: print(f"speculative decoding tau after training:  {after['tau']:.3f}")
         print(f"drafter saved to {out / 'drafter'}")
+        for name, path in pictures.items(): print(f"{name}: {path}")
     trainer.acc.end_training()
     return summary
 
@@ -110,6 +114,67 @@ def main(argv=None) -> dict:
     try: return _train(cfg, rec, changed, is_main)
     finally:
         if is_main: unlock_run(out)
+
+# %% ../nbs/11_train.ipynb #cd897561
+def _rows(path) -> list[dict]:
+    "The rows of a metrics CSV as floats (none when the file is absent)."
+    if not Path(path).is_file(): return []
+    with open(path, newline='') as f: return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
+
+def _save_png(fig, path) -> Path:
+    "Render `fig` with the Agg canvas and write it to `path` whole."
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    buf = io.BytesIO()
+    FigureCanvasAgg(fig).print_png(buf)
+    write_atomic(path, buf.getvalue())
+    return Path(path)
+
+def draw_curves(out) -> Path | None:
+    "`out/curves.png`: loss, τ and accuracy per block position over steps, from metrics.csv and eval.csv."
+    from matplotlib.figure import Figure
+    from matplotlib import colormaps, colors, cm
+    out = Path(out)
+    train, ev = _rows(out / 'metrics.csv'), _rows(out / 'eval.csv')
+    if not train and not ev: return None
+    fig = Figure(figsize=(14, 3.8), layout='constrained')
+    a1, a2, a3 = fig.subplots(1, 3)
+    for rows, pre, name, style in ((train, '', 'training', '-'), (ev, 'eval_', 'held-out', 'o--')):
+        if not rows: continue
+        steps = [r['step'] for r in rows]
+        a1.plot(steps, [r[pre + 'loss'] for r in rows], style, label=name)
+        a2.plot(steps, [r[pre + 'tau'] for r in rows], style, label=name)
+    a1.set(xlabel='step', ylabel='loss', title='loss'); a1.legend()
+    a2.set(xlabel='step', ylabel='τ (tokens per block)', title='τ, expected acceptance length'); a2.legend()
+    rows, pre = (train, '') if train else (ev, 'eval_')
+    ks = sorted(int(k[len(pre) + 4:]) for k in rows[0] if k.startswith(pre + 'acc_'))
+    norm, cmap = colors.Normalize(min(ks), max(ks)), colormaps['viridis']
+    for k in ks: a3.plot([r['step'] for r in rows], [r[f'{pre}acc_{k}'] for r in rows], color=cmap(norm(k)), lw=1)
+    a3.set(xlabel='step', ylabel='accuracy', ylim=(0, 1),
+           title=f"accuracy per block position ({'training' if train else 'held-out'})")
+    fig.colorbar(cm.ScalarMappable(norm, cmap), ax=a3, label='block position k')
+    return _save_png(fig, out / 'curves.png')
+
+def draw_acceptance(out, before: dict | None, after: dict | None) -> Path | None:
+    "`out/acceptance.png`: histograms of the tokens accepted per verify step, before and after training."
+    from matplotlib.figure import Figure
+    from dflash.speculate import plot_acceptance
+    runs = [(name, r) for name, r in (('before training', before), ('after training', after)) if r]
+    if not runs: return None
+    fig = Figure(figsize=(5.5 * len(runs), 3.6), layout='constrained')
+    axes = fig.subplots(1, len(runs), sharey=True, squeeze=False)[0]
+    for ax, (name, r) in zip(axes, runs): plot_acceptance(r['histogram'], ax, f"{name}: τ = {r['tau']:.2f}")
+    return _save_png(fig, Path(out) / 'acceptance.png')
+
+def draw_run(out, before: dict | None = None, after: dict | None = None) -> dict[str, Path]:
+    "Draw the pictures of the run in `out`: {what: path} of those drawn; one that fails is named on stderr."
+    drawn = {}
+    for name, draw in (('training curves', lambda: draw_curves(out)),
+                       ('acceptance histogram', lambda: draw_acceptance(out, before, after))):
+        try: path = draw()
+        except Exception as e:
+            print(f"warning: {name} not drawn: {type(e).__name__}: {e}", file=sys.stderr); continue
+        if path: drawn[name] = path
+    return drawn
 
 # %% ../nbs/11_train.ipynb #10eca527
 if __name__ == '__main__' and '__file__' in globals(): main()

@@ -45,7 +45,8 @@ def frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
     for f in files:
         with safe_open(f, framework='pt') as st:
             for k in st.keys():
-                if k.endswith('embed_tokens.weight') or k == 'lm_head.weight': found[k.split('.')[-2]] = st.get_tensor(k)
+                if k.endswith('embed_tokens.weight') or k == 'lm_head.weight':
+                    found[k.split('.')[-2]] = st.get_tensor(k)
     if 'embed_tokens' not in found: raise ValueError(f"target {target_dir}: no embed_tokens.weight in its safetensors")
     return found['embed_tokens'], found.get('lm_head', found['embed_tokens'])   # tied embeddings: one matrix
 
@@ -67,7 +68,8 @@ def load_parts(cfg: TrainConfig, device) -> RunParts:
     target = resolve_local(cfg.target) if not toy else toy_target_dir()
     data = cfg.data or (toy_data_dir() / 'train.jsonl' if toy else None)
     eval_data = cfg.eval_data or (toy_data_dir() / 'eval.jsonl' if toy else None)
-    if data is None and cfg.cache is None: raise ValueError("--data FILE (chat JSONL) or --cache DIR is needed with --target")
+    if data is None and cfg.cache is None:
+        raise ValueError("--data FILE (chat JSONL) or --cache DIR is needed with --target")
     tok = AutoTokenizer.from_pretrained(target)
     dkw = dict(num_hidden_layers=cfg.num_layers, block_size=cfg.block_size)
     if cfg.cache:
@@ -266,7 +268,8 @@ class Trainer:
         gpu = acc.device.type == 'cuda'
         _refuse_sharded(acc)
         if cfg.batch_size % acc.num_processes:
-            raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the number of processes ({acc.num_processes})")
+            raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the number of processes "
+                             f"({acc.num_processes})")
         set_seed(cfg.seed)
         self.parts = p = load_parts(cfg, acc.device)
         budget, dtype = int(_free_bytes(acc.device) * cfg.memory_fraction), _PLAN_DTYPE.get(acc.mixed_precision, 'fp32')
@@ -337,12 +340,14 @@ def train_step(self: Trainer) -> dict:
     else:
         self.bad_steps += 1
         if self.bad_steps >= c.max_bad_steps:
-            raise RuntimeError(f"step {self.step}: {self.bad_steps} non-finite steps in a row (loss {g.loss_sum.item()}, "
-                               f"grad norm {float(grad_norm)}); stopping (max_bad_steps={c.max_bad_steps})")
+            raise RuntimeError(f"step {self.step}: {self.bad_steps} non-finite steps in a row "
+                               f"(loss {g.loss_sum.item()}, grad norm {float(grad_norm)}); "
+                               f"stopping (max_bad_steps={c.max_bad_steps})")
     self.opt.zero_grad(set_to_none=True)
     self.step += 1
     tokens = int(acc.reduce(torch.tensor([tokens], device=acc.device), 'sum')[0])
-    return {'step': self.step, 'epoch': epoch, 'processes': acc.num_processes, **sums_metrics(g), 'lr': lr, 'grad_norm': float(grad_norm),
+    return {'step': self.step, 'epoch': epoch, 'processes': acc.num_processes, **sums_metrics(g), 'lr': lr,
+            'grad_norm': float(grad_norm),
             'tokens_per_s': tokens / (time.perf_counter() - t0), 'peak_mem_mb': peak_memory_mb(acc.device),
             'skipped': self.bad_steps}
 

@@ -48,6 +48,8 @@ def test_one_and_two_processes_train_the_same_model(tmp_path):
     assert_close(l2, l1, rel=1e-4)
     for run in ('one', 'two'):
         assert (tmp_path / run / 'drafter' / 'model.safetensors').is_file()
+        assert (tmp_path / run / 'curves.png').is_file(), "drawn by the main process, whatever the processes"
+        assert not (tmp_path / run / 'acceptance.png').exists(), "no speculative-decoding evaluation, no histogram"
 
 
 KILL_ARGS = [*SMALL, '--max-steps', '8', '--save-every', '2', '--keep-checkpoints', '3']
@@ -62,6 +64,18 @@ def straight(tmp_path_factory):
     return out
 
 
+def wait_released(run, timeout: float = 60):
+    "Wait until the process holding `run`'s lock has exited: a killed child can outlive its launcher for a moment."
+    lock = Path(run) / '.lock'
+    if not lock.is_file(): return
+    pid, deadline = json.loads(lock.read_text())['pid'], time.time() + timeout
+    while time.time() < deadline:
+        try: os.kill(pid, 0)
+        except ProcessLookupError: return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid}, killed, still exists after {timeout} s")
+
+
 def test_killed_run_resumes_exactly(tmp_path, straight):
     args = KILL_ARGS
     proc = launch(tmp_path / 'killed', *args, wait=False)
@@ -71,7 +85,7 @@ def test_killed_run_resumes_exactly(tmp_path, straight):
         assert proc.poll() is None, proc.stdout.read()
         assert time.time() < deadline
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL); proc.wait()
+    os.killpg(proc.pid, signal.SIGKILL); proc.wait(); wait_released(tmp_path / 'killed')
     assert not (tmp_path / 'killed' / 'drafter').exists(), "the run was killed before the end"
     (ckpts / '.step-0000006.partial').mkdir(exist_ok=True)        # and a checkpoint cut off mid-write
     resumed = launch(tmp_path / 'killed', *args, '--resume')
@@ -102,6 +116,7 @@ def test_killed_in_final_export_or_evaluation_loses_nothing(tmp_path, straight, 
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert same(load_file(run / 'drafter' / 'model.safetensors')) and not (run / '.drafter.partial').exists()
     assert json.loads((run / 'run.json').read_text())['status'] == 'finished' and (run / 'summary.json').is_file()
+    assert (run / 'curves.png').is_file(), "the resume that finishes the run draws its curves"
     assert steps(run / 'metrics.csv') == steps(straight / 'metrics.csv') == list(range(1, 9))
     assert steps(run / 'eval.csv') == steps(straight / 'eval.csv') == [8], "the final evaluation is logged once"
 
@@ -126,3 +141,56 @@ def test_help_documents_every_option():
     toy = toy_profile()
     assert f"(default: {toy['num_anchors']})" in text and f"(default: {toy['lr']})" in text
     assert '--config' in text
+
+
+def _inked(png) -> float:
+    "The share of a PNG's pixels that are not background white (after checking it decodes as a PNG)."
+    from PIL import Image
+    import numpy as np
+    assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n', png
+    a = np.asarray(Image.open(png).convert('L'))
+    return float((a < 250).mean())
+
+
+def test_run_draws_its_pictures(tmp_path):
+    "The main job draws curves.png and acceptance.png in its run directory and says where; a finished run is kept."
+    run = tmp_path / 'run'
+    r = launch(run, *SMALL, '--max-steps', '4', '--eval-every', '2', '--save-every', '0', '--spec-eval-prompts', '2',
+               '--spec-new-tokens', '16')
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name, what in (('curves.png', 'training curves'), ('acceptance.png', 'acceptance histogram')):
+        assert f"{what}: {run / name}" in r.stdout, r.stdout
+        assert 0.01 < _inked(run / name) < 0.9, name               # axes, lines and bars drawn, not a blank page
+    assert not [p for p in run.iterdir() if '.tmp-' in p.name], "written atomically: no temporary file left"
+    drawn = {n: (run / n).read_bytes() for n in ('curves.png', 'acceptance.png')}
+    again = launch(run, *SMALL, '--max-steps', '4', '--resume')
+    assert again.returncode == 0 and 'leaves it as it is' in again.stdout, again.stdout + again.stderr
+    assert {n: (run / n).read_bytes() for n in drawn} == drawn, "a finished run is left unchanged"
+
+
+def test_help_shows_one_default_per_option():
+    "Each option's help names exactly one default: the toy run's value, the field's default, or what an unset one does."
+    import re
+    from dataclasses import fields, MISSING
+    from dflash.runs import TrainConfig
+    from dflash.train import toy_profile
+    r = subprocess.run([sys.executable, '-m', 'dflash.train', '--help'], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    entries, name = {}, None
+    for line in r.stdout.split('options:', 1)[1].splitlines():
+        if m := re.match(r'  (--[\w-]+)', line): name = m[1]
+        if name: entries[name] = entries.get(name, '') + ' ' + line.strip()
+    toy = toy_profile()
+    for f in fields(TrainConfig):
+        text = ' '.join(entries['--' + f.name.replace('_', '-')].split())
+        shown = re.findall(r'\(default: ([^()]*(?:\([^()]*\)[^()]*)*)\)', text)
+        assert len(shown) == 1, (f.name, text)
+        value = toy.get(f.name, f.default)
+        if value is not None and value is not MISSING: assert shown[0] == str(value), (f.name, shown[0], value)
+
+
+def test_help_loads_no_heavy_module():
+    "`--help` stays fast: the command's module imports neither torch nor matplotlib (they load when a run starts)."
+    code = "import sys, dflash.train; print(sorted({'torch', 'matplotlib', 'accelerate'} & set(sys.modules)))"
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == '[]', r.stdout + r.stderr
