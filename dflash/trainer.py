@@ -458,11 +458,12 @@ def fit(self: Trainer) -> dict:
         if c.save_every and self.step % c.save_every == 0: self.save()
         if eval_due(self.step): ev = self._eval_and_log()
     bar.close()
-    if not (checkpoint_dirs(self.out) and checkpoint_dirs(self.out)[-1].name == f'step-{self.step:07d}'):
-        self.save(final=True)                                  # 1. the final checkpoint
+    # every process must take the same branches (they hold collectives), so they are decided from state all share,
+    # never from files the main process is writing meanwhile
+    if self.step > resumed_at: self.save(final=True)           # 1. the final checkpoint (unless resumed from it)
     self.export()                                              # 2. the drafter
     _fault('final_eval')
-    if self.step not in csv_steps(self.out / 'eval.csv'): ev = self._eval_and_log()   # 3. the final evaluation
+    if self.step not in logged: ev = self._eval_and_log()     # 3. the final evaluation (unless logged before)
     for t in acc.trackers: t.finish()                      # flush TensorBoard; the process group stays up
     acc.wait_for_everyone()
     if not last and main and (rows := list(csv.DictReader(open(self.out / 'metrics.csv')))):
