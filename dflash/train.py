@@ -23,7 +23,7 @@ DESCRIPTION = ("Train a DFlash drafter. With no arguments: the toy target and co
 
 def configure(argv=None) -> tuple[TrainConfig, dict | None, dict]:
     "(checked options, the run record being resumed or None, allowed changes {name: (old, new)}); one error for all."
-    p = OptionParser(TrainConfig, PROG, DESCRIPTION, help_defaults=toy_profile())
+    p = OptionParser(TrainConfig, PROG, DESCRIPTION, help_defaults=toy_profile(resolve=False))
     given = p.read(argv)
     base = toy_profile() if 'target' not in given else {}
     out = given.get('out', base.get('out', TrainConfig.out))
@@ -42,11 +42,11 @@ def parse_config(argv=None) -> TrainConfig:
     return configure(argv)[0]
 
 # %% ../nbs/11_train.ipynb #7588c06c
-def toy_profile() -> dict:
-    "The options of the default run on the toy target (its data files named relative to the package's assets)."
+def toy_profile(resolve: bool = True) -> dict:
+    "The options of the default run on the toy target; its data files as paths (`resolve=False`: as the YAML names them)."
     assets = importlib.resources.files('dflash') / 'assets'
     p = yaml.safe_load((assets / 'toy-run.yaml').read_text())
-    return {**p, **{k: str(assets / p[k]) for k in ('data', 'eval_data') if p.get(k)}}
+    return {**p, **{k: str(assets / p[k]) for k in ('data', 'eval_data') if p.get(k) and resolve}}
 
 
 # %% ../nbs/11_train.ipynb #44a8a7d8
