@@ -6,6 +6,7 @@
 from __future__ import annotations
 import argparse
 import contextlib
+import dataclasses
 import csv
 import json
 import math
@@ -24,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import AutoTokenizer, Qwen3ForCausalLM
+from transformers.models.qwen3.modeling_qwen3 import repeat_kv
 from transformers.utils import logging as hf_logging
 from .config import DrafterConfig
 from .layout import BlockLayout
 from .memory import measure, fmt_bytes
-from .planner import random_layout
 from .attention import get_backend, random_qkv
 from .drafter import DFlashDrafter
 from .checkpointing import set_checkpointing
@@ -36,8 +37,9 @@ from .objective import dflash_objective
 from .toy import toy_config, toy_target_dir, toy_data_dir
 
 # %% auto #0
-__all__ = ['METHODS', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'dense_attention', 'gather_attention', 'bench_many', 'physical_floor',
-           'run_attention', 'parser', 'main', 'StepCase', 'step_case', 'drafter_step', 'bench_policies', 'run_step',
+__all__ = ['METHODS', 'LAYOUTS', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'dense_attention', 'gather_attention', 'bench_layout',
+           'bench_many', 'physical_floor', 'run_attention', 'parser', 'main', 'fit_exponent', 'run_scaling', 'StepCase',
+           'reference_attention', 'step_case', 'drafter_step', 'reference_step', 'bench_steps', 'run_step',
            'make_target', 'launch_train', 'throughput', 'run_train', 'bench_regenerate', 'run_regenerate', 'run_data']
 
 # %% ../nbs/13_bench.ipynb #e0bdccab
@@ -49,10 +51,10 @@ def dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_
     return out * layout.keep.repeat_interleave(layout.block_size, 1)[:, None, :, None]   # padded rows: zeros
 
 def gather_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window=None) -> Tensor:
-    "Baseline: per block, gather its prefix and expand the KV heads (full layers only)."
+    "Baseline: per block, one SDPA call over its own prefix and block; KV heads shared by `enable_gqa`, not expanded."
     if sliding_window is not None: raise ValueError("the gather baseline covers full-attention layers only")
     N, Hq, T, D = q.shape
-    g, B = Hq // k_ctx.shape[1], layout.block_size
+    B = layout.block_size
     anchors, keep = layout.anchors.tolist(), layout.keep.tolist()
     rows = []
     for n in range(N):
@@ -60,15 +62,30 @@ def gather_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding
         for i, a in enumerate(anchors[n]):
             blk = slice(i * B, (i + 1) * B)
             if not keep[n][i]: outs.append(q.new_zeros(Hq, B, D)); continue
-            k = torch.cat([k_ctx[n, :, :a], k_blk[n, :, blk]], 1).repeat_interleave(g, 0)   # (Hq, a + B, D)
-            v = torch.cat([v_ctx[n, :, :a], v_blk[n, :, blk]], 1).repeat_interleave(g, 0)
-            outs.append(F.scaled_dot_product_attention(q[n, :, blk], k, v))
+            k = torch.cat([k_ctx[n, :, :a], k_blk[n, :, blk]], 1)           # (Hkv, a + B, D)
+            v = torch.cat([v_ctx[n, :, :a], v_blk[n, :, blk]], 1)
+            outs.append(F.scaled_dot_product_attention(q[n, :, blk][None], k[None], v[None], enable_gqa=True)[0])
         rows.append(torch.cat(outs, 1))
     return torch.stack(rows)
 
 METHODS = {'dense': lambda **o: dense_attention, 'gather': lambda **o: gather_attention,
            'sdpa': lambda **o: get_backend('sdpa', **o), 'flex': lambda **o: get_backend('flex', **o),
            'eager': lambda **o: get_backend('eager')}
+
+# %% ../nbs/13_bench.ipynb #abd4fc41
+LAYOUTS = {'uniform': None, 'half': 0.5, 'quarter': 0.75}   # chat-like: supervision starts at this share of the row
+
+def bench_layout(kind: str, N: int, S: int, n_anchors: int, B: int = 16, seed: int = 0, mask_token_id: int = 1) -> BlockLayout:
+    "A random layout: `uniform` supervises 80% of tokens anywhere; `half`/`quarter` (chat-like) only the last half/quarter."
+    if kind not in LAYOUTS: raise ValueError(f"layout {kind!r}: use one of {list(LAYOUTS)}")
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 50, (N, S), generator=g)
+    if LAYOUTS[kind] is None:
+        lm = torch.rand(N, S, generator=g) > 0.2
+        lm[:, 1:3] = True                                                # every row has a valid anchor
+    else:
+        lm = torch.zeros(N, S, dtype=torch.bool); lm[:, int(S * LAYOUTS[kind]):] = True
+    return BlockLayout.from_batch(ids, lm, mask_token_id, B, n_anchors, seed=seed)
 
 # %% ../nbs/13_bench.ipynb #c39b82eb
 @contextlib.contextmanager
@@ -81,26 +98,27 @@ def _threads(n: int | None):
 def _sync(device):
     if torch.device(device).type == 'cuda': torch.cuda.synchronize(device)
 
-def _step(fn, qkv, layout, sliding_window) -> float:
-    "Seconds of one forward+backward."
+def _step(fn, qkv, layout, sliding_window) -> tuple[float, float]:
+    "(wall, CPU) seconds of one forward+backward; a fresh layout object, so the sdpa backend plans inside the step."
     dev = qkv[0].device
     for t in qkv: t.grad = None
-    _sync(dev); t0 = time.perf_counter()
-    out = fn(*qkv, layout, sliding_window)
+    _sync(dev); t0, c0 = time.perf_counter(), time.process_time()
+    out = fn(*qkv, dataclasses.replace(layout), sliding_window)
     out.backward(torch.ones_like(out))
     _sync(dev)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 def bench_many(fns: dict, qkv, layout, sliding_window=None, repeats: int = 3) -> dict:
-    "Per method: best fwd+bwd seconds over `repeats` rounds (after a warm-up round) and the peak bytes above the inputs."
+    "Per method: median wall and CPU seconds of fwd+bwd over `repeats` interleaved rounds (after a warm-up), peak bytes."
     # rounds interleave the methods, so a burst of load elsewhere on the machine hits all of them alike
-    times = {k: [] for k in fns}
+    wall, cpu = {k: [] for k in fns}, {k: [] for k in fns}
     for r in range(repeats + 1):
         for k, fn in fns.items():
-            t = _step(fn, qkv, layout, sliding_window)
-            if r: times[k].append(t)
+            w, c = _step(fn, qkv, layout, sliding_window)
+            if r: wall[k].append(w); cpu[k].append(c)
     for t in qkv: t.grad = None
-    return {k: dict(time_s=min(times[k]), peak_bytes=measure(fn, *qkv, layout, sliding_window).peak) for k, fn in fns.items()}
+    return {k: dict(time_s=statistics.median(wall[k]), cpu_s=statistics.median(cpu[k]),
+                    peak_bytes=measure(fn, *qkv, layout, sliding_window).peak) for k, fn in fns.items()}
 
 def physical_floor(qkv) -> int:
     "Bytes of q, k, v, the output (q-sized) and their gradients."
@@ -108,45 +126,50 @@ def physical_floor(qkv) -> int:
 
 # %% ../nbs/13_bench.ipynb #8550ddab
 def run_attention(args) -> list[dict]:
-    "Measure each method of `args.methods`; print a table; write CSV and plot under `args.out`."
-    dtype = getattr(torch, args.dtype)
-    layout = random_layout(args.batch, args.seq_len, args.anchors, args.block_size, seed=args.seed, short_rows=args.batch > 1)
-    qkv = random_qkv(layout, args.heads, args.kv_heads, args.head_dim, dtype, generator=torch.Generator().manual_seed(args.seed))
-    qkv = tuple(t.to(args.device).requires_grad_() for t in qkv)
-    layout = layout.to('cpu')                                            # anchors stay on the host
-    floor, rows = physical_floor(qkv), []
-    inputs = sum(t.numel() * t.element_size() for t in qkv)
+    "Measure each method of `args.methods` on each layout of `args.layouts`; print a table; write CSV and plot under `args.out`."
+    dtype, rows = getattr(torch, args.dtype), []
     cpu = torch.device(args.device).type == 'cpu'
     fns = {name: METHODS[name](**({'budget_bytes': args.budget} if name == 'sdpa' and args.budget else {}))
            for name in args.methods if not (name == 'flex' and cpu)}
-    with _threads(args.threads):
-        res = bench_many(fns, qkv, layout, args.sliding_window, args.repeats)
-        threads = torch.get_num_threads()
-    for name in args.methods:
-        if name in res: rows.append(dict(method=name, **res[name], total_bytes=res[name]['peak_bytes'] + inputs))
-        else: rows.append(dict(method=name, note='skipped: flex_attention has no CPU backward'))
-    base = next((r for r in rows if r['method'] == 'dense' and 'time_s' in r), None)
-    for r in rows:
-        if 'time_s' not in r: continue
-        r['time_vs_dense'] = r['time_s'] / base['time_s'] if base else math.nan
-        r['peak_vs_dense'] = r['peak_bytes'] / base['peak_bytes'] if base else math.nan
-        r['total_vs_floor'] = r['total_bytes'] / floor
+    for kind in args.layouts:
+        layout = bench_layout(kind, args.batch, args.seq_len, args.anchors, args.block_size, seed=args.seed)
+        qkv = random_qkv(layout, args.heads, args.kv_heads, args.head_dim, dtype, generator=torch.Generator().manual_seed(args.seed))
+        qkv = tuple(t.to(args.device).requires_grad_() for t in qkv)
+        floor, inputs = physical_floor(qkv), sum(t.numel() * t.element_size() for t in qkv)
+        with _threads(args.threads):
+            res = bench_many(fns, qkv, layout, args.sliding_window, args.repeats)
+            threads = torch.get_num_threads()
+        got = []
+        for name in args.methods:
+            if name in res: got.append(dict(layout=kind, method=name, **res[name], total_bytes=res[name]['peak_bytes'] + inputs))
+            else: got.append(dict(layout=kind, method=name, note='skipped: flex_attention has no CPU backward'))
+        base = next((r for r in got if r['method'] == 'dense' and 'time_s' in r), None)
+        for r in got:
+            if 'time_s' not in r: continue
+            r['time_vs_dense'] = r['time_s'] / base['time_s'] if base else math.nan
+            r['cpu_vs_dense'] = r['cpu_s'] / base['cpu_s'] if base else math.nan
+            r['peak_vs_dense'] = r['peak_bytes'] / base['peak_bytes'] if base else math.nan
+            r['total_vs_floor'] = r['total_bytes'] / floor
+        rows += got
     _report(args, rows, floor, inputs, threads)
     return rows
 
 def _report(args, rows, floor, inputs, threads):
     print(f"attention fwd+bwd, {args.device}, {args.dtype}: N={args.batch} S={args.seq_len} anchors={args.anchors} "
           f"B={args.block_size} heads={args.heads}/{args.kv_heads} D={args.head_dim}, {threads} thread(s), "
-          f"best of {args.repeats}")
+          f"median of {args.repeats} interleaved rounds, layout and plan made inside every step")
     print(f"physical floor (q, k, v, out + grads) {fmt_bytes(floor)}; inputs {fmt_bytes(inputs)}")
-    print(f"{'method':8} {'time':>8} {'peak':>11} {'peak+inputs':>12} {'time/dense':>10} {'peak/dense':>10} {'total/floor':>11}")
+    print(f"{'layout':8} {'method':7} {'wall':>7} {'cpu':>7} {'peak':>11} {'peak+inputs':>12} {'time/dense':>10} "
+          f"{'cpu/dense':>9} {'peak/dense':>10} {'total/floor':>11}")
     for r in rows:
-        if 'time_s' not in r: print(f"{r['method']:8} {r['note']}"); continue
-        print(f"{r['method']:8} {r['time_s']:7.2f}s {fmt_bytes(r['peak_bytes']):>11} {fmt_bytes(r['total_bytes']):>12} "
-              f"{r['time_vs_dense']:10.2f} {r['peak_vs_dense']:10.2f} {r['total_vs_floor']:11.2f}")
+        if 'time_s' not in r: print(f"{r['layout']:8} {r['method']:7} {r['note']}"); continue
+        print(f"{r['layout']:8} {r['method']:7} {r['time_s']:6.2f}s {r['cpu_s']:6.2f}s {fmt_bytes(r['peak_bytes']):>11} "
+              f"{fmt_bytes(r['total_bytes']):>12} {r['time_vs_dense']:10.2f} {r['cpu_vs_dense']:9.2f} "
+              f"{r['peak_vs_dense']:10.2f} {r['total_vs_floor']:11.2f}")
     if not args.out: return
     os.makedirs(args.out, exist_ok=True)
-    keys = ['method', 'time_s', 'peak_bytes', 'total_bytes', 'time_vs_dense', 'peak_vs_dense', 'total_vs_floor', 'note']
+    keys = ['layout', 'method', 'time_s', 'cpu_s', 'peak_bytes', 'total_bytes', 'time_vs_dense', 'cpu_vs_dense',
+            'peak_vs_dense', 'total_vs_floor', 'note']
     with open(os.path.join(args.out, 'attention.csv'), 'w', newline='') as f:
         w = csv.DictWriter(f, keys); w.writeheader(); w.writerows(rows)
     _plot(rows, floor, os.path.join(args.out, 'attention.png'))
@@ -155,21 +178,17 @@ def _plot(rows, floor, path):
     import matplotlib
     import matplotlib.pyplot as plt
     ok = [r for r in rows if 'time_s' in r]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
-    names = [r['method'] for r in ok]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.4))
+    names = [f"{r['method']}\n{r['layout']}" for r in ok]
     a1.bar(names, [r['total_bytes'] / 2**20 for r in ok], color='C0'); a1.set_yscale('log')
     a1.axhline(floor / 2**20, color='C3', ls='--', label=f'physical floor {fmt_bytes(floor)}'); a1.legend(fontsize=8)
-    a1.set(ylabel='peak MiB (with inputs)', title='memory')
-    a2.bar(names, [r['time_s'] for r in ok], color='C1'); a2.set(ylabel='seconds, fwd+bwd', title='time')
+    a1.set(ylabel='peak MiB (with inputs)', title='memory'); a1.tick_params(axis='x', labelsize=7)
+    a2.bar(names, [r['time_s'] for r in ok], color='C1'); a2.set(ylabel='seconds, fwd+bwd (median)', title='time')
+    a2.tick_params(axis='x', labelsize=7)
     fig.tight_layout(); fig.savefig(path, dpi=100)
     if 'inline' not in matplotlib.get_backend(): plt.close(fig)
 
-# %% ../nbs/13_bench.ipynb #8aa8f751
-_SUBCOMMANDS = {}   # name -> function(subparsers) adding that subcommand, registered by the sections below
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog='python -m dflash.bench', description='dflash benchmarks: time and peak memory as ratios in one run')
-    sub = p.add_subparsers(dest='command', required=True)
+def _add_attention(sub):
     a = sub.add_parser('attention', help='block attention backends against naive baselines, forward+backward')
     a.add_argument('--device', default='cpu')
     a.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
@@ -182,13 +201,25 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument('--head-dim', type=int, default=64)
     a.add_argument('--sliding-window', type=int, default=None)
     a.add_argument('--budget', type=float, default=None, help='sdpa budget: bytes, or a fraction of free memory if <= 1')
+    a.add_argument('--layouts', nargs='+', default=list(LAYOUTS), choices=list(LAYOUTS),
+                   help='uniform anchors, or chat-like: supervision in the last half / quarter')
     a.add_argument('--methods', nargs='+', default=['dense', 'gather', 'sdpa', 'flex'], choices=sorted(METHODS))
-    a.add_argument('--repeats', type=int, default=5)
+    a.add_argument('--repeats', type=int, default=3)
     a.add_argument('--threads', type=int, default=1, help='torch threads during the run (0: leave as is)')
     a.add_argument('--seed', type=int, default=0)
     a.add_argument('--out', default='bench_out', help="directory for attention.csv and attention.png ('' for none)")
     a.set_defaults(run=run_attention)
-    for add in _SUBCOMMANDS.values(): add(sub)
+
+# %% ../nbs/13_bench.ipynb #8aa8f751
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog='python -m dflash.bench', description='dflash benchmarks: time and peak memory as ratios in one run')
+    sub = p.add_subparsers(dest='command', required=True)
+    _add_attention(sub)
+    _add_scaling(sub)
+    _add_step(sub)
+    _add_train(sub)
+    _add_regenerate(sub)
+    _add_data(sub)
     from dflash.gpu_bench import _add_gpu; _add_gpu(sub)   # `gpu` (13a_gpu): imported here, as it imports this module
     return p
 
@@ -197,24 +228,82 @@ def main(argv=None):
     if getattr(args, 'budget', None) is not None and args.budget > 1: args.budget = int(args.budget)
     return args.run(args)
 
+# %% ../nbs/13_bench.ipynb #52a954f9
+def fit_exponent(xs, ys) -> float:
+    "Slope of log y against log x: 1 is linear growth."
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = statistics.fmean(lx), statistics.fmean(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+def run_scaling(args) -> dict:
+    "sdpa fwd+bwd time and peak over sequence lengths (at `--anchors`) and anchor counts (at `--seq-len`); fitted exponents."
+    fn, dtype, out = get_backend('sdpa'), getattr(torch, args.dtype), {}
+    for axis, values in (('seq_len', args.seq_lens), ('anchors', args.anchor_counts)):
+        pts = []
+        for v in values:
+            S, A = (v, args.anchors) if axis == 'seq_len' else (args.seq_len, v)
+            lay = bench_layout(args.layout, 1, S, A, 16, seed=args.seed)
+            qkv = tuple(t.requires_grad_() for t in random_qkv(lay, args.heads, args.kv_heads, args.head_dim, dtype,
+                                                                generator=torch.Generator().manual_seed(args.seed)))
+            with _threads(args.threads): r = bench_many({'sdpa': fn}, qkv, lay, repeats=args.repeats)['sdpa']
+            pts.append(dict(axis=axis, seq_len=S, anchors=lay.num_blocks, **r))
+            print(f"{axis:8} S={S:6d} anchors={lay.num_blocks:5d}  wall {r['time_s']:7.3f}s  cpu {r['cpu_s']:7.3f}s  "
+                  f"peak {fmt_bytes(r['peak_bytes']):>11}", flush=True)
+        xs = [p[axis] for p in pts]
+        out[axis] = dict(points=pts, time_exponent=fit_exponent(xs, [p['cpu_s'] for p in pts]),
+                         peak_exponent=fit_exponent(xs, [p['peak_bytes'] for p in pts]))
+        print(f"{axis}: fitted exponent of CPU time {out[axis]['time_exponent']:.2f}, of peak {out[axis]['peak_exponent']:.2f}")
+    return out
+
+def _add_scaling(sub):
+    s = sub.add_parser('scaling', help='growth of sdpa time and memory in sequence length and anchors (fitted exponents)')
+    s.add_argument('--seq-lens', nargs='+', type=int, default=[1024, 2048, 4096, 8192, 16384])
+    s.add_argument('--anchors', type=int, default=256, help='anchors of the sequence-length sweep')
+    s.add_argument('--anchor-counts', nargs='+', type=int, default=[64, 128, 256, 512, 1024])
+    s.add_argument('--seq-len', type=int, default=8192, help='sequence length of the anchor sweep')
+    s.add_argument('--layout', default='half', choices=list(LAYOUTS))
+    s.add_argument('--heads', type=int, default=8)
+    s.add_argument('--kv-heads', type=int, default=2)
+    s.add_argument('--head-dim', type=int, default=64)
+    s.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
+    s.add_argument('--repeats', type=int, default=1)
+    s.add_argument('--threads', type=int, default=1)
+    s.add_argument('--seed', type=int, default=0)
+    s.set_defaults(run=run_scaling)
+
 # %% ../nbs/13_bench.ipynb #6db602f4
 STEP_CONFIGS = {   # drafter sizes of the `step` benchmark; head_dim = hidden // heads
-    'small':  dict(hidden=256, heads=4, kv_heads=2, layers=2, intermediate=768, vocab=8192, seq_len=1024, anchors=64),
-    'medium': dict(hidden=512, heads=8, kv_heads=2, layers=4, intermediate=1536, vocab=32000, seq_len=2048, anchors=64),
+    'small':  dict(hidden=256, heads=4, kv_heads=2, layers=2, intermediate=768, vocab=8192, seq_len=1024, anchors=512),
+    'medium': dict(hidden=512, heads=8, kv_heads=2, layers=2, intermediate=1536, vocab=8192, seq_len=2048, anchors=512),
 }
 
 @dataclass
 class StepCase:
-    "One drafter training step's inputs: the drafter and what the frozen target would supply."
-    drafter: DFlashDrafter
-    layout: BlockLayout
-    context: Tensor   # (1, S, L·H) target features
-    embed: Tensor     # (V, H) frozen embedding
-    lm_head: Tensor   # (V, H) frozen LM head
+    "One drafter training step's inputs: dflash's drafter, the reference drafter (same weights), the target's tensors."
+    drafter: DFlashDrafter     # sdpa backend, the trainer's defaults
+    reference: DFlashDrafter   # the same weights, `reference_attention`
+    context: Tensor            # (1, S, L·H) target features
+    embed: Tensor              # (V, H) frozen embedding
+    lm_head: Tensor            # (V, H) frozen LM head
+    seq_len: int
+    anchors: int
+
+    def layout(self, kind: str = 'uniform', seed: int = 0) -> BlockLayout:
+        "A fresh layout of `kind` (see `LAYOUTS`) for this case's sequence."
+        c = self.drafter.config
+        return bench_layout(kind, 1, self.seq_len, self.anchors, c.block_size, seed, c.mask_token_id).to(self.context.device)
+
+def reference_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window=None) -> Tensor:
+    "The field's block attention: K/V expanded by `repeat_kv`, one SDPA call with the dense boolean mask over all blocks."
+    g = q.shape[1] // k_ctx.shape[1]
+    k, v = repeat_kv(torch.cat([k_ctx, k_blk], 2), g), repeat_kv(torch.cat([v_ctx, v_blk], 2), g)   # (N, Hq, S + A·B, D)
+    mask = layout.dense_mask(sliding_window)[:, None]                    # (N, 1, A·B, S + A·B)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out * layout.keep.repeat_interleave(layout.block_size, 1)[:, None, :, None]   # padded rows: zeros
 
 def step_case(name: str, seq_len: int | None = None, anchors: int | None = None, block_size: int = 16,
               device='cpu', dtype=torch.float32, seed: int = 0) -> StepCase:
-    "A drafter with the `sdpa` backend and random inputs of `STEP_CONFIGS[name]` (`seq_len`, `anchors` override)."
+    "Drafters and random inputs of `STEP_CONFIGS[name]` (`seq_len`, `anchors` override)."
     z = STEP_CONFIGS[name]
     S, A, V, H = seq_len or z['seq_len'], anchors or z['anchors'], z['vocab'], z['hidden']
     cfg = DrafterConfig(hidden_size=H, num_attention_heads=z['heads'], num_key_value_heads=z['kv_heads'],
@@ -222,40 +311,57 @@ def step_case(name: str, seq_len: int | None = None, anchors: int | None = None,
                         num_target_layers=36, mask_token_id=V - 1, num_hidden_layers=z['layers'], block_size=block_size)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg, 'sdpa').to(device, dtype)
+    reference = DFlashDrafter(cfg).to(device, dtype)
+    reference.load_state_dict(drafter.state_dict())
+    reference.attn_fn = reference_attention
     g = torch.Generator().manual_seed(seed)
     context = torch.randn(1, S, cfg.context_size, generator=g)                        # (1, S, L·H)
     embed, lm_head = (torch.randn(V, H, generator=g) * 0.02 for _ in range(2))       # (V, H) each
-    layout = random_layout(1, S, A, block_size, seed=seed, short_rows=False).to(device)
-    return StepCase(drafter, layout, *(t.to(device, dtype) for t in (context, embed, lm_head)))
+    return StepCase(drafter, reference, *(t.to(device, dtype) for t in (context, embed, lm_head)), S, A)
 
-def drafter_step(case: StepCase, context: Tensor, objective_blocks: int = 16) -> Tensor:
-    "The loss of one training step: drafter forward, then the objective `objective_blocks` blocks at a time."
-    hidden = case.drafter(context, case.layout, case.embed)                           # (1, A·B, H)
-    return dflash_objective(hidden, case.layout, case.lm_head, chunk_blocks=objective_blocks).loss
+def drafter_step(case: StepCase, layout: BlockLayout, context: Tensor | None = None) -> Tensor:
+    "dflash's step as the trainer runs it: sdpa backend (a fresh plan per layout), the fused objective in frugal chunks."
+    hidden = case.drafter(case.context if context is None else context, layout, case.embed)   # (1, A·B, H)
+    return dflash_objective(hidden, layout, case.lm_head).loss
+
+def reference_step(case: StepCase, layout: BlockLayout, context: Tensor | None = None) -> Tensor:
+    "The field's step: `reference_attention`, no layer checkpointing, the objective in 128-block chunks of plain autograd."
+    hidden = case.reference(case.context if context is None else context, layout, case.embed)
+    return dflash_objective(hidden, layout, case.lm_head, chunk_blocks=128, fused=False).loss
 
 # %% ../nbs/13_bench.ipynb #7f83cd64
-def _timed_step(case: StepCase, objective_blocks: int) -> float:
-    "Seconds of one forward+backward of the drafter step."
-    case.drafter.zero_grad(set_to_none=True)
-    _sync(case.context.device); t0 = time.perf_counter()
-    drafter_step(case, case.context, objective_blocks).backward()
+def _timed_step(step, case: StepCase, kind: str, seed: int) -> tuple[float, float, float]:
+    "(wall s, CPU s, loss) of one forward+backward, the layout (and so the plan) made inside."
+    for d in (case.drafter, case.reference): d.zero_grad(set_to_none=True)
+    _sync(case.context.device); t0, c0 = time.perf_counter(), time.process_time()
+    loss = step(case, case.layout(kind, seed))
+    loss.backward()
     _sync(case.context.device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0, loss.item()
 
-def bench_policies(case: StepCase, policies: list, repeats: int = 2, objective_blocks: int = 16) -> dict:
-    "Per checkpointing policy: best fwd+bwd seconds, peak bytes, bytes held after forward, checkpointed layers."
+def bench_steps(case: StepCase, policies: list, kind: str = 'uniform', repeats: int = 3) -> dict:
+    """Per method ('reference', then dflash per checkpointing policy): median wall and CPU seconds over `repeats`
+    interleaved rounds after a warm-up, peak bytes, bytes held after forward; the loss of every round, asserted equal."""
+    methods = {'reference': (reference_step, 'none'), **{str(p): (drafter_step, p) for p in policies}}
     res = {}
-    for p in policies:
+    for name, (step, p) in methods.items():
         layers = set_checkpointing(case.drafter, p)
-        case.drafter.zero_grad(set_to_none=True)
-        m = measure(lambda ctx: drafter_step(case, ctx, objective_blocks), case.context)
-        res[p] = dict(layers=layers, peak_bytes=m.peak, after_fwd_bytes=m.after_fwd, times=[])
-    for _ in range(repeats):
-        for p in policies:
+        for d in (case.drafter, case.reference): d.zero_grad(set_to_none=True)
+        lay = case.layout(kind, 0)
+        m = measure(lambda ctx: step(case, lay, ctx), case.context)
+        res[name] = dict(layers=layers, peak_bytes=m.peak, after_fwd_bytes=m.after_fwd, wall=[], cpu=[], losses=[])
+    for r in range(repeats + 1):
+        for name, (step, p) in methods.items():
             set_checkpointing(case.drafter, p)
-            res[p]['times'].append(_timed_step(case, objective_blocks))
+            w, c, loss = _timed_step(step, case, kind, seed=r + 1)
+            res[name]['losses'].append(loss)
+            if r: res[name]['wall'].append(w); res[name]['cpu'].append(c)
     set_checkpointing(case.drafter, 'none'); case.drafter.zero_grad(set_to_none=True)
-    return {p: dict(time_s=min(r.pop('times')), **r) for p, r in res.items()}
+    ref = res['reference']['losses']
+    for name, x in res.items():                                          # same weights, same anchors: same loss
+        if not all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(x['losses'], ref)):
+            raise AssertionError(f"{name}: losses {x['losses']} differ from the reference step's {ref}")
+    return {k: dict(time_s=statistics.median(x.pop('wall')), cpu_s=statistics.median(x.pop('cpu')), **x) for k, x in res.items()}
 
 # %% ../nbs/13_bench.ipynb #5530c012
 def _policy(text: str):
@@ -265,34 +371,40 @@ def _policy(text: str):
     raise argparse.ArgumentTypeError(f"policy {text!r}: use 'none', 'all' or k >= 1 (every k-th layer)")
 
 def run_step(args) -> list[dict]:
-    "Measure a drafter training step per config and checkpointing policy; print a table; write CSV and plot."
+    "Measure the reference step and dflash's step per checkpointing policy, per config and layout; table, CSV, plot."
     dtype, rows, headers = getattr(torch, args.dtype), [], []
     with _threads(args.threads):
         threads = torch.get_num_threads()
         for name in args.configs:
             case = step_case(name, args.seq_len, args.anchors, args.block_size, args.device, dtype, args.seed)
-            res = bench_policies(case, args.policies, args.repeats, args.objective_blocks)
             z, L = STEP_CONFIGS[name], len(case.drafter.layers)
             headers.append(f"{name}: hidden {z['hidden']}, heads {z['heads']}/{z['kv_heads']}, {L} layers, "
-                           f"vocab {z['vocab']}, S={case.layout.seq_len}, {case.layout.num_blocks} anchors x B={args.block_size}, "
+                           f"vocab {z['vocab']}, S={case.seq_len}, {case.anchors} anchors x B={args.block_size}, "
                            f"{sum(p.numel() for p in case.drafter.parameters()) / 1e6:.1f}M parameters")
-            base = res.get('none')
-            for p, r in res.items():
-                rows.append(dict(config=name, policy=str(p), layers=f"{len(r['layers'])}/{L}", time_s=r['time_s'],
-                                 peak_bytes=r['peak_bytes'], after_fwd_bytes=r['after_fwd_bytes'],
-                                 time_vs_none=r['time_s'] / base['time_s'] if base else math.nan,
-                                 peak_vs_none=r['peak_bytes'] / base['peak_bytes'] if base else math.nan))
+            for kind in args.layouts:
+                res = bench_steps(case, args.policies, kind, args.repeats)
+                base = res['reference']
+                for p, r in res.items():
+                    rows.append(dict(config=name, layout=kind, method=p if p == 'reference' else f'dflash {p}',
+                                     layers=f"{len(r['layers'])}/{L}", time_s=r['time_s'], cpu_s=r['cpu_s'],
+                                     peak_bytes=r['peak_bytes'], after_fwd_bytes=r['after_fwd_bytes'],
+                                     loss=statistics.fmean(r['losses']), time_vs_ref=r['time_s'] / base['time_s'],
+                                     cpu_vs_ref=r['cpu_s'] / base['cpu_s'], peak_vs_ref=r['peak_bytes'] / base['peak_bytes']))
     _step_report(args, rows, headers, threads)
     return rows
 
 def _step_report(args, rows, headers, threads):
-    print(f"drafter training step fwd+bwd (sdpa attention, objective {args.objective_blocks} blocks at a time), "
-          f"{args.device}, {args.dtype}, {threads} thread(s), best of {args.repeats}")
+    print(f"training step fwd+bwd, {args.device}, {args.dtype}, {threads} thread(s), median of {args.repeats} interleaved "
+          f"rounds, a fresh layout and plan inside every step; reference: dense mask, repeat_kv, SDPA, objective in "
+          f"128-block chunks, no checkpointing; dflash: sdpa backend, fused objective, frugal chunks, layer checkpointing "
+          f"per policy; losses asserted equal")
     for h in headers: print(h)
-    print(f"{'config':7} {'policy':6} {'ckpt':>5} {'time':>8} {'peak':>11} {'after fwd':>11} {'time/none':>9} {'peak/none':>9}")
+    print(f"{'config':7} {'layout':8} {'method':12} {'ckpt':>5} {'wall':>7} {'cpu':>7} {'peak':>11} {'after fwd':>11} "
+          f"{'time/ref':>8} {'cpu/ref':>7} {'peak/ref':>8} {'loss':>8}")
     for r in rows:
-        print(f"{r['config']:7} {r['policy']:6} {r['layers']:>5} {r['time_s']:7.2f}s {fmt_bytes(r['peak_bytes']):>11} "
-              f"{fmt_bytes(r['after_fwd_bytes']):>11} {r['time_vs_none']:9.2f} {r['peak_vs_none']:9.2f}")
+        print(f"{r['config']:7} {r['layout']:8} {r['method']:12} {r['layers']:>5} {r['time_s']:6.2f}s {r['cpu_s']:6.2f}s "
+              f"{fmt_bytes(r['peak_bytes']):>11} {fmt_bytes(r['after_fwd_bytes']):>11} {r['time_vs_ref']:8.2f} "
+              f"{r['cpu_vs_ref']:7.2f} {r['peak_vs_ref']:8.2f} {r['loss']:8.4f}")
     if not args.out: return
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, 'step.csv'), 'w', newline='') as f:
@@ -302,41 +414,31 @@ def _step_report(args, rows, headers, threads):
 def _step_plot(rows, path):
     import matplotlib
     import matplotlib.pyplot as plt
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
-    configs = list(dict.fromkeys(r['config'] for r in rows))
-    policies = list(dict.fromkeys(r['policy'] for r in rows))
-    w = 0.8 / len(policies)
-    for j, p in enumerate(policies):
-        got = {r['config']: r for r in rows if r['policy'] == p}
-        a1.bar([i + j * w for i, c in enumerate(configs) if c in got], [got[c]['peak_bytes'] / 2**20 for c in configs if c in got],
-               w, label=f'policy {p}', color=f'C{j}')
-    a1.set_xticks([i + w * (len(policies) - 1) / 2 for i in range(len(configs))], configs)
-    a1.set(ylabel='peak MiB (fwd+bwd)', title='memory per policy'); a1.legend(fontsize=8)
-    for i, c in enumerate(configs):
-        rs = [r for r in rows if r['config'] == c]
-        a2.plot([r['time_vs_none'] for r in rs], [r['peak_vs_none'] for r in rs], 'o-', color=f'C{i + len(policies)}', label=c)
-        for r in rs: a2.annotate(r['policy'], (r['time_vs_none'], r['peak_vs_none']), fontsize=8, xytext=(3, 3), textcoords='offset points')
-    a2.set(xlabel='time / none', ylabel='peak / none', title='the trade'); a2.legend(fontsize=8)
-    fig.tight_layout(); fig.savefig(path, dpi=100)
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for i, key in enumerate(dict.fromkeys((r['config'], r['layout']) for r in rows)):
+        rs = [r for r in rows if (r['config'], r['layout']) == key]
+        ax.plot([r['cpu_vs_ref'] for r in rs], [r['peak_vs_ref'] for r in rs], 'o', color=f'C{i}', label=' '.join(key))
+        for r in rs: ax.annotate(r['method'], (r['cpu_vs_ref'], r['peak_vs_ref']), fontsize=7, xytext=(3, 3), textcoords='offset points')
+    ax.axhline(0.5, color='grey', ls=':'); ax.axvline(0.5, color='grey', ls=':')
+    ax.set(xlabel='CPU time / reference', ylabel='peak / reference', title='training step against the reference')
+    ax.legend(fontsize=7); fig.tight_layout(); fig.savefig(path, dpi=100)
     if 'inline' not in matplotlib.get_backend(): plt.close(fig)
 
 def _add_step(sub):
-    s = sub.add_parser('step', help='a drafter training step (sdpa, chunked objective) per checkpointing policy')
-    s.add_argument('--configs', nargs='+', default=list(STEP_CONFIGS), choices=list(STEP_CONFIGS))
-    s.add_argument('--policies', nargs='+', type=_policy, default=['none', 2, 'all'], help="'none', 'all' or k (every k-th layer)")
+    s = sub.add_parser('step', help="a drafter training step against the field's reference step, per checkpointing policy")
+    s.add_argument('--configs', nargs='+', default=['medium'], choices=list(STEP_CONFIGS))
+    s.add_argument('--layouts', nargs='+', default=list(LAYOUTS), choices=list(LAYOUTS))
+    s.add_argument('--policies', nargs='+', type=_policy, default=['none', 'all'], help="'none', 'all' or k (every k-th layer)")
     s.add_argument('--seq-len', type=int, default=None, help="override every config's sequence length")
     s.add_argument('--anchors', type=int, default=None, help="override every config's anchors")
     s.add_argument('--block-size', type=int, default=16)
-    s.add_argument('--objective-blocks', type=int, default=16, help='blocks per chunk of the objective')
     s.add_argument('--device', default='cpu')
     s.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
-    s.add_argument('--repeats', type=int, default=2)
+    s.add_argument('--repeats', type=int, default=3)
     s.add_argument('--threads', type=int, default=1, help='torch threads during the run (0: leave as is)')
     s.add_argument('--seed', type=int, default=0)
     s.add_argument('--out', default='bench_out', help="directory for step.csv and step.png ('' for none)")
     s.set_defaults(run=run_step)
-
-_SUBCOMMANDS['step'] = _add_step
 
 # %% ../nbs/13_bench.ipynb #e20b7bec
 TRAIN_TARGETS = {   # targets of the `train` benchmark: None is the shipped toy; else sizes for `toy_config`
@@ -479,8 +581,6 @@ def _add_train(sub):
     t.add_argument('--out', default='bench_out', help="directory for train.csv ('' for none)")
     t.set_defaults(run=run_train)
 
-_SUBCOMMANDS['train'] = _add_train
-
 # %% ../nbs/13_bench.ipynb #77f2d9a3
 from .regenerate import TransformersEngine, end_of_turn_ids, load_conversations, regenerate_batch
 from .toy import load_toy_target, toy_data_dir
@@ -535,7 +635,6 @@ def _add_regenerate(sub):
     g.add_argument('--out', default='bench_out', help="directory for regenerate.csv ('' for none)")
     g.set_defaults(run=run_regenerate)
 
-_SUBCOMMANDS['regenerate'] = _add_regenerate
 
 # %% ../nbs/13_bench.ipynb #9e56f721
 from .toy import make_corpus
@@ -597,7 +696,6 @@ def _add_data(sub):
     d.add_argument('--out', default='bench_out', help="directory for data.csv ('' for none)")
     d.set_defaults(run=run_data)
 
-_SUBCOMMANDS['data'] = _add_data
 
 # %% ../nbs/13_bench.ipynb #6ab0d565
 if __name__ == '__main__' and '__file__' in globals(): main()

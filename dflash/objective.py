@@ -5,35 +5,93 @@
 # %% ../nbs/07_objective.ipynb #dd1c3759
 from __future__ import annotations
 from dataclasses import dataclass, fields
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from .layout import BlockLayout
-from .checkpointing import checkpoint_call
+from .drafter import compute_dtype
 
 # %% auto #0
-__all__ = ['objective_bytes_per_row', 'objective_chunk_blocks', 'ObjectiveSums', 'accepted_length', 'dflash_objective',
-           'plain_objective']
+__all__ = ['OBJECTIVE_CHUNK_COST', 'objective_bytes_per_row', 'objective_chunk_blocks', 'frugal_chunk_blocks', 'ObjectiveSums',
+           'accepted_length', 'dflash_objective', 'plain_objective']
 
 # %% ../nbs/07_objective.ipynb #3283df5a
 def objective_bytes_per_row(vocab_size: int, dtype: torch.dtype) -> int:
-    "Live bytes per block position while its logits exist (forward or recompute + backward)."
+    "Live bytes per block position while its logits exist; `dtype` is the compute dtype of the LM head matmul."
     e = torch.finfo(dtype).bits // 8
-    return vocab_size * (2 * e + 3 * 4)      # logits + grad in dtype; fp32 copy, log-probs, grad
+    return vocab_size * (4 + (e if e < 4 else 0))   # fp32 logits (softmax in place) + a low-precision copy
 
 def objective_chunk_blocks(vocab_size: int, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
     "How many blocks' logits fit in `budget_bytes` at once (at least one, or an error naming the minimum)."
-    per_block = block_size * objective_bytes_per_row(vocab_size, dtype)
+    per_block = (block_size - 1) * objective_bytes_per_row(vocab_size, dtype)
     if budget_bytes < per_block:
         raise ValueError(f"objective budget {budget_bytes / 2**20:.1f} MiB is below one block's logits: "
                          f"the minimum is {per_block / 2**20:.1f} MiB (block {block_size} x vocab {vocab_size}, {dtype})")
     return budget_bytes // per_block
 
+
+# %% ../nbs/07_objective.ipynb #c59f8325
+_TILE_ROWS = 128                 # rows one matmul tile computes at once: a chunk of fewer costs as many
+OBJECTIVE_CHUNK_COST = 2**26     # multiply-adds the fixed costs of one chunk are worth
+
+def _objective_cost(chunk: np.ndarray, blocks: int, rows_per_block: int, vocab_size: int, hidden_size: int) -> np.ndarray:
+    "Modelled cost (multiply-adds) of the objective over `blocks` blocks, `chunk` blocks at a time (array of sizes)."
+    n, rest = blocks // chunk, blocks % chunk
+    tiles = lambda r: -(-r // _TILE_ROWS) * _TILE_ROWS
+    rows = n * tiles(chunk * rows_per_block) + (rest > 0) * tiles(rest * rows_per_block)
+    return rows * 2 * vocab_size * hidden_size + (n + (rest > 0)) * OBJECTIVE_CHUNK_COST
+
+def frugal_chunk_blocks(blocks: int, block_size: int, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+                        budget_bytes: int | None = None, slack: float = 0.05) -> int:
+    "Smallest chunk (blocks) whose modelled cost is within `slack` of the fastest one that fits `budget_bytes`."
+    cap = blocks if budget_bytes is None else min(blocks, objective_chunk_blocks(vocab_size, block_size, dtype, budget_bytes))
+    sizes = np.arange(1, max(cap, 1) + 1)
+    cost = _objective_cost(sizes, blocks, block_size - 1, vocab_size, hidden_size)
+    return int(sizes[np.argmax(cost <= (1 + slack) * cost.min())])
+
 # %% ../nbs/07_objective.ipynb #2de19a4f
-def _chunk_ce(h: Tensor, lm_head: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    "Per-row cross-entropy and argmax for one chunk. h: (rows, H), lm_head: (V, H), labels: (rows,)."
+def _chunk_ce(h: Tensor, lm_head: Tensor, labels: Tensor, grad: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    "Per-row CE, argmax and (if `grad`) d CE / d h of one chunk. h: (rows, H), lm_head: (V, H), labels: (rows,)."
+    logits = F.linear(h, lm_head).float()                                  # (rows, V) fp32
+    pred, picked = logits.argmax(-1), logits.gather(1, labels[:, None])[:, 0]
+    top = logits.amax(-1, keepdim=True)
+    total = logits.sub_(top).exp_().sum(-1, keepdim=True)                 # in place: exp(logits - max)
+    ce = (top + total.log())[:, 0] - picked
+    if not grad: return ce, pred, None
+    p = logits.div_(total).scatter_add_(1, labels[:, None], logits.new_full((len(labels), 1), -1.))  # softmax - onehot
+    return ce, pred, F.linear(p.to(compute_dtype(p, lm_head.dtype)), lm_head.T)   # (rows, H)
+
+def _plain_chunk_ce(h: Tensor, lm_head: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    "Per-row CE and argmax of one chunk through plain autograd (its logits are kept for backward)."
     logits = F.linear(h, lm_head).float()                                  # (rows, V)
     return F.cross_entropy(logits, labels, reduction='none'), logits.argmax(-1)
+
+class _FusedCE(torch.autograd.Function):
+    "CE (M, B) and argmax of every block position k >= 1 through the frozen head; the input gradient formed in forward."
+    @staticmethod
+    def forward(ctx, h: Tensor, lm_head: Tensor, labels: Tensor, chunk_blocks: int, grad: bool):
+        M, B, H = h.shape                                                  # h: (blocks, B, H)
+        ce = torch.zeros(M, B, dtype=torch.float32, device=h.device)
+        pred = torch.full((M, B), -1, dtype=torch.long, device=h.device)
+        dh = None
+        for i in range(0, M, chunk_blocks):                                # k = 0 is the given anchor token: skipped
+            sl = slice(i, i + chunk_blocks)
+            c_ce, c_pred, c_dh = _chunk_ce(h[sl, 1:].reshape(-1, H), lm_head, labels[sl, 1:].reshape(-1), grad)
+            n = c_ce.shape[0] // (B - 1)
+            ce[sl, 1:], pred[sl, 1:] = c_ce.view(n, B - 1), c_pred.view(n, B - 1)
+            if grad:
+                if dh is None: dh = torch.zeros(M, B, H, dtype=c_dh.dtype, device=h.device)
+                dh[sl, 1:] = c_dh.view(n, B - 1, H)
+        ctx.mark_non_differentiable(pred)
+        ctx.h_dtype = h.dtype
+        if grad: ctx.save_for_backward(dh)
+        return ce, pred
+
+    @staticmethod
+    def backward(ctx, g_ce: Tensor, _g_pred):
+        dh, = ctx.saved_tensors
+        return (g_ce[..., None] * dh).to(ctx.h_dtype), None, None, None, None
 
 # %% ../nbs/07_objective.ipynb #83d456cc
 @dataclass
@@ -62,20 +120,21 @@ def accepted_length(correct: Tensor, supervised: Tensor) -> Tensor:
     return ok.cumprod(-1).sum(-1)
 
 def dflash_objective(hidden: Tensor, layout: BlockLayout, lm_head: Tensor, chunk_blocks: int | None = None,
-                     budget_bytes: int | None = None, checkpointed: bool = True) -> ObjectiveSums:
-    "The DFlash loss sums and metrics. hidden: (N, A·B, H); lm_head: (V, H) frozen."
+                     budget_bytes: int | None = None, fused: bool = True) -> ObjectiveSums:
+    """The DFlash loss sums and metrics. hidden: (N, A·B, H); lm_head: (V, H) frozen. Chunks of `chunk_blocks` blocks,
+    else the frugal size within `budget_bytes`; `fused=False` is plain autograd through each chunk (logits kept)."""
     N, A, B = layout.batch_size, layout.num_blocks, layout.block_size
+    V, H = lm_head.shape
     if chunk_blocks is None:
-        chunk_blocks = A * N if budget_bytes is None else \
-            objective_chunk_blocks(lm_head.shape[0], B, hidden.dtype, budget_bytes)
-    h, labels = hidden.reshape(N * A, B, -1), layout.labels.reshape(N * A, B)
-    ces, preds = [], []
-    for i in range(0, N * A, chunk_blocks):                       # a chunk of blocks = rows of B positions
-        hc, lc = h[i:i + chunk_blocks].flatten(0, 1), labels[i:i + chunk_blocks].flatten()
-        ce, pred = checkpoint_call(_chunk_ce, hc, lm_head, lc) if checkpointed and torch.is_grad_enabled() \
-            else _chunk_ce(hc, lm_head, lc)
-        ces.append(ce); preds.append(pred)
-    ce, pred = torch.cat(ces).view(N, A, B), torch.cat(preds).view(N, A, B)
+        chunk_blocks = frugal_chunk_blocks(N * A, B, V, H, compute_dtype(hidden, lm_head.dtype), budget_bytes)
+    h, labels = hidden.reshape(N * A, B, H), layout.labels.reshape(N * A, B)
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    if fused: ce, pred = _FusedCE.apply(h, lm_head, labels, chunk_blocks, grad)
+    else:
+        parts = [_plain_chunk_ce(h[i:i + chunk_blocks].flatten(0, 1), lm_head, labels[i:i + chunk_blocks].flatten())
+                 for i in range(0, N * A, chunk_blocks)]
+        ce, pred = (torch.cat([p[j] for p in parts]) for j in (0, 1))
+    ce, pred = ce.view(N, A, B), pred.view(N, A, B)
     w = layout.weights.to(ce.device)
     supervised, correct = w > 0, (pred == layout.labels) & (w > 0)
     return ObjectiveSums(loss_sum=(w * ce).sum(), weight_sum=w.sum(),

@@ -147,7 +147,7 @@ def step_memory(cfg: DrafterConfig, seq_len: int, num_anchors: int, policy='none
 def _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_size, attention_budget, objective_budget,
                  optimizer, t0) -> StepMemory:
     opts = dict(budget_bytes=attention_budget, chunk_cost=_FAKE_CHUNK_COST) if attention == 'sdpa' else {}
-    objective_budget = max(objective_budget, cfg.block_size * objective_bytes_per_row(cfg.vocab_size, torch.float32))  # >= one block
+    objective_budget = max(objective_budget, cfg.block_size * objective_bytes_per_row(cfg.vocab_size, dt))  # >= one block
     with torch.device('meta'): drafter = DFlashDrafter(cfg, attention, **opts)
     chosen = set_checkpointing(drafter, policy, budget_bytes=attention_budget)
     lay = _layout(seq_len, num_anchors, cfg.block_size, micro_batch_size, cfg.mask_token_id, cfg.vocab_size)

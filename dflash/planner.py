@@ -134,28 +134,53 @@ def _free_bytes(device) -> int:
         info = {l.split(':')[0]: int(l.split()[1]) * 1024 for l in f}
     return info['MemAvailable']
 
-def _row_plan(a: np.ndarray, B: int, Hq: int, W, cap: int, chunk_cost: int, cost_bytes) -> list[tuple[int, int]]:
-    "Optimal [start, stop) cuts of one row's sorted anchors `a` with chunk bytes <= cap."
+def _row_tables(a: np.ndarray, B: int, Hq: int, W, chunk_cost: int, cost_bytes) -> tuple[np.ndarray, np.ndarray]:
+    "Bytes and cost of every chunk [i, j) of one row's sorted anchors `a`: (m, m) arrays at [i, j-1], inf where j <= i."
     m = len(a)
+    i, j = np.arange(m)[:, None], np.arange(1, m + 1)[None, :]
+    lo = np.zeros(m, dtype=np.int64) if W is None else np.maximum(0, a - (W - 1))
+    rows = np.maximum(j - i, 0) * B
+    keys = a[None, :] - lo[:, None] + rows
+    valid = j > i
+    return np.where(valid, cost_bytes(rows, keys), np.inf), np.where(valid, Hq * rows * keys + chunk_cost, np.inf)
+
+def _row_dp(nbytes: np.ndarray, cost: np.ndarray, cap) -> tuple[list[tuple[int, int]], float]:
+    "Cheapest [start, stop) cuts with chunk bytes <= cap, and their cost."
+    m = cost.shape[0]
+    C = np.where(nbytes <= cap, cost, np.inf)
     best = np.full(m + 1, np.inf); best[0] = 0; arg = np.zeros(m + 1, dtype=np.int64)
-    lo_all = np.zeros(m, dtype=np.int64) if W is None else np.maximum(0, a - (W - 1))
     for j in range(1, m + 1):
-        i = np.arange(j)
-        rows = (j - i) * B
-        keys = a[j - 1] - lo_all[i] + rows
-        ok = cost_bytes(rows, keys) <= cap
-        cost = best[i] + Hq * rows * keys + chunk_cost
-        cost[~ok] = np.inf
-        arg[j] = int(np.argmin(cost)); best[j] = cost[arg[j]]
+        c = best[:j] + C[:j, j - 1]
+        arg[j] = k = int(np.argmin(c)); best[j] = c[k]
     cuts, j = [], m
     while j > 0: cuts.append((int(arg[j]), j)); j = int(arg[j])
-    return cuts[::-1]
+    return cuts[::-1], float(best[m])
+
+def _row_plan(a: np.ndarray, B: int, Hq: int, W, cap: int, chunk_cost: int, cost_bytes) -> list[tuple[int, int]]:
+    "Optimal [start, stop) cuts of one row's sorted anchors `a` with chunk bytes <= cap."
+    return _row_dp(*_row_tables(a, B, Hq, W, chunk_cost, cost_bytes), cap)[0]
+
+def _frugal_cap(tables: list, cap: float, lowest: float, slack: float) -> float:
+    "Smallest cap on a geometric grid from `lowest` whose plan costs at most (1 + slack) x the fastest under `cap`."
+    fastest = [_row_dp(nb, co, cap) for nb, co in tables]
+    limit = (1 + slack) * sum(c for _, c in fastest)
+    top = max(nb[s, e - 1] for (nb, _), (cuts, _) in zip(tables, fastest) for s, e in cuts)   # bytes the fastest uses
+    if top <= lowest: return top
+    grid = np.geomspace(lowest, top, int(np.log(top / lowest) / np.log(1.05)) + 2)
+    grid[-1] = top
+    lo, hi = 0, len(grid) - 1                                            # the cost falls as the cap grows: bisect
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(_row_dp(nb, co, grid[mid])[1] for nb, co in tables) <= limit: hi = mid
+        else: lo = mid + 1
+    return float(grid[hi])
+
 
 # %% ../nbs/03_planner.ipynb #6ae21af1
 def plan_chunks(layout: BlockLayout, n_heads: int, n_kv_heads: int, head_dim: int, dtype=torch.float32,
                 budget_bytes: int | float | None = None, kernel: str = 'auto', sliding_window: int | None = None,
-                device='cpu', chunk_cost: int = 2**19) -> ChunkPlan:
-    "Cut the sorted blocks of every row into chunks minimising work, each fitting `budget_bytes` (bytes, or a fraction of free memory)."
+                device='cpu', chunk_cost: int = 2**19, slack: float = 0.05) -> ChunkPlan:
+    "Chunks of the sorted blocks of every row, each fitting `budget_bytes` (bytes, or a fraction of free memory): the least memory costing at most `1 + slack` x the least work."
     if n_heads % n_kv_heads: raise ValueError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
     if kernel == 'auto': kernel = probe_kernel(device, dtype, head_dim)
     if kernel == 'flash': raise ValueError("the flash kernel takes no mask; block attention needs 'efficient', 'cpu_flash' or 'math'")
@@ -178,10 +203,12 @@ def plan_chunks(layout: BlockLayout, n_heads: int, n_kv_heads: int, head_dim: in
                          f"{fixed + smallest} bytes ({fmt_bytes(fixed + smallest)}) = output, gradients "
                          f"{fmt_bytes(fixed)} + one block's temporaries or one row's gradient join {fmt_bytes(smallest)}")
     cap = budget_bytes - fixed
-    for n, a in enumerate(srt):
-        if not a: continue
-        a = np.asarray(a, dtype=np.int64)
-        for s, e in _row_plan(a, B, n_heads, sliding_window, cap, chunk_cost, cost_bytes):
+    rows = [(n, np.asarray(a, dtype=np.int64)) for n, a in enumerate(srt) if a]
+    tables = [_row_tables(a, B, n_heads, sliding_window, chunk_cost, cost_bytes) for _, a in rows]
+    if slack is not None and tables:
+        cap = _frugal_cap(tables, cap, max(np.diag(nb).max() for nb, _ in tables), slack)
+    for (n, a), (nb, co) in zip(rows, tables):
+        for s, e in _row_dp(nb, co, cap)[0]:
             lo = 0 if sliding_window is None else max(0, int(a[s]) - sliding_window + 1)
             p.chunks.append(Chunk(n, s, e, lo, int(a[e - 1])))
     p.budget_bytes = budget_bytes
