@@ -40,7 +40,8 @@ from .toy import toy_config, toy_target_dir, toy_data_dir
 __all__ = ['METHODS', 'LAYOUTS', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'dense_attention', 'gather_attention', 'bench_layout',
            'bench_many', 'physical_floor', 'run_attention', 'parser', 'main', 'fit_exponent', 'run_scaling', 'StepCase',
            'reference_attention', 'step_case', 'drafter_step', 'reference_step', 'bench_steps', 'run_step',
-           'make_target', 'launch_train', 'throughput', 'run_train', 'bench_regenerate', 'run_regenerate', 'run_data']
+           'make_target', 'free_port', 'launch_train', 'last_error', 'logged_steps', 'throughput', 'run_train',
+           'bench_regenerate', 'run_regenerate', 'run_data']
 
 # %% ../nbs/13_bench.ipynb #e0bdccab
 def dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window=None) -> Tensor:
@@ -220,7 +221,7 @@ def parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_regenerate(sub)
     _add_data(sub)
-    from dflash.gpu_bench import _add_gpu; _add_gpu(sub)   # `gpu` (13a_gpu): imported here, as it imports this module
+    from dflash.gpu_bench import add_gpu_command; add_gpu_command(sub)   # `gpu` (13a_gpu): imported here, as it imports this module
     return p
 
 def main(argv=None):
@@ -461,7 +462,7 @@ def make_target(path, seed: int = 0, **sizes) -> Path:
     return path
 
 # %% ../nbs/13_bench.ipynb #ee9ae346
-def _free_port() -> str:
+def free_port() -> str:
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         return str(s.getsockname()[1])
@@ -472,12 +473,12 @@ def launch_train(out, processes: int = 1, *train_args: str, device: str = 'cpu',
     if device == 'cpu': dist = ['--multi_gpu', '--num_processes', str(processes)] if processes > 1 else ['--cpu', '--num_processes', '1']
     else: dist = ['--multi_gpu'] * (processes > 1) + ['--num_processes', str(processes)]
     cmd = [sys.executable, '-m', 'accelerate.commands.launch', *dist, '--num_machines', '1', '--mixed_precision', 'no',
-           '--dynamo_backend', 'no', '--main_process_port', _free_port(), '-m', 'dflash.train', '--out', str(out), *train_args]
+           '--dynamo_backend', 'no', '--main_process_port', free_port(), '-m', 'dflash.train', '--out', str(out), *train_args]
     env = {**os.environ, 'OMP_NUM_THREADS': str(threads), 'PYTHONUNBUFFERED': '1', 'TOKENIZERS_PARALLELISM': 'false'}
     if device == 'cpu': env['ACCELERATE_USE_CPU'] = 'true'              # else --multi_gpu gives lone processes
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
-def _last_error(output: str) -> str:
+def last_error(output: str) -> str:
     "The error a run died of: the last 'XError: message' line a rank printed (else any process), else the last line."
     lines = [l.strip() for l in output.splitlines() if l.strip()]
     error = re.compile(r'^(\[rank\d+\]: )?([\w.]*(Error|Exception): .*)$')
@@ -485,7 +486,7 @@ def _last_error(output: str) -> str:
     ranked = [e for by_rank, e in found if by_rank]
     return (ranked or [e for _, e in found] or lines or [''])[-1]
 
-def _logged_steps(metrics_csv) -> list[dict]:
+def logged_steps(metrics_csv) -> list[dict]:
     "The rows of a run's metrics.csv; a step logged twice means its processes did not form one run."
     rows = list(csv.DictReader(open(metrics_csv)))
     steps = [int(r['step']) for r in rows]
@@ -496,7 +497,7 @@ def _logged_steps(metrics_csv) -> list[dict]:
 
 def throughput(metrics_csv, warmup_steps: int = 1) -> dict:
     "Median tokens/s over the steps after `warmup_steps`, and the largest peak memory (MB), from a run's metrics.csv."
-    rows = _logged_steps(metrics_csv)
+    rows = logged_steps(metrics_csv)
     steady = [float(r['tokens_per_s']) for r in rows if int(r['step']) > warmup_steps]
     if not steady: raise ValueError(f"{metrics_csv}: no step after the {warmup_steps} warm-up step(s); run more steps")
     return dict(steps=len(steady), tokens_per_s=statistics.median(steady), peak_mem_mb=max(float(r['peak_mem_mb']) for r in rows))
@@ -533,12 +534,12 @@ def run_train(args) -> list[dict]:
                 out, t0 = tmp / f'run-{name}-{n}', time.perf_counter()
                 r = launch_train(out, n, *where, *common, device=args.device, threads=args.threads)
                 wall, metrics = time.perf_counter() - t0, out / 'metrics.csv'
-                finished = metrics.is_file() and max(int(x['step']) for x in _logged_steps(metrics)) == args.steps
+                finished = metrics.is_file() and max(int(x['step']) for x in logged_steps(metrics)) == args.steps
                 if r.returncode and not finished:
                     raise RuntimeError(f"training run {name} on {n} process(es) failed (exit {r.returncode}): "
                                        f"{' '.join(r.args)}\n{(r.stdout + r.stderr)[-4000:]}")
                 # a failure after the last step (saving, the final evaluation) leaves the step numbers valid: shown, not hidden
-                note = f"exit {r.returncode} after the last step: {_last_error(r.stdout + r.stderr)}" if r.returncode else ''
+                note = f"exit {r.returncode} after the last step: {last_error(r.stdout + r.stderr)}" if r.returncode else ''
                 rows.append(dict(config=name, processes=n, **throughput(metrics, args.warmup_steps), wall_s=wall, note=note))
     for r in rows:
         one = next((b for b in rows if b['config'] == r['config'] and b['processes'] == 1), None)

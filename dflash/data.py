@@ -16,8 +16,9 @@ __all__ = ['ROLES', 'DATA_SUFFIXES', 'TOKENIZE_VERSION', 'CACHE_FORMAT', 'DataOp
            'parse_command', 'DataError', 'DataStats', 'read_jsonl', 'role_of', 'to_messages', 'record_tools',
            'TemplateError', 'turn_markers', 'assistant_spans', 'tokenize_chat', 'tokenize_conversation',
            'set_chat_template', 'load_tokenizer', 'ChatDataset', 'read_records', 'tokenizer_fingerprint',
-           'load_chat_data', 'target_identity', 'target_features', 'TargetFeatures', 'cache_bytes_per_token',
-           'data_fingerprint', 'write_cache', 'CacheDataset', 'collate', 'tokenize_command', 'cache_command', 'main']
+           'load_chat_data', 'check_target_dir', 'target_identity', 'target_features', 'TargetFeatures',
+           'cache_bytes_per_token', 'data_fingerprint', 'write_cache', 'CacheDataset', 'collate', 'tokenize_command',
+           'cache_command', 'main']
 
 # %% ../nbs/08_data.ipynb #762db414
 @dataclass
@@ -132,7 +133,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 from .config import DrafterConfig, default_target_layer_ids, hf_hub_cache
 from .layout import valid_anchors
-from .drafter import _atomic_write
+from .drafter import atomic_write
 
 # %% ../nbs/08_data.ipynb #e33fbecc
 class DataError(ValueError):
@@ -562,7 +563,7 @@ _WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pt', '.pth')
 def _weight_files(path: Path) -> list[Path]:
     return sorted(f for f in path.iterdir() if f.is_file() and (f.suffix in _WEIGHT_SUFFIXES or f.name.endswith('.index.json')))
 
-def _check_target_dir(path: Path):
+def check_target_dir(path: Path):
     "The model directory's config, after checking it is a local causal LM with weights."
     from transformers import AutoConfig, MODEL_FOR_CAUSAL_LM_MAPPING
     if not path.is_dir(): raise FileNotFoundError(f"target {path}: no such directory")
@@ -597,7 +598,7 @@ class TargetFeatures:
                  device=None, tokenizer=None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.path = path = resolve_local(path)
-        self.config = config = _check_target_dir(path)
+        self.config = config = check_target_dir(path)
         T = config.num_hidden_layers
         self.layer_ids = default_target_layer_ids(T, num_draft_layers) if layer_ids is None else [int(i) for i in layer_ids]
         bad = [i for i in self.layer_ids if not 0 <= i < T]
@@ -647,7 +648,7 @@ def cache_bytes_per_token(context_size: int, dtype: torch.dtype = torch.bfloat16
 # %% ../nbs/08_data.ipynb #fcaeae7d
 CACHE_FORMAT = 'dflash-hidden-cache/1'
 
-def _write_json(path: Path, obj): _atomic_write(path, lambda p: Path(p).write_text(json.dumps(obj, indent=1) + '\n'))
+def _write_json(path: Path, obj): atomic_write(path, lambda p: Path(p).write_text(json.dumps(obj, indent=1) + '\n'))
 
 def data_fingerprint(dataset) -> str:
     "A hash of every sample's token ids and loss mask."
@@ -684,7 +685,7 @@ def _shard_tensors(features: TargetFeatures, dataset, idx: range, batch_tokens: 
 
 def _write_shard(path: Path, tensors: dict[str, Tensor]) -> dict:
     "Write a shard, then its record (`<shard>.json`: counts, bytes, sha256), both atomically."
-    _atomic_write(path, lambda p: save_file(tensors, p, metadata={'format': 'pt'}))
+    atomic_write(path, lambda p: save_file(tensors, p, metadata={'format': 'pt'}))
     rec = {'file': path.name, 'num_samples': len(tensors['sample_ids']), 'num_tokens': len(tensors['input_ids']),
            'bytes': path.stat().st_size, 'sha256': _sha256(path)}
     _write_json(path.with_name(path.name + '.json'), rec)

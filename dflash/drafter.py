@@ -19,7 +19,7 @@ from .attention import get_backend
 
 # %% auto #0
 __all__ = ['qwen3_config', 'rotate', 'compute_dtype', 'compute_input', 'RMSNorm', 'DFlashAttention', 'DFlashDecoderLayer',
-           'ContextCache', 'DFlashDrafter', 'one_block_attention', 'check_semantics']
+           'ContextCache', 'DFlashDrafter', 'one_block_attention', 'check_semantics', 'atomic_write']
 
 # %% ../nbs/05_drafter.ipynb #edb55883
 def qwen3_config(cfg: DrafterConfig) -> Qwen3Config:
@@ -226,7 +226,7 @@ def check_semantics(drafter: DFlashDrafter, context: Tensor, layout: BlockLayout
     return worst
 
 # %% ../nbs/05_drafter.ipynb #488d8161
-def _atomic_write(path: Path, write):
+def atomic_write(path: Path, write):
     "Write through `write(tmp_path)` to a temporary file beside `path`, then rename it into place."
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.')
     os.close(fd)
@@ -242,9 +242,9 @@ def save_pretrained(self: DFlashDrafter, path):
     "Write `config.json` and `model.safetensors` to directory `path`."
     path = Path(path); path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-    _atomic_write(path / 'model.safetensors', lambda p: save_file(state, p, metadata={'format': 'pt'}))
+    atomic_write(path / 'model.safetensors', lambda p: save_file(state, p, metadata={'format': 'pt'}))
     conf = {**self.config.to_dict(), 'dtype': str(next(self.parameters()).dtype).removeprefix('torch.')}
-    _atomic_write(path / 'config.json', lambda p: Path(p).write_text(json.dumps(conf, indent=2) + '\n'))
+    atomic_write(path / 'config.json', lambda p: Path(p).write_text(json.dumps(conf, indent=2) + '\n'))
 
 # %% ../nbs/05_drafter.ipynb #99df99ef
 def _check_state(expected: dict, found: dict, source: str):

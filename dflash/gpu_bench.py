@@ -11,20 +11,20 @@ import torch
 from torch import Tensor
 from transformers import Qwen3Config
 from .config import DrafterConfig
-from .memory import measure, fmt_bytes, _Tracker
+from .memory import measure, fmt_bytes, MemoryTracker
 from .planner import plan_chunks, probe_kernel, random_layout
 from .attention import get_backend, random_qkv, eager_attention, sdpa_attention
 from .drafter import DFlashDrafter
 from .checkpointing import set_checkpointing
 from .objective import dflash_objective
-from .plan import budgets, recommend_policy, _layout
-from .bench import bench_many, _free_port, _last_error, _logged_steps
+from .plan import budgets, recommend_policy, plan_layout
+from .bench import bench_many, free_port, last_error, logged_steps
 
 # %% auto #0
 __all__ = ['PLANNER_CASES', 'PEAK_BF16_FLOPS', 'QWEN3_8B', 'MULTI_VARIANTS', 'MULTI_ARGS', 'SECTIONS', 'TOTAL_BUDGET_S',
            'grad_check', 'sdpa_kernels', 'attention_compare', 'planner_check', 'step_flops', 'peak_flops',
            'qwen3_8b_drafter', 'real_step', 'launch', 'run_summary', 'multi_process', 'Section', 'acceptance',
-           'machine', 'dry_run', 'run_gpu']
+           'machine', 'dry_run', 'run_gpu', 'add_gpu_command']
 
 # %% ../nbs/13a_gpu.ipynb #c36b4aa1
 def _rel(a: Tensor, b: Tensor) -> float:
@@ -174,7 +174,7 @@ def real_step(device='cuda', cfg: DrafterConfig | None = None, seq_len: int = 80
     with device: drafter = DFlashDrafter(cfg, 'sdpa', budget_bytes=attention_budget)   # initialised where it trains
     set_checkpointing(drafter, policy, budget_bytes=attention_budget)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, **({'fused': True} if cuda else {'foreach': True}))
-    lay = _layout(seq_len, anchors, cfg.block_size, 1, cfg.mask_token_id, cfg.vocab_size).to(device)
+    lay = plan_layout(seq_len, anchors, cfg.block_size, 1, cfg.mask_token_id, cfg.vocab_size).to(device)
     g = torch.Generator().manual_seed(seed)
     ctx = torch.randn(1, seq_len, cfg.context_size, generator=g).to(device, dt)         # (1, S, L·H) target features
     embed, lm_head = ((torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02).to(device, dt)
@@ -184,14 +184,14 @@ def real_step(device='cuda', cfg: DrafterConfig | None = None, seq_len: int = 80
     times, peak = [], 0
     for _ in range(repeats):
         if cuda: torch.cuda.synchronize(device); torch.cuda.reset_peak_memory_stats(device)
-        tracker = None if cuda else _Tracker()
+        tracker = None if cuda else MemoryTracker()
         t = time.perf_counter()
         if tracker is None: losses.append(_step_once(*args).item()); torch.cuda.synchronize(device)
         else:
             with tracker:
                 held = [*drafter.parameters(), *drafter.buffers(), ctx, embed, lm_head,
                         *(s for st in opt.state.values() for s in st.values() if torch.is_tensor(s))]
-                for x in held: tracker._preexisting(x)
+                for x in held: tracker.preexisting(x)
                 losses.append(_step_once(*args).item())
         times.append(time.perf_counter() - t)
         peak = max(peak, torch.cuda.max_memory_allocated(device) if cuda else
@@ -218,7 +218,7 @@ def launch(out, *train_args: str, processes: int = 1, device: str = 'cuda', acce
     dist = ['--cpu'] if device == 'cpu' and processes == 1 else ['--multi_gpu'] if processes > 1 and not plugin else []
     cmd = [sys.executable, '-m', 'accelerate.commands.launch', *dist, '--num_processes', str(processes),
            '--num_machines', '1',
-           '--dynamo_backend', 'no', '--main_process_port', _free_port(), *accelerate_args,
+           '--dynamo_backend', 'no', '--main_process_port', free_port(), *accelerate_args,
            '-m', 'dflash.train', '--out', str(out), *train_args]
     env = {**os.environ, 'OMP_NUM_THREADS': str(threads), 'PYTHONUNBUFFERED': '1', 'TOKENIZERS_PARALLELISM': 'false'}
     if device == 'cpu': env['ACCELERATE_USE_CPU'] = 'true'            # else --multi_gpu on a CPU gives lone processes
@@ -233,9 +233,9 @@ def run_summary(out, r: subprocess.CompletedProcess, wall: float) -> dict:
     "Wall time, exit, the last error, τ and the loss curve of a finished (or failed) run in `out`."
     out = Path(out)
     s = json.loads((out / 'summary.json').read_text()) if (out / 'summary.json').is_file() else {}
-    rows = _logged_steps(out / 'metrics.csv') if (out / 'metrics.csv').is_file() else []
+    rows = logged_steps(out / 'metrics.csv') if (out / 'metrics.csv').is_file() else []
     m, after, before = s.get('metrics', {}), s.get('spec_after') or {}, s.get('spec_before') or {}
-    return dict(exit=r.returncode, error=_last_error(r.stdout + r.stderr) if r.returncode else '', wall_s=wall,
+    return dict(exit=r.returncode, error=last_error(r.stdout + r.stderr) if r.returncode else '', wall_s=wall,
                 steps=len(rows), tau_before=before.get('tau'), tau_after=after.get('tau'), eval_tau=m.get('eval_tau'),
                 final_loss=m.get('loss'), tokens_per_s=m.get('tokens_per_s'), peak_mem_mb=m.get('peak_mem_mb'),
                 precision=m.get('mixed_precision'), distributed=m.get('distributed_type'),
@@ -371,7 +371,7 @@ def run_gpu(args) -> dict:
     for k, v in report['acceptance'].items(): print(f"{k}: {'not run' if v is None else 'met' if v else 'NOT met'}")
     return report
 
-def _add_gpu(sub):
+def add_gpu_command(sub):
     g = sub.add_parser('gpu', help='every CUDA check in one bounded run (one H200: <= 8 minutes); '
                                    'CSV and JSON to --out')
     g.add_argument('--out', default='benchmarks/gpu', help='directory for gpu.json and the CSVs (commit it)')

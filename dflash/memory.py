@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 # %% auto #0
-__all__ = ['MemStats', 'fmt_bytes', 'measure', 'peak_bytes', 'saved_bytes', 'plot_peaks', 'plot_sweep']
+__all__ = ['MemoryTracker', 'MemStats', 'fmt_bytes', 'measure', 'peak_bytes', 'saved_bytes', 'plot_peaks', 'plot_sweep']
 
 # %% ../nbs/02_memory.ipynb #28fdd20c
 class _NoModules:
@@ -27,14 +27,14 @@ class _NoModules:
     def __enter__(self): return self
     def __exit__(self, *exc): pass
 
-class _Tracker(MemTracker):
+class MemoryTracker(MemTracker):
     "`MemTracker` counting only storages created while it is active; running peak of the total, no module tracking."
     def __init__(self):
         super().__init__()
         self._mod_tracker = _NoModules()
         self.peak = 0
 
-    def _preexisting(self, t: Tensor):
+    def preexisting(self, t: Tensor):
         for st in get_untyped_storages(t):
             if st not in self._WINFO:
                 w = _WeakRefInfo(st.size(), st.element_size(), t.device, _MemRefType.OTH)
@@ -44,7 +44,7 @@ class _Tracker(MemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.prim.device.default: return args[0].device      # a fake tensor's device query
         for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, Tensor): self._preexisting(t)
+            if isinstance(t, Tensor): self.preexisting(t)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     @property
@@ -84,10 +84,10 @@ def _backward(out, grad_out):
     torch.autograd.backward(outs, grads)
 
 def _measure_tracked(fn, args, kwargs, backward, grad_out, path) -> MemStats:
-    tracker = _Tracker()
+    tracker = MemoryTracker()
     with tracker:
         params = list(fn.parameters()) + list(fn.buffers()) if isinstance(fn, torch.nn.Module) else []
-        for t in _tensors((args, kwargs, grad_out)) + params: tracker._preexisting(t)
+        for t in _tensors((args, kwargs, grad_out)) + params: tracker.preexisting(t)
         out = fn(*args, **kwargs)
         fwd_peak, after_fwd = tracker.peak, tracker.current
         if backward: _backward(out, grad_out)

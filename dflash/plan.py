@@ -31,9 +31,9 @@ if __name__ == '__main__' and '__file__' in globals() and {'-h', '--help'} & set
     OptionParser(PlanOptions, _PROG, _ABOUT).parse_args(['--help'])          # help before torch loads
 
 # %% auto #0
-__all__ = ['DTYPES', 'POLICIES', 'TARGET_PRESETS', 'GPU_SIZES', 'PlanOptions', 'parse_memory', 'StepMemory', 'budgets',
-           'step_memory', 'recommend_policy', 'format_table', 'recommendation', 'online_target_bytes', 'online_advice',
-           'main', 'target_drafter_config', 'memory_parts', 'fit_figure', 'fit_widget']
+__all__ = ['DTYPES', 'POLICIES', 'TARGET_PRESETS', 'GPU_SIZES', 'PlanOptions', 'parse_memory', 'StepMemory', 'plan_layout',
+           'budgets', 'step_memory', 'recommend_policy', 'format_table', 'recommendation', 'online_target_bytes',
+           'online_advice', 'main', 'target_drafter_config', 'memory_parts', 'fit_figure', 'fit_widget']
 
 # %% ../nbs/07a_plan.ipynb #500a9cad
 import argparse, json, re, sys, time
@@ -46,7 +46,7 @@ from .layout import BlockLayout
 from .drafter import DFlashDrafter
 from .checkpointing import set_checkpointing, parse_policy
 from .objective import dflash_objective, objective_bytes_per_row
-from .memory import _Tracker, fmt_bytes
+from .memory import MemoryTracker, fmt_bytes
 
 # %% ../nbs/07a_plan.ipynb #3b47ea57
 _UNITS = {'': 1, 'b': 1, 'kb': 10**3, 'mb': 10**6, 'gb': 10**9, 'tb': 10**12,
@@ -103,7 +103,7 @@ def _fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Modu
     "Replace the (meta) parameters and buffers of `module` by fake CPU tensors of the same shapes."
     with mode: return module.to_empty(device='cpu')
 
-def _layout(seq_len: int, num_anchors: int, block_size: int, rows: int, mask_token_id: int, vocab: int) -> BlockLayout:
+def plan_layout(seq_len: int, num_anchors: int, block_size: int, rows: int, mask_token_id: int, vocab: int) -> BlockLayout:
     "A layout with `num_anchors` blocks per row over fully supervised rows (the worst case)."
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (rows, seq_len), generator=g)
@@ -150,7 +150,7 @@ def _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_s
     objective_budget = max(objective_budget, cfg.block_size * objective_bytes_per_row(cfg.vocab_size, dt))  # >= one block
     with torch.device('meta'): drafter = DFlashDrafter(cfg, attention, **opts)
     chosen = set_checkpointing(drafter, policy, budget_bytes=attention_budget)
-    lay = _layout(seq_len, num_anchors, cfg.block_size, micro_batch_size, cfg.mask_token_id, cfg.vocab_size)
+    lay = plan_layout(seq_len, num_anchors, cfg.block_size, micro_batch_size, cfg.mask_token_id, cfg.vocab_size)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     _fake_module(drafter, mode)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -162,11 +162,11 @@ def _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_s
         for p in params: p.grad = torch.empty_like(p)
         opt.step()                                           # creates the moments, as the first real step does
         opt.zero_grad(set_to_none=True)
-    tracker = _Tracker()
+    tracker = MemoryTracker()
     with mode, tracker:
         for t in params + list(drafter.buffers()) + [context, embed, lm_head] + \
                  [s for st in opt.state.values() for s in st.values() if isinstance(s, torch.Tensor)]:
-            tracker._preexisting(t)
+            tracker.preexisting(t)
         with torch.autocast('cpu', dt, enabled=dt != torch.float32):                    # hidden: (N, A·B, H), not held
             sums = dflash_objective(drafter(context, lay, embed), lay, lm_head, budget_bytes=objective_budget)
         fwd = tracker.peak

@@ -12,8 +12,8 @@ from .layout import BlockLayout
 from .memory import fmt_bytes
 
 # %% auto #0
-__all__ = ['probe_kernel', 'chunk_bytes', 'Chunk', 'ChunkPlan', 'plan_chunks', 'random_layout', 'plot_plan', 'plt_subplots',
-           'explorer']
+__all__ = ['probe_kernel', 'chunk_bytes', 'Chunk', 'ChunkPlan', 'free_bytes', 'plan_chunks', 'random_layout', 'plot_plan',
+           'plt_subplots', 'explorer']
 
 # %% ../nbs/03_planner.ipynb #cee92ae6
 _KERNELS = {SDPBackend.FLASH_ATTENTION: 'flash', SDPBackend.EFFICIENT_ATTENTION: 'efficient',
@@ -126,7 +126,7 @@ def _simulate(p: ChunkPlan) -> dict:
     return dict(forward=int(peak_f), backward=int(peak_b), peak=int(max(peak_f, peak_b)), fixed=2 * z['out'] + z['grads'])
 
 # %% ../nbs/03_planner.ipynb #891ca08a
-def _free_bytes(device) -> int:
+def free_bytes(device) -> int:
     "Free memory of `device`: CUDA free memory, or the host's available memory."
     device = torch.device(device)
     if device.type == 'cuda': return torch.cuda.mem_get_info(device)[0]
@@ -196,7 +196,7 @@ def plan_chunks(layout: BlockLayout, n_heads: int, n_kv_heads: int, head_dim: in
     smallest = max([cost_bytes(B, a - (0 if sliding_window is None else max(0, a - sliding_window + 1)) + B)
                     for r in srt for a in r] + [assembly])
     if budget_bytes is None: budget_bytes = 2**62
-    if isinstance(budget_bytes, float) and budget_bytes <= 1: budget_bytes = int(budget_bytes * _free_bytes(device))
+    if isinstance(budget_bytes, float) and budget_bytes <= 1: budget_bytes = int(budget_bytes * free_bytes(device))
     budget_bytes = int(budget_bytes)
     if budget_bytes < fixed + smallest:
         raise ValueError(f"budget {budget_bytes} bytes ({fmt_bytes(budget_bytes)}) is below the smallest feasible plan: "

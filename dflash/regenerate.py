@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from .config import resolve_local
-from .data import DataError, DataStats, read_records, to_messages, target_identity, _check_target_dir
-from .drafter import _atomic_write
+from .data import DataError, DataStats, read_records, to_messages, target_identity, check_target_dir
+from .drafter import atomic_write
 
 # %% auto #0
 __all__ = ['ENGINES', 'DTYPES', 'ROLES', 'INDEX_FORMAT', 'RegenConfig', 'vllm_unavailable', 'check_options', 'validate',
@@ -289,7 +289,7 @@ def repair(out, header: dict, done: list[dict]):
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, 'ab') as f: f.truncate(done[-1]['bytes'] if done else 0)
     text = ''.join(json.dumps(x) + '\n' for x in [header, *done])
-    _atomic_write(idx, lambda p: Path(p).write_text(text))
+    atomic_write(idx, lambda p: Path(p).write_text(text))
 
 def append_batch(out, entry: dict, records: list[dict]):
     "Append a finished batch's records to `out`, then its line to the index."
@@ -336,7 +336,7 @@ def regenerate(cfg: RegenConfig) -> dict:
     if cfg.engine == 'vllm' and state.num_processes > 1:
         raise ValueError("engine vllm: run it as one process (vLLM batches by itself); drop accelerate launch")
     target = _target_dir(cfg)
-    _check_target_dir(target)
+    check_target_dir(target)
     tok = AutoTokenizer.from_pretrained(target)
     tkw = template_kwargs(tok, cfg.thinking, str(target))
     header = run_header(cfg)

@@ -22,7 +22,7 @@ from .layout import BlockLayout
 from .drafter import DFlashDrafter
 from .checkpointing import set_checkpointing, parse_policy
 from .plan import budgets, recommend_policy
-from .planner import _free_bytes
+from .planner import free_bytes
 from .objective import dflash_objective, ObjectiveSums
 from .data import ChatDataset, CacheDataset, TargetFeatures, collate
 from .toy import toy_target_dir, toy_data_dir
@@ -272,7 +272,7 @@ class Trainer:
                              f"({acc.num_processes})")
         set_seed(cfg.seed)
         self.parts = p = load_parts(cfg, acc.device)
-        budget, dtype = int(_free_bytes(acc.device) * cfg.memory_fraction), _PLAN_DTYPE.get(acc.mixed_precision, 'fp32')
+        budget, dtype = int(free_bytes(acc.device) * cfg.memory_fraction), _PLAN_DTYPE.get(acc.mixed_precision, 'fp32')
         attention_budget, self.objective_budget = budgets(p.drafter_config, cfg.max_length, budget, dtype,
                                                           cfg.micro_batch_size)
         self.policy = parse_policy(cfg.checkpointing)
