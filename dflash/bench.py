@@ -32,7 +32,7 @@ from .layout import BlockLayout
 from .memory import measure, fmt_bytes
 from .attention import get_backend, random_qkv
 from .drafter import DFlashDrafter
-from .checkpointing import set_checkpointing
+from .checkpointing import set_checkpointing, parse_policy, checkpointed_layers
 from .objective import dflash_objective
 from .toy import toy_config, toy_target_dir, toy_data_dir
 
@@ -366,10 +366,12 @@ def bench_steps(case: StepCase, policies: list, kind: str = 'uniform', repeats: 
 
 # %% ../nbs/13_bench.ipynb #5530c012
 def _policy(text: str):
-    "A checkpointing policy from the command line: 'none', 'all', or k (every k-th layer)."
-    if text in ('none', 'all'): return text
-    if text.isdigit() and int(text) >= 1: return int(text)
-    raise argparse.ArgumentTypeError(f"policy {text!r}: use 'none', 'all' or k >= 1 (every k-th layer)")
+    "A checkpointing policy from the command line (`parse_policy`), refused at parsing when it is not one."
+    try:
+        policy = parse_policy(text)
+        checkpointed_layers(policy, 1 << 10)                           # raises for what is not a policy
+    except ValueError as e: raise argparse.ArgumentTypeError(str(e)) from None
+    return policy
 
 def run_step(args) -> list[dict]:
     "Measure the reference step and dflash's step per checkpointing policy, per config and layout; table, CSV, plot."

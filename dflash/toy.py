@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from fastcore.script import call_parse
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from .data import read_jsonl
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast,
                           Qwen3Config, Qwen3ForCausalLM)
 
@@ -16,7 +17,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
 __all__ = ['WORDS', 'DAYS', 'MONTHS', 'SYSTEM_PROMPTS', 'BRIEF_PROMPT', 'WORD_TASKS', 'TASKS', 'SPECIAL_TOKENS', 'CHAT_TEMPLATE',
            'task_add', 'task_sub', 'task_mul', 'task_compare', 'task_spell', 'task_count', 'task_reverse', 'task_upper',
            'task_ends', 'task_next_terms', 'task_count_range', 'task_sort', 'task_number_list', 'task_day',
-           'task_month', 'conversation', 'make_corpus', 'write_jsonl', 'read_jsonl', 'toy_splits', 'train_tokenizer',
+           'task_month', 'conversation', 'make_corpus', 'write_jsonl', 'load_jsonl', 'toy_splits', 'train_tokenizer',
            'encode_chat', 'embedding_rows', 'toy_config', 'assistant_accuracy', 'train_target', 'assets_dir',
            'toy_target_dir', 'toy_data_dir', 'load_toy_target', 'build', 'regenerate_corpus', 'main']
 
@@ -182,8 +183,9 @@ def write_jsonl(path, convs):
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(''.join(json.dumps(c, ensure_ascii=False) + '\n' for c in convs), encoding='utf-8')
 
-def read_jsonl(path) -> list[dict]:
-    return [json.loads(l) for l in Path(path).read_text(encoding='utf-8').splitlines() if l.strip()]
+def load_jsonl(path) -> list[dict]:
+    "The records of a JSONL file, through `dflash.data`'s reader (which names a malformed line)."
+    return [rec for _, rec in read_jsonl(path)]
 
 def toy_splits(n_target: int, n_train: int, n_eval: int, seed: int = 0):
     "(target corpus, drafter train split = its first `n_train`, held-out eval split)."
