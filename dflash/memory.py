@@ -6,7 +6,6 @@
 from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
-import matplotlib.pyplot as plt
 import torch
 from torch import Tensor
 from torch.autograd.graph import saved_tensors_hooks
@@ -177,6 +176,7 @@ def plot_peaks(peaks: dict, budget=None, ax=None, title: str = '', log: bool = F
     "Bars of peak bytes: `{variant: bytes}`, or `{variant: {series: bytes}}` for grouped bars."
     groups = {k: (v if isinstance(v, dict) else {'': v}) for k, v in peaks.items()}
     series = list(dict.fromkeys(s for g in groups.values() for s in g))
+    import matplotlib.pyplot as plt                   # lazily: model code imports this module
     if ax is None: _, ax = plt.subplots(figsize=(max(5, len(groups) * (0.8 + 0.5 * len(series))), 3.6))
     div, unit = _unit([v for g in groups.values() for v in g.values()] + ([] if budget is None else
                       list(budget.values()) if isinstance(budget, dict) else [budget]))
@@ -197,6 +197,7 @@ def plot_peaks(peaks: dict, budget=None, ax=None, title: str = '', log: bool = F
 def plot_sweep(xs, series: dict, budget=None, ax=None, xlabel: str = 'sequence length', title: str = '',
                log: bool = True):
     "Lines of peak bytes across `xs`: `{variant: [bytes per x]}`."
+    import matplotlib.pyplot as plt                   # lazily: model code imports this module
     if ax is None: _, ax = plt.subplots(figsize=(6, 3.6))
     div, unit = _unit([v for ys in series.values() for v in ys] + ([] if budget is None else
                       list(budget.values()) if isinstance(budget, dict) else [budget]))
