@@ -240,9 +240,13 @@ def plot_plan(plan: ChunkPlan, ax=None, row: int = 0):
     ax.bar(x, [fixed] * len(cs), color='#bbb', label='output, gradients')
     ax.bar(x, [plan.chunk_bytes(c) / 2**20 for c in cs], bottom=fixed, color='C0', label='chunk temporaries')
     ax.axhline(plan.peak_bytes / 2**20, color='C1', ls='--', label=f'predicted peak {fmt_bytes(plan.peak_bytes)}')
-    if plan.budget_bytes < 2**60: ax.axhline(plan.budget_bytes / 2**20, color='C3', label=f'budget {fmt_bytes(plan.budget_bytes)}')
-    ax.set(xlabel=f'chunk (row {row}, by anchor)', ylabel='MiB', title=f'{len(cs)} chunks, work {plan.work / plan.needed_work:.2f}x needed')
-    ax.legend(fontsize=7, loc='lower right')
+    top = max([plan.peak_bytes, *(fixed * 2**20 + plan.chunk_bytes(c) for c in cs)])
+    if plan.budget_bytes < 2**60:
+        ax.axhline(plan.budget_bytes / 2**20, color='C3', label=f'budget {fmt_bytes(plan.budget_bytes)}')
+        top = max(top, plan.budget_bytes)
+    ax.set(xlabel=f'chunk (row {row}, by anchor)', ylabel='MiB', ylim=(0, 1.45 * top / 2**20),   # room for the legend
+           title=f'{len(cs)} chunks, work {plan.work / plan.needed_work:.2f}x needed')
+    ax.legend(fontsize=7, loc='upper left', ncols=2)
     return ax
 
 def plt_subplots():
@@ -250,26 +254,39 @@ def plt_subplots():
     return plt.subplots(figsize=(6, 3))[1]
 
 # %% ../nbs/03_planner.ipynb #b0c7df84
-def explorer():
-    "ipywidgets explorer: seq len, anchors, heads, budget -> plan and memory bars."
-    import ipywidgets as w
-    import matplotlib.pyplot as plt
-    out = w.Output()
-    S = w.IntSlider(4096, 256, 16384, 256, description='seq len')
-    A = w.IntSlider(256, 1, 1024, 1, description='anchors')
-    H = w.IntSlider(8, 1, 64, 1, description='heads')
-    Hkv = w.IntSlider(2, 1, 16, 1, description='KV heads')
-    D = w.Dropdown(options=[64, 128], value=64, description='head dim')
-    bud = w.FloatLogSlider(value=2**27, base=2, min=20, max=36, description='budget B')
+def explorer(seq_len: int = 4096, anchors: int = 256, heads: int = 8, kv_heads: int = 2, head_dim: int = 64,
+             dtype: str = 'float32', budget: float = 2**27):
+    "ipywidgets explorer: the plan's chunks and predicted peak against the budget, drawn at once and on every change."
+    import base64, io
+    import ipywidgets as W
+    from matplotlib.figure import Figure                  # no pyplot: nothing global, nothing shown twice
+    out = W.Output()
+    S = W.IntSlider(seq_len, 256, 16384, 256, description='seq len')
+    A = W.IntSlider(anchors, 1, 1024, 1, description='anchors')
+    bud = W.FloatLogSlider(value=budget, base=2, min=20, max=36, description='budget B')
+    H = W.IntSlider(heads, 1, 64, 1, description='heads')
+    Hkv = W.IntSlider(kv_heads, 1, 16, 1, description='KV heads')
+    D = W.Dropdown(options=[64, 128, 256], value=head_dim, description='head dim')
+    T = W.Dropdown(options=['float32', 'bfloat16', 'float16'], value=dtype, description='dtype')
+    ui = W.VBox([W.HBox([S, A, bud]), W.HBox([H, Hkv, D, T]), out])
     def draw(*_):
-        with out:
-            out.clear_output(wait=True)
+        ui.plan, ui.png = None, b''
+        if H.value % Hkv.value: text = f"{H.value} heads do not share {Hkv.value} KV heads evenly"
+        else:
             g = torch.Generator().manual_seed(0)
-            lm = torch.ones(1, S.value, dtype=torch.bool)
-            lay = BlockLayout.from_batch(torch.randint(5, 50, (1, S.value), generator=g), lm, 1, 16, A.value)
-            try:
-                p = plan_chunks(lay, H.value, Hkv.value, D.value, torch.float32, int(bud.value))
-                print(p); plot_plan(p); plt.show()
-            except ValueError as e: print(e)
-    for s in (S, A, H, Hkv, D, bud): s.observe(draw, 'value')
-    return w.VBox([w.HBox([S, A, bud]), w.HBox([H, Hkv, D]), out])
+            lay = BlockLayout.from_batch(torch.randint(5, 50, (1, S.value), generator=g),
+                                         torch.ones(1, S.value, dtype=torch.bool), 1, 16, A.value)
+            try: ui.plan = plan_chunks(lay, H.value, Hkv.value, D.value, getattr(torch, T.value), int(bud.value))
+            except ValueError as e: text = str(e)                # a budget below one block says its minimum
+            else:
+                fig = Figure(figsize=(6, 3), layout='constrained')
+                plot_plan(ui.plan, fig.add_subplot())
+                buf = io.BytesIO(); fig.savefig(buf, format='png', dpi=80)
+                text, ui.png = str(ui.plan), buf.getvalue()
+        outs = [{'output_type': 'stream', 'name': 'stdout', 'text': text + '\n'}]
+        if ui.png: outs.append({'output_type': 'display_data', 'metadata': {},
+                                'data': {'image/png': base64.b64encode(ui.png).decode(), 'text/plain': '<plan chart>'}})
+        out.outputs = tuple(outs)
+    for s in (S, A, bud, H, Hkv, D, T): s.observe(draw, 'value')
+    draw()
+    return ui
