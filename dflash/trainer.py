@@ -188,7 +188,10 @@ def save_checkpoint(accelerator: Accelerator, out, step: int, model, opt, sched,
         _fault('checkpoint')
         write_json(tmp / 'trainer_state.json', {**state, 'optimizer': opt_meta, 'scheduler': sched.state_dict(),
                                                 'files': files})
+        old = d / f'.step-{step:07d}.replaced'    # the same step from before a resume that fell back past it
+        if final.exists(): shutil.rmtree(old, ignore_errors=True); os.replace(final, old)
         os.replace(tmp, final); fsync_path(d)
+        shutil.rmtree(old, ignore_errors=True)
         rotate_checkpoints(out, keep)
     accelerator.wait_for_everyone()
 

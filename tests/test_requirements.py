@@ -4,6 +4,8 @@ from importlib.metadata import PackageNotFoundError, packages_distributions, req
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
+# imported only by an option that checks for the package first and says how to install it when it is missing
+OPTIONAL = {'vllm'}   # `python -m dflash.regenerate --engine vllm` (needs a GPU too)
 
 def _name(req: str) -> str: return re.split(r'[<>=!~;\[ ]', req.strip(), maxsplit=1)[0].lower().replace('_', '-')
 
@@ -14,7 +16,7 @@ def imported_packages() -> set[str]:
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Import): names |= {a.name.split('.')[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0: names.add(node.module.split('.')[0])
-    return names - set(sys.stdlib_module_names) - {'__future__', 'dflash'}
+    return names - set(sys.stdlib_module_names) - {'__future__', 'dflash'} - OPTIONAL
 
 def runtime_distributions() -> set[str]:
     "Distributions that `requirements` in settings.ini installs, with their own requirements (extras aside)."
