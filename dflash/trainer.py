@@ -21,7 +21,7 @@ from .config import DrafterConfig
 from .layout import BlockLayout
 from .drafter import DFlashDrafter
 from .checkpointing import set_checkpointing, parse_policy
-from .plan import budgets, recommend_policy
+from .plan import budgets, recommend_policy, step_memory, online_target_bytes, online_advice
 from .planner import free_bytes
 from .objective import dflash_objective, ObjectiveSums
 from .data import ChatDataset, CacheDataset, TargetFeatures, collate
@@ -33,7 +33,7 @@ from .runs import TrainConfig, write_atomic, write_json, fsync_path, file_sha256
 __all__ = ['complete_checkpoints', 'frozen_head_weights', 'RunParts', 'load_parts', 'epoch_order', 'step_samples',
            'rank_micro_batches', 'CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'rotate_checkpoints',
            'save_checkpoint', 'load_checkpoint', 'peak_memory_mb', 'append_csv', 'sums_metrics', 'truncate_csv',
-           'csv_steps', 'Trainer']
+           'csv_steps', 'online_fit', 'Trainer']
 
 # %% ../nbs/10_trainer.ipynb #0ebcce23
 def frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
@@ -240,6 +240,26 @@ def csv_steps(path) -> list[int]:
     if not Path(path).is_file(): return []
     return [int(float(r['step'])) for r in csv.DictReader(open(path, newline=''))]
 
+# %% ../nbs/10_trainer.ipynb #6042605f
+def online_fit(target_config, drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int,
+               dtype: str = 'bf16', attention: str = 'sdpa', micro_batch_size: int = 1, policy='auto') -> tuple[bool, str]:
+    "(whether the step and the online target fit `budget_bytes` together, the plan's sentence with the figures)"
+    online = online_target_bytes(target_config, seq_len, micro_batch_size, dtype)
+    left = budget_bytes - online['extra']                         # what the target leaves for the step
+    try:
+        if policy == 'auto':
+            policy, table = recommend_policy(drafter_config, seq_len, num_anchors, left, dtype, attention,
+                                             micro_batch_size)
+            step = next(r for r in table if r.policy == policy)
+        else: step = step_memory(drafter_config, seq_len, num_anchors, policy, dtype, attention, micro_batch_size,
+                                 memory_bytes=max(left, 1))
+    except ValueError:                                            # left holds not even the drafter's weights
+        frugal = policy if policy != 'auto' else 'all'
+        step = step_memory(drafter_config, seq_len, num_anchors, frugal, dtype, attention, micro_batch_size)
+    fits = step.total + online['extra'] <= budget_bytes
+    return fits, (f"the step needs {step.total / 1e9:.2f} GB (checkpointing {step.policy}); "
+                  + online_advice(online, step.total, budget_bytes))
+
 # %% ../nbs/10_trainer.ipynb #d2a16c6e
 _PLAN_DTYPE = {'bf16': 'bf16', 'fp16': 'fp16'}                    # accelerate's mixed precision -> the plan's dtype
 
@@ -256,6 +276,17 @@ def _refuse_sharded(acc: Accelerator):
         raise NotImplementedError(f"{'FSDP' if asked else acc.distributed_type.value} is not supported by dflash.train "
                                   "yet: its checkpoints hold whole (unsharded) optimizer state, written by the main "
                                   "process; use DDP (the default: accelerate launch --multi_gpu)")
+
+def _refuse_online_misfit(cfg: TrainConfig, acc: Accelerator):
+    "Stop an online GPU run whose step and target the plan says cannot share the device."
+    from dflash.config import resolve_local
+    tc = AutoConfig.from_pretrained(resolve_local(cfg.target) if cfg.target else toy_target_dir())
+    dcfg = DrafterConfig.from_target(tc, mask_token_id=tc.vocab_size - 1, num_hidden_layers=cfg.num_layers,
+                                     block_size=cfg.block_size)
+    budget = int(free_bytes(acc.device) * cfg.memory_fraction)
+    fits, why = online_fit(tc, dcfg, cfg.max_length, cfg.num_anchors, budget, _PLAN_DTYPE.get(acc.mixed_precision,
+                           'fp32'), cfg.attention, cfg.micro_batch_size, parse_policy(cfg.checkpointing))
+    if not fits: raise MemoryError(f"online training does not fit on {acc.device}: {why}")
 
 class Trainer:
     "Train a DFlash drafter with accelerate (1 CPU process, 1 GPU, or many)."
@@ -274,6 +305,7 @@ class Trainer:
             raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the number of processes "
                              f"({acc.num_processes})")
         set_seed(cfg.seed)
+        if gpu and cfg.cache is None: _refuse_online_misfit(cfg, acc)   # before the target loads
         self.parts = p = load_parts(cfg, acc.device)
         budget, dtype = int(free_bytes(acc.device) * cfg.memory_fraction), _PLAN_DTYPE.get(acc.mixed_precision, 'fp32')
         attention_budget, self.objective_budget = budgets(p.drafter_config, cfg.max_length, budget, dtype,
