@@ -21,27 +21,41 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-import torch
-import torch.nn.functional as F
-from torch import Tensor
-from transformers import AutoTokenizer, Qwen3ForCausalLM
-from transformers.models.qwen3.modeling_qwen3 import repeat_kv
-from transformers.utils import logging as hf_logging
-from .config import DrafterConfig
-from .layout import BlockLayout
-from .memory import measure, fmt_bytes
-from .attention import get_backend, random_qkv
-from .drafter import DFlashDrafter
-from .checkpointing import set_checkpointing, parse_policy, checkpointed_layers
-from .objective import dflash_objective
-from .toy import toy_config, toy_target_dir, toy_data_dir
+from tqdm import tqdm
+
+def _heavy():
+    """torch, transformers and the dflash modules built on them, into this module's globals: at once when the module
+    is imported, and only when a subcommand runs under `python -m dflash.bench` (so `--help` answers at once)."""
+    global torch, F, Tensor, AutoTokenizer, Qwen3ForCausalLM, repeat_kv, hf_logging, DrafterConfig
+    global BlockLayout, measure, fmt_bytes, get_backend, random_qkv, DFlashDrafter
+    global set_checkpointing, parse_policy, checkpointed_layers, dflash_objective, toy_config
+    global toy_target_dir, toy_data_dir, TransformersEngine, end_of_turn_ids, load_conversations
+    global regenerate_batch, load_toy_target, make_corpus
+    import torch
+    import torch.nn.functional as F
+    from torch import Tensor
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+    from transformers.models.qwen3.modeling_qwen3 import repeat_kv
+    from transformers.utils import logging as hf_logging
+    from dflash.config import DrafterConfig
+    from dflash.layout import BlockLayout
+    from dflash.memory import measure, fmt_bytes
+    from dflash.attention import get_backend, random_qkv
+    from dflash.drafter import DFlashDrafter
+    from dflash.checkpointing import set_checkpointing, parse_policy, checkpointed_layers
+    from dflash.objective import dflash_objective
+    from dflash.toy import toy_config, toy_target_dir, toy_data_dir
+    from dflash.regenerate import TransformersEngine, end_of_turn_ids, load_conversations, regenerate_batch
+    from dflash.toy import load_toy_target, make_corpus
+
+if not (__name__ == '__main__' and '__file__' in globals()): _heavy()
 
 # %% auto #0
 __all__ = ['METHODS', 'LAYOUTS', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'dense_attention', 'gather_attention', 'bench_layout',
            'bench_many', 'physical_floor', 'run_attention', 'parser', 'main', 'fit_exponent', 'run_scaling', 'StepCase',
            'reference_attention', 'step_case', 'drafter_step', 'reference_step', 'bench_steps', 'run_step',
-           'make_target', 'free_port', 'launch_train', 'last_error', 'logged_steps', 'throughput', 'run_train',
-           'bench_regenerate', 'run_regenerate', 'run_data']
+           'make_target', 'free_port', 'launch_commands', 'launch_train', 'last_error', 'logged_steps', 'throughput',
+           'run_train', 'bench_regenerate', 'run_regenerate', 'run_data']
 
 # %% ../nbs/13_bench.ipynb #e0bdccab
 def dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window=None) -> Tensor:
@@ -76,8 +90,10 @@ METHODS = {'dense': lambda **o: dense_attention, 'gather': lambda **o: gather_at
 # %% ../nbs/13_bench.ipynb #abd4fc41
 LAYOUTS = {'uniform': None, 'half': 0.5, 'quarter': 0.75}   # chat-like: supervision starts at this share of the row
 
-def bench_layout(kind: str, N: int, S: int, n_anchors: int, B: int = 16, seed: int = 0, mask_token_id: int = 1) -> BlockLayout:
-    "A random layout: `uniform` supervises 80% of tokens anywhere; `half`/`quarter` (chat-like) only the last half/quarter."
+def bench_layout(kind: str, N: int, S: int, n_anchors: int, B: int = 16, seed: int = 0,
+                 mask_token_id: int = 1) -> BlockLayout:
+    """A random layout: `uniform` supervises 80% of tokens anywhere; `half`/`quarter` (chat-like) only the last
+    half/quarter."""
     if kind not in LAYOUTS: raise ValueError(f"layout {kind!r}: use one of {list(LAYOUTS)}")
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, 50, (N, S), generator=g)
@@ -110,7 +126,8 @@ def _step(fn, qkv, layout, sliding_window) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 def bench_many(fns: dict, qkv, layout, sliding_window=None, repeats: int = 3) -> dict:
-    "Per method: median wall and CPU seconds of fwd+bwd over `repeats` interleaved rounds (after a warm-up), peak bytes."
+    """Per method: median wall and CPU seconds of fwd+bwd over `repeats` interleaved rounds (after a warm-up), peak
+    bytes."""
     # rounds interleave the methods, so a burst of load elsewhere on the machine hits all of them alike
     wall, cpu = {k: [] for k in fns}, {k: [] for k in fns}
     for r in range(repeats + 1):
@@ -127,14 +144,16 @@ def physical_floor(qkv) -> int:
 
 # %% ../nbs/13_bench.ipynb #8550ddab
 def run_attention(args) -> list[dict]:
-    "Measure each method of `args.methods` on each layout of `args.layouts`; print a table; write CSV and plot under `args.out`."
+    """Measure each method of `args.methods` on each layout of `args.layouts`; print a table; write CSV and plot under
+    `args.out`."""
     dtype, rows = getattr(torch, args.dtype), []
     cpu = torch.device(args.device).type == 'cpu'
     fns = {name: METHODS[name](**({'budget_bytes': args.budget} if name == 'sdpa' and args.budget else {}))
            for name in args.methods if not (name == 'flex' and cpu)}
-    for kind in args.layouts:
+    for kind in _bar(args.layouts, 'attention layouts'):
         layout = bench_layout(kind, args.batch, args.seq_len, args.anchors, args.block_size, seed=args.seed)
-        qkv = random_qkv(layout, args.heads, args.kv_heads, args.head_dim, dtype, generator=torch.Generator().manual_seed(args.seed))
+        qkv = random_qkv(layout, args.heads, args.kv_heads, args.head_dim, dtype,
+                         generator=torch.Generator().manual_seed(args.seed))
         qkv = tuple(t.to(args.device).requires_grad_() for t in qkv)
         floor, inputs = physical_floor(qkv), sum(t.numel() * t.element_size() for t in qkv)
         with _threads(args.threads):
@@ -142,7 +161,8 @@ def run_attention(args) -> list[dict]:
             threads = torch.get_num_threads()
         got = []
         for name in args.methods:
-            if name in res: got.append(dict(layout=kind, method=name, **res[name], total_bytes=res[name]['peak_bytes'] + inputs))
+            if name in res:
+                got.append(dict(layout=kind, method=name, **res[name], total_bytes=res[name]['peak_bytes'] + inputs))
             else: got.append(dict(layout=kind, method=name, note='skipped: flex_attention has no CPU backward'))
         base = next((r for r in got if r['method'] == 'dense' and 'time_s' in r), None)
         for r in got:
@@ -164,7 +184,8 @@ def _report(args, rows, floor, inputs, threads):
           f"{'cpu/dense':>9} {'peak/dense':>10} {'total/floor':>11}")
     for r in rows:
         if 'time_s' not in r: print(f"{r['layout']:8} {r['method']:7} {r['note']}"); continue
-        print(f"{r['layout']:8} {r['method']:7} {r['time_s']:6.2f}s {r['cpu_s']:6.2f}s {fmt_bytes(r['peak_bytes']):>11} "
+        print(f"{r['layout']:8} {r['method']:7} {r['time_s']:6.2f}s {r['cpu_s']:6.2f}s "
+              f"{fmt_bytes(r['peak_bytes']):>11} "
               f"{fmt_bytes(r['total_bytes']):>12} {r['time_vs_dense']:10.2f} {r['cpu_vs_dense']:9.2f} "
               f"{r['peak_vs_dense']:10.2f} {r['total_vs_floor']:11.2f}")
     if not args.out: return
@@ -201,7 +222,8 @@ def _add_attention(sub):
     a.add_argument('--kv-heads', type=int, default=2)
     a.add_argument('--head-dim', type=int, default=64)
     a.add_argument('--sliding-window', type=int, default=None)
-    a.add_argument('--budget', type=float, default=None, help='sdpa budget: bytes, or a fraction of free memory if <= 1')
+    a.add_argument('--budget', type=float, default=None,
+                   help='sdpa budget: bytes, or a fraction of free memory if <= 1')
     a.add_argument('--layouts', nargs='+', default=list(LAYOUTS), choices=list(LAYOUTS),
                    help='uniform anchors, or chat-like: supervision in the last half / quarter')
     a.add_argument('--methods', nargs='+', default=['dense', 'gather', 'sdpa', 'flex'], choices=sorted(METHODS))
@@ -212,8 +234,35 @@ def _add_attention(sub):
     a.set_defaults(run=run_attention)
 
 # %% ../nbs/13_bench.ipynb #8aa8f751
+def _bar(cases=None, desc: str = '', total: int | None = None):
+    "A progress bar over a subcommand's cases, on stderr, shown only in a terminal (not in logs or notebooks)."
+    return tqdm(cases, desc=desc, total=total, file=sys.stderr, disable=None, leave=False)
+
+def _show_defaults(p: argparse.ArgumentParser):
+    "End every option's help with its one default (lists space-separated), in every subcommand."
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for s in a.choices.values(): _show_defaults(s)
+        elif a.option_strings and a.default is not argparse.SUPPRESS and not isinstance(a.default, bool):
+            d = ' '.join(map(str, a.default)) if isinstance(a.default, list) else 'none' if a.default is None \
+                else repr(a.default) if a.default == '' else a.default
+            a.help = f"{a.help + ' ' if a.help else ''}(default: {str(d).replace('%', '%%')})"
+
+def _run_gpu(args):
+    from dflash.gpu_bench import run_gpu            # 13a_gpu imports this module: only when the subcommand runs
+    return run_gpu(args)
+
+def _add_gpu(sub):
+    g = sub.add_parser('gpu', help='every CUDA check in one bounded run (one H200: <= 8 minutes); '
+                                   'CSV and JSON to --out')
+    g.add_argument('--out', default='benchmarks/gpu', help='directory for gpu.json and the CSVs (commit it)')
+    g.add_argument('--dry-run', action='store_true', help='print the sections, shapes and time budgets, run nothing')
+    g.add_argument('--sections', nargs='+', help='run only these sections (--dry-run lists them)')
+    g.set_defaults(run=_run_gpu)
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog='python -m dflash.bench', description='dflash benchmarks: time and peak memory as ratios in one run')
+    p = argparse.ArgumentParser(prog='python -m dflash.bench',
+                                description='dflash benchmarks: time and peak memory as ratios in one run')
     sub = p.add_subparsers(dest='command', required=True)
     _add_attention(sub)
     _add_scaling(sub)
@@ -221,11 +270,13 @@ def parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_regenerate(sub)
     _add_data(sub)
-    from dflash.gpu_bench import add_gpu_command; add_gpu_command(sub)   # `gpu` (13a_gpu): imported here, as it imports this module
+    _add_gpu(sub)
+    _show_defaults(p)
     return p
 
 def main(argv=None):
     args = parser().parse_args(argv)
+    _heavy()                                        # a subcommand runs: now torch and the models
     if getattr(args, 'budget', None) is not None and args.budget > 1: args.budget = int(args.budget)
     return args.run(args)
 
@@ -237,7 +288,8 @@ def fit_exponent(xs, ys) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
 
 def run_scaling(args) -> dict:
-    "sdpa fwd+bwd time and peak over sequence lengths (at `--anchors`) and anchor counts (at `--seq-len`); fitted exponents."
+    """sdpa fwd+bwd time and peak over sequence lengths (at `--anchors`) and anchor counts (at `--seq-len`); fitted
+    exponents."""
     fn, dtype, out = get_backend('sdpa'), getattr(torch, args.dtype), {}
     for axis, values in (('seq_len', args.seq_lens), ('anchors', args.anchor_counts)):
         pts = []
@@ -253,11 +305,13 @@ def run_scaling(args) -> dict:
         xs = [p[axis] for p in pts]
         out[axis] = dict(points=pts, time_exponent=fit_exponent(xs, [p['cpu_s'] for p in pts]),
                          peak_exponent=fit_exponent(xs, [p['peak_bytes'] for p in pts]))
-        print(f"{axis}: fitted exponent of CPU time {out[axis]['time_exponent']:.2f}, of peak {out[axis]['peak_exponent']:.2f}")
+        print(f"{axis}: fitted exponent of CPU time {out[axis]['time_exponent']:.2f}, "
+              f"of peak {out[axis]['peak_exponent']:.2f}")
     return out
 
 def _add_scaling(sub):
-    s = sub.add_parser('scaling', help='growth of sdpa time and memory in sequence length and anchors (fitted exponents)')
+    s = sub.add_parser('scaling',
+                       help='growth of sdpa time and memory in sequence length and anchors (fitted exponents)')
     s.add_argument('--seq-lens', nargs='+', type=int, default=[1024, 2048, 4096, 8192, 16384])
     s.add_argument('--anchors', type=int, default=256, help='anchors of the sequence-length sweep')
     s.add_argument('--anchor-counts', nargs='+', type=int, default=[64, 128, 256, 512, 1024])
@@ -292,19 +346,23 @@ class StepCase:
     def layout(self, kind: str = 'uniform', seed: int = 0) -> BlockLayout:
         "A fresh layout of `kind` (see `LAYOUTS`) for this case's sequence."
         c = self.drafter.config
-        return bench_layout(kind, 1, self.seq_len, self.anchors, c.block_size, seed, c.mask_token_id).to(self.context.device)
+        lay = bench_layout(kind, 1, self.seq_len, self.anchors, c.block_size, seed, c.mask_token_id)
+        return lay.to(self.context.device)
 
 def reference_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window=None) -> Tensor:
-    "The field's block attention: K/V expanded by `repeat_kv`, one SDPA call with the dense boolean mask over all blocks."
+    """The field's block attention: K/V expanded by `repeat_kv`, one SDPA call with the dense boolean mask over all
+    blocks."""
     g = q.shape[1] // k_ctx.shape[1]
-    k, v = repeat_kv(torch.cat([k_ctx, k_blk], 2), g), repeat_kv(torch.cat([v_ctx, v_blk], 2), g)   # (N, Hq, S + A·B, D)
+    k = repeat_kv(torch.cat([k_ctx, k_blk], 2), g)                # (N, Hq, S + A·B, D)
+    v = repeat_kv(torch.cat([v_ctx, v_blk], 2), g)
     mask = layout.dense_mask(sliding_window)[:, None]                    # (N, 1, A·B, S + A·B)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out * layout.keep.repeat_interleave(layout.block_size, 1)[:, None, :, None]   # padded rows: zeros
 
 def step_case(name: str, seq_len: int | None = None, anchors: int | None = None, block_size: int = 16,
-              device='cpu', dtype=torch.float32, seed: int = 0) -> StepCase:
-    "Drafters and random inputs of `STEP_CONFIGS[name]` (`seq_len`, `anchors` override)."
+              device='cpu', dtype: torch.dtype | None = None, seed: int = 0) -> StepCase:
+    "Drafters and random inputs of `STEP_CONFIGS[name]` (`seq_len`, `anchors` override); float32 unless `dtype`."
+    dtype = dtype or torch.float32
     z = STEP_CONFIGS[name]
     S, A, V, H = seq_len or z['seq_len'], anchors or z['anchors'], z['vocab'], z['hidden']
     cfg = DrafterConfig(hidden_size=H, num_attention_heads=z['heads'], num_key_value_heads=z['kv_heads'],
@@ -321,12 +379,14 @@ def step_case(name: str, seq_len: int | None = None, anchors: int | None = None,
     return StepCase(drafter, reference, *(t.to(device, dtype) for t in (context, embed, lm_head)), S, A)
 
 def drafter_step(case: StepCase, layout: BlockLayout, context: Tensor | None = None) -> Tensor:
-    "dflash's step as the trainer runs it: sdpa backend (a fresh plan per layout), the fused objective in frugal chunks."
+    """dflash's step as the trainer runs it: sdpa backend (a fresh plan per layout), the fused objective in frugal
+    chunks."""
     hidden = case.drafter(case.context if context is None else context, layout, case.embed)   # (1, A·B, H)
     return dflash_objective(hidden, layout, case.lm_head).loss
 
 def reference_step(case: StepCase, layout: BlockLayout, context: Tensor | None = None) -> Tensor:
-    "The field's step: `reference_attention`, no layer checkpointing, the objective in 128-block chunks of plain autograd."
+    """The field's step: `reference_attention`, no layer checkpointing, the objective in 128-block chunks of plain
+    autograd."""
     hidden = case.reference(case.context if context is None else context, layout, case.embed)
     return dflash_objective(hidden, layout, case.lm_head, chunk_blocks=128, fused=False).loss
 
@@ -342,7 +402,8 @@ def _timed_step(step, case: StepCase, kind: str, seed: int) -> tuple[float, floa
 
 def bench_steps(case: StepCase, policies: list, kind: str = 'uniform', repeats: int = 3) -> dict:
     """Per method ('reference', then dflash per checkpointing policy): median wall and CPU seconds over `repeats`
-    interleaved rounds after a warm-up, peak bytes, bytes held after forward; the loss of every round, asserted equal."""
+    interleaved rounds after a warm-up, peak bytes, bytes held after forward; the loss of every round, asserted
+    equal."""
     methods = {'reference': (reference_step, 'none'), **{str(p): (drafter_step, p) for p in policies}}
     res = {}
     for name, (step, p) in methods.items():
@@ -362,7 +423,8 @@ def bench_steps(case: StepCase, policies: list, kind: str = 'uniform', repeats: 
     for name, x in res.items():                                          # same weights, same anchors: same loss
         if not all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(x['losses'], ref)):
             raise AssertionError(f"{name}: losses {x['losses']} differ from the reference step's {ref}")
-    return {k: dict(time_s=statistics.median(x.pop('wall')), cpu_s=statistics.median(x.pop('cpu')), **x) for k, x in res.items()}
+    return {k: dict(time_s=statistics.median(x.pop('wall')), cpu_s=statistics.median(x.pop('cpu')), **x)
+            for k, x in res.items()}
 
 # %% ../nbs/13_bench.ipynb #5530c012
 def _policy(text: str):
@@ -378,6 +440,7 @@ def run_step(args) -> list[dict]:
     dtype, rows, headers = getattr(torch, args.dtype), [], []
     with _threads(args.threads):
         threads = torch.get_num_threads()
+        bar = _bar(total=len(args.configs) * len(args.layouts), desc='step cases')
         for name in args.configs:
             case = step_case(name, args.seq_len, args.anchors, args.block_size, args.device, dtype, args.seed)
             z, L = STEP_CONFIGS[name], len(case.drafter.layers)
@@ -386,26 +449,32 @@ def run_step(args) -> list[dict]:
                            f"{sum(p.numel() for p in case.drafter.parameters()) / 1e6:.1f}M parameters")
             for kind in args.layouts:
                 res = bench_steps(case, args.policies, kind, args.repeats)
+                bar.update()
                 base = res['reference']
                 for p, r in res.items():
                     rows.append(dict(config=name, layout=kind, method=p if p == 'reference' else f'dflash {p}',
                                      layers=f"{len(r['layers'])}/{L}", time_s=r['time_s'], cpu_s=r['cpu_s'],
                                      peak_bytes=r['peak_bytes'], after_fwd_bytes=r['after_fwd_bytes'],
                                      loss=statistics.fmean(r['losses']), time_vs_ref=r['time_s'] / base['time_s'],
-                                     cpu_vs_ref=r['cpu_s'] / base['cpu_s'], peak_vs_ref=r['peak_bytes'] / base['peak_bytes']))
+                                     cpu_vs_ref=r['cpu_s'] / base['cpu_s'],
+                                     peak_vs_ref=r['peak_bytes'] / base['peak_bytes']))
+    bar.close()
     _step_report(args, rows, headers, threads)
     return rows
 
 def _step_report(args, rows, headers, threads):
-    print(f"training step fwd+bwd, {args.device}, {args.dtype}, {threads} thread(s), median of {args.repeats} interleaved "
+    print(f"training step fwd+bwd, {args.device}, {args.dtype}, {threads} thread(s), median of {args.repeats} "
+          f"interleaved "
           f"rounds, a fresh layout and plan inside every step; reference: dense mask, repeat_kv, SDPA, objective in "
-          f"128-block chunks, no checkpointing; dflash: sdpa backend, fused objective, frugal chunks, layer checkpointing "
+          f"128-block chunks, no checkpointing; dflash: sdpa backend, fused objective, frugal chunks, "
+          f"layer checkpointing "
           f"per policy; losses asserted equal")
     for h in headers: print(h)
     print(f"{'config':7} {'layout':8} {'method':12} {'ckpt':>5} {'wall':>7} {'cpu':>7} {'peak':>11} {'after fwd':>11} "
           f"{'time/ref':>8} {'cpu/ref':>7} {'peak/ref':>8} {'loss':>8}")
     for r in rows:
-        print(f"{r['config']:7} {r['layout']:8} {r['method']:12} {r['layers']:>5} {r['time_s']:6.2f}s {r['cpu_s']:6.2f}s "
+        print(f"{r['config']:7} {r['layout']:8} {r['method']:12} {r['layers']:>5} {r['time_s']:6.2f}s "
+              f"{r['cpu_s']:6.2f}s "
               f"{fmt_bytes(r['peak_bytes']):>11} {fmt_bytes(r['after_fwd_bytes']):>11} {r['time_vs_ref']:8.2f} "
               f"{r['cpu_vs_ref']:7.2f} {r['peak_vs_ref']:8.2f} {r['loss']:8.4f}")
     if not args.out: return
@@ -421,17 +490,21 @@ def _step_plot(rows, path):
     for i, key in enumerate(dict.fromkeys((r['config'], r['layout']) for r in rows)):
         rs = [r for r in rows if (r['config'], r['layout']) == key]
         ax.plot([r['cpu_vs_ref'] for r in rs], [r['peak_vs_ref'] for r in rs], 'o', color=f'C{i}', label=' '.join(key))
-        for r in rs: ax.annotate(r['method'], (r['cpu_vs_ref'], r['peak_vs_ref']), fontsize=7, xytext=(3, 3), textcoords='offset points')
+        for r in rs:
+            ax.annotate(r['method'], (r['cpu_vs_ref'], r['peak_vs_ref']), fontsize=7, xytext=(3, 3),
+                        textcoords='offset points')
     ax.axhline(0.5, color='grey', ls=':'); ax.axvline(0.5, color='grey', ls=':')
     ax.set(xlabel='CPU time / reference', ylabel='peak / reference', title='training step against the reference')
     ax.legend(fontsize=7); fig.tight_layout(); fig.savefig(path, dpi=100)
     if 'inline' not in matplotlib.get_backend(): plt.close(fig)
 
 def _add_step(sub):
-    s = sub.add_parser('step', help="a drafter training step against the field's reference step, per checkpointing policy")
+    s = sub.add_parser('step',
+                       help="a drafter training step against the field's reference step, per checkpointing policy")
     s.add_argument('--configs', nargs='+', default=['medium'], choices=list(STEP_CONFIGS))
     s.add_argument('--layouts', nargs='+', default=list(LAYOUTS), choices=list(LAYOUTS))
-    s.add_argument('--policies', nargs='+', type=_policy, default=['none', 'all'], help="'none', 'all' or k (every k-th layer)")
+    s.add_argument('--policies', nargs='+', type=_policy, default=['none', 'all'],
+                   help="'none', 'all' or k (every k-th layer)")
     s.add_argument('--seq-len', type=int, default=None, help="override every config's sequence length")
     s.add_argument('--anchors', type=int, default=None, help="override every config's anchors")
     s.add_argument('--block-size', type=int, default=16)
@@ -446,7 +519,8 @@ def _add_step(sub):
 # %% ../nbs/13_bench.ipynb #e20b7bec
 TRAIN_TARGETS = {   # targets of the `train` benchmark: None is the shipped toy; else sizes for `toy_config`
     'toy': None,
-    'medium': dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1536),
+    'medium': dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                   intermediate_size=1536),
 }
 
 def make_target(path, seed: int = 0, **sizes) -> Path:
@@ -469,16 +543,47 @@ def free_port() -> str:
         s.bind(('127.0.0.1', 0))
         return str(s.getsockname()[1])
 
+def launch_commands(out, processes: int = 1, *train_args: str, device: str = 'cpu', machines: int = 1,
+                    port: str | None = None) -> list[list[str]]:
+    "One `accelerate launch -m dflash.train` command per machine: `processes` in all, `machines` of them on localhost."
+    if processes % machines: raise ValueError(f"{processes} processes do not split over {machines} machines")
+    if device == 'cpu' and processes == 1: dist = ['--cpu', '--num_processes', '1']
+    else: dist = ['--multi_gpu'] * (processes > 1) + ['--num_processes', str(processes)]     # in all, not per machine
+    port = port or free_port()
+    nodes = [['--num_machines', '1']] if machines == 1 else [
+        ['--num_machines', str(machines), '--machine_rank', str(r), '--main_process_ip', '127.0.0.1']
+        for r in range(machines)]
+    return [[sys.executable, '-m', 'accelerate.commands.launch', *dist, *node, '--mixed_precision', 'no',
+             '--dynamo_backend', 'no', '--main_process_port', port, '-m', 'dflash.train', '--out', str(out),
+             *train_args] for node in nodes]
+
 def launch_train(out, processes: int = 1, *train_args: str, device: str = 'cpu', threads: int = 1,
-                 timeout: float = 3600) -> subprocess.CompletedProcess:
-    "Run `accelerate launch -m dflash.train --out OUT *train_args` on `processes` processes; the finished process."
-    if device == 'cpu': dist = ['--multi_gpu', '--num_processes', str(processes)] if processes > 1 else ['--cpu', '--num_processes', '1']
-    else: dist = ['--multi_gpu'] * (processes > 1) + ['--num_processes', str(processes)]
-    cmd = [sys.executable, '-m', 'accelerate.commands.launch', *dist, '--num_machines', '1', '--mixed_precision', 'no',
-           '--dynamo_backend', 'no', '--main_process_port', free_port(), '-m', 'dflash.train', '--out', str(out), *train_args]
+                 machines: int = 1, timeout: float = 3600) -> subprocess.CompletedProcess:
+    """Run `accelerate launch -m dflash.train --out OUT *train_args` on `processes` processes, over `machines`
+    simulated machines on localhost (launches started together); the finished launch (several: outputs joined)."""
+    cmds = launch_commands(out, processes, *train_args, device=device, machines=machines)
     env = {**os.environ, 'OMP_NUM_THREADS': str(threads), 'PYTHONUNBUFFERED': '1', 'TOKENIZERS_PARALLELISM': 'false'}
     if device == 'cpu': env['ACCELERATE_USE_CPU'] = 'true'              # else --multi_gpu gives lone processes
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if machines == 1: return subprocess.run(cmds[0], env=env, capture_output=True, text=True, timeout=timeout)
+    logs = [tempfile.TemporaryFile('w+') for _ in cmds]                # files, not pipes: no launch blocks on output
+    procs = [subprocess.Popen(c, env=env, stdout=f, stderr=subprocess.STDOUT, text=True) for c, f in zip(cmds, logs)]
+    deadline, stopped = time.monotonic() + timeout, None
+    try:
+        while any(p.poll() is None for p in procs):       # one machine failed: the others would wait for it forever
+            if stopped is None and (any(p.returncode for p in procs) or time.monotonic() > deadline):
+                stopped = time.monotonic()
+                for p in procs: p.terminate()
+            if stopped is not None and time.monotonic() > stopped + 30:
+                for p in procs: p.kill()
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            if p.poll() is None: p.kill()
+    texts = []
+    for r, (p, f) in enumerate(zip(procs, logs)):
+        f.seek(0); texts.append((p.returncode != 0, f"[machine {r}, exit {p.returncode}]\n" + f.read())); f.close()
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    return subprocess.CompletedProcess(cmds[0], code, '\n'.join(t for _, t in sorted(texts)), '')   # failures last
 
 def last_error(output: str) -> str:
     "The error a run died of: the last 'XError: message' line a rank printed (else any process), else the last line."
@@ -502,7 +607,8 @@ def throughput(metrics_csv, warmup_steps: int = 1) -> dict:
     rows = logged_steps(metrics_csv)
     steady = [float(r['tokens_per_s']) for r in rows if int(r['step']) > warmup_steps]
     if not steady: raise ValueError(f"{metrics_csv}: no step after the {warmup_steps} warm-up step(s); run more steps")
-    return dict(steps=len(steady), tokens_per_s=statistics.median(steady), peak_mem_mb=max(float(r['peak_mem_mb']) for r in rows))
+    return dict(steps=len(steady), tokens_per_s=statistics.median(steady),
+                peak_mem_mb=max(float(r['peak_mem_mb']) for r in rows))
 
 # %% ../nbs/13_bench.ipynb #69516555
 def _run_args(args, tmp: Path) -> list[str]:
@@ -511,19 +617,27 @@ def _run_args(args, tmp: Path) -> list[str]:
     eval_file.write_text(''.join((toy_data_dir() / 'eval.jsonl').read_text().splitlines(keepends=True)[:8]))
     return ['--max-steps', str(args.steps), '--log-every', '1', '--spec-eval-prompts', '0', '--eval-every', '0',
             '--save-every', '0', '--eval-data', str(eval_file), '--num-layers', str(args.num_layers),
-            '--num-anchors', str(args.num_anchors), '--max-length', str(args.max_length), '--batch-size', str(args.batch_size),
+            '--num-anchors', str(args.num_anchors), '--max-length', str(args.max_length),
+            '--batch-size', str(args.batch_size),
             '--micro-batch-size', str(args.micro_batch_size), '--attention', args.attention, '--seed', str(args.seed)]
 
 def _target_label(path: Path) -> str:
     c = json.loads((path / 'config.json').read_text())
-    return f"hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, {c['num_attention_heads']}/{c['num_key_value_heads']} heads"
+    return (f"hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
+            f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads")
 
 def run_train(args) -> list[dict]:
     "Launch short training runs per target config and process count; print a table; write CSV."
     bad = [n for n in args.processes if args.batch_size % n]
     if bad: raise ValueError(f"--batch-size {args.batch_size} is not a multiple of --processes {bad}")
-    if args.steps <= args.warmup_steps: raise ValueError(f"--steps {args.steps} leaves nothing after {args.warmup_steps} warm-up step(s)")
+    if args.steps <= args.warmup_steps:
+        raise ValueError(f"--steps {args.steps} leaves nothing after {args.warmup_steps} warm-up step(s)")
+    if max(args.processes) % args.machines:
+        raise ValueError(f"--machines {args.machines} does not divide the {max(args.processes)} processes "
+                         "of --processes")
+    launches = [(n, 1) for n in args.processes] + [(max(args.processes), args.machines)] * (args.machines > 1)
     rows, labels = [], {}
+    bar = _bar(total=len(args.configs) * len(launches), desc='train runs')
     with tempfile.TemporaryDirectory(prefix='dflash-bench-') as tmp:
         tmp = Path(tmp)
         common = _run_args(args, tmp)
@@ -532,44 +646,59 @@ def run_train(args) -> list[dict]:
             target = toy_target_dir() if sizes is None else make_target(tmp / f'target-{name}', args.seed, **sizes)
             labels[name] = _target_label(target)
             where = [] if sizes is None else ['--target', str(target), '--data', str(toy_data_dir() / 'train.jsonl')]
-            for n in args.processes:
-                out, t0 = tmp / f'run-{name}-{n}', time.perf_counter()
-                r = launch_train(out, n, *where, *common, device=args.device, threads=args.threads)
+            for n, m in launches:
+                out, t0 = tmp / f'run-{name}-{n}-{m}', time.perf_counter()
+                r = launch_train(out, n, *where, *common, device=args.device, threads=args.threads, machines=m)
                 wall, metrics = time.perf_counter() - t0, out / 'metrics.csv'
                 finished = metrics.is_file() and max(int(x['step']) for x in logged_steps(metrics)) == args.steps
                 if r.returncode and not finished:
-                    raise RuntimeError(f"training run {name} on {n} process(es) failed (exit {r.returncode}): "
+                    raise RuntimeError(f"training run {name} on {n} process(es), {m} machine(s) failed "
+                                       f"(exit {r.returncode}): "
                                        f"{' '.join(r.args)}\n{(r.stdout + r.stderr)[-4000:]}")
-                # a failure after the last step (saving, the final evaluation) leaves the step numbers valid: shown, not hidden
-                note = f"exit {r.returncode} after the last step: {last_error(r.stdout + r.stderr)}" if r.returncode else ''
-                rows.append(dict(config=name, processes=n, **throughput(metrics, args.warmup_steps), wall_s=wall, note=note))
+                # a failure after the last step (saving, the final evaluation) leaves the step numbers valid:
+                # shown, not hidden
+                note = (f"exit {r.returncode} after the last step: {last_error(r.stdout + r.stderr)}"
+                        if r.returncode else '')
+                rows.append(dict(config=name, processes=n, machines=m, **throughput(metrics, args.warmup_steps),
+                                 wall_s=wall, note=note))
+                bar.update()
+    bar.close()
     for r in rows:
         one = next((b for b in rows if b['config'] == r['config'] and b['processes'] == 1), None)
         r['tokens_vs_1'] = r['tokens_per_s'] / one['tokens_per_s'] if one else math.nan
+        r['efficiency'] = r['tokens_vs_1'] / r['processes']           # tokens/s of N / (N x tokens/s of 1)
         r['peak_vs_1'] = r['peak_mem_mb'] / one['peak_mem_mb'] if one else math.nan
     _train_report(args, rows, labels)
     return rows
 
 def _train_report(args, rows, labels):
     print(f"training steps through accelerate launch, {args.device}, {args.threads} thread(s) per process: "
-          f"{args.steps} steps, median tokens/s after {args.warmup_steps} warm-up step(s); global batch {args.batch_size} "
+          f"{args.steps} steps, median tokens/s after {args.warmup_steps} warm-up step(s); "
+          f"global batch {args.batch_size} "
           f"(micro {args.micro_batch_size}), drafter {args.num_layers} layers, {args.num_anchors} anchors, "
           f"max length {args.max_length}, {args.attention}")
-    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end (other work competes for the cores)")
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end "
+          "(other work competes for the cores)")
     for name, label in labels.items(): print(f"{name}: target {label}")
-    print(f"{'config':7} {'procs':>5} {'tokens/s':>9} {'peak MB':>8} {'tok/s vs 1':>10} {'peak vs 1':>9} {'run':>6}")
+    print(f"{'config':7} {'procs':>5} {'machines':>8} {'tokens/s':>9} {'peak MB':>8} {'tok/s vs 1':>10} "
+          f"{'efficiency':>10} {'peak vs 1':>9} {'run':>6}")
     for r in rows:
-        print(f"{r['config']:7} {r['processes']:5d} {r['tokens_per_s']:9.0f} {r['peak_mem_mb']:8.0f} {r['tokens_vs_1']:10.2f} "
-              f"{r['peak_vs_1']:9.2f} {r['wall_s']:5.0f}s  {r['note']}".rstrip())
+        print(f"{r['config']:7} {r['processes']:5d} {r['machines']:8d} {r['tokens_per_s']:9.0f} "
+              f"{r['peak_mem_mb']:8.0f} "
+              f"{r['tokens_vs_1']:10.2f} {r['efficiency']:10.2f} {r['peak_vs_1']:9.2f} {r['wall_s']:5.0f}s  "
+              f"{r['note']}".rstrip())
     if not args.out: return
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, 'train.csv'), 'w', newline='') as f:
         w = csv.DictWriter(f, list(rows[0])); w.writeheader(); w.writerows(rows)
 
 def _add_train(sub):
-    t = sub.add_parser('train', help='tokens/s and peak memory of real training runs (accelerate launch), 1 and 2 processes')
+    t = sub.add_parser('train', help='tokens/s and peak memory of real training runs (accelerate launch): '
+                                     '1 and 2 processes, 2 machines')
     t.add_argument('--configs', nargs='+', default=list(TRAIN_TARGETS), choices=list(TRAIN_TARGETS))
-    t.add_argument('--processes', nargs='+', type=int, default=[1, 2])
+    t.add_argument('--processes', nargs='+', type=int, default=[1, 2], help='processes per run, on one machine')
+    t.add_argument('--machines', type=int, default=2, help='also run the most processes split over this many '
+                   'machines on localhost, started together (1: no such run)')
     t.add_argument('--steps', type=int, default=6, help='optimizer steps per run')
     t.add_argument('--warmup-steps', type=int, default=2, help='first steps left out of tokens/s')
     t.add_argument('--batch-size', type=int, default=16, help='sequences per step, over all processes')
@@ -585,9 +714,6 @@ def _add_train(sub):
     t.set_defaults(run=run_train)
 
 # %% ../nbs/13_bench.ipynb #77f2d9a3
-from .regenerate import TransformersEngine, end_of_turn_ids, load_conversations, regenerate_batch
-from .toy import load_toy_target, toy_data_dir
-
 def bench_regenerate(n: int = 32, batch_size: int = 16, max_new_tokens: int = 64, repeats: int = 2, device: str = 'cpu',
                      threads: int = 1) -> list[dict]:
     "Tokens/s of regenerating `n` toy conversations in batches of `batch_size` and one at a time, interleaved."
@@ -599,7 +725,7 @@ def bench_regenerate(n: int = 32, batch_size: int = 16, max_new_tokens: int = 64
         stops = end_of_turn_ids(tok, model.generation_config)
         engine = TransformersEngine(model, stops, tok.pad_token_id, max_new_tokens)
         convs = [m for _, m in load_conversations(toy_data_dir() / 'eval.jsonl')[0][:n]]
-        rows = []
+        rows, bar = [], _bar(total=2 * repeats, desc='regeneration rounds')
         for r in range(repeats):
             for mode, bs in (('batched', batch_size), ('one at a time', 1)):
                 _sync(torch.device(device)); t0, tokens, turns = time.perf_counter(), 0, 0
@@ -609,6 +735,8 @@ def bench_regenerate(n: int = 32, batch_size: int = 16, max_new_tokens: int = 64
                 _sync(torch.device(device)); dt = time.perf_counter() - t0
                 rows.append(dict(mode=mode, batch_size=bs, repeat=r, conversations=len(convs), turns=turns,
                                  tokens=tokens, seconds=round(dt, 3), tokens_per_s=round(tokens / dt, 1)))
+                bar.update()
+        bar.close()
         return rows
     finally: torch.set_num_threads(old)
 
@@ -640,8 +768,6 @@ def _add_regenerate(sub):
 
 
 # %% ../nbs/13_bench.ipynb #9e56f721
-from .toy import make_corpus
-
 _DATA_LAUNCH = '''import json, sys, time
 t0 = time.perf_counter()
 from transformers import AutoTokenizer
@@ -673,7 +799,7 @@ def run_data(args) -> list[dict]:
         with open(data, 'w') as f:
             for c in make_corpus(args.conversations, seed=args.seed): f.write(json.dumps(c) + '\n')
         rows = []
-        for n in args.processes:
+        for n in _bar(args.processes, 'tokenizing process counts'):
             first = _data_launch(data, n, tmp / f'cache-{n}')
             second = _data_launch(data, n, tmp / f'cache-{n}')
             rows.append({'processes': n, 'conversations': first['samples'], 'first_s': first['data_s'],
@@ -693,8 +819,8 @@ def run_data(args) -> list[dict]:
 def _add_data(sub):
     d = sub.add_parser('data', help='chat data tokenization: conversations/s with 1 and 2 processes, '
                                     'first and second launch')
-    d.add_argument('--conversations', type=int, default=100_000, help='toy conversations (100000)')
-    d.add_argument('--processes', type=int, nargs='+', default=[1, 2], help='tokenizing processes, num_proc (1 2)')
+    d.add_argument('--conversations', type=int, default=100_000, help='toy conversations')
+    d.add_argument('--processes', type=int, nargs='+', default=[1, 2], help='tokenizing processes, num_proc')
     d.add_argument('--seed', type=int, default=0)
     d.add_argument('--out', default='bench_out', help="directory for data.csv ('' for none)")
     d.set_defaults(run=run_data)

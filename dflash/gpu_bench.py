@@ -24,7 +24,7 @@ from .bench import bench_many, free_port, last_error, logged_steps
 __all__ = ['PLANNER_CASES', 'PEAK_BF16_FLOPS', 'QWEN3_8B', 'MULTI_VARIANTS', 'MULTI_ARGS', 'SECTIONS', 'TOTAL_BUDGET_S',
            'grad_check', 'sdpa_kernels', 'attention_compare', 'planner_check', 'step_flops', 'peak_flops',
            'qwen3_8b_drafter', 'real_step', 'launch', 'run_summary', 'multi_process', 'Section', 'acceptance',
-           'machine', 'dry_run', 'run_gpu', 'add_gpu_command']
+           'machine', 'dry_run', 'run_gpu']
 
 # %% ../nbs/13a_gpu.ipynb #c36b4aa1
 def _rel(a: Tensor, b: Tensor) -> float:
@@ -342,6 +342,8 @@ def dry_run(sections=SECTIONS) -> str:
 
 def run_gpu(args) -> dict:
     "Run every section the machine allows, within the time budget; write gpu.json and one CSV per section to args.out."
+    unknown = sorted(set(args.sections or []) - {s.name for s in SECTIONS})
+    if unknown: raise ValueError(f"--sections {' '.join(unknown)}: no such section; use {[s.name for s in SECTIONS]}")
     chosen = [s for s in SECTIONS if not args.sections or s.name in args.sections]
     if args.dry_run: print(dry_run(chosen)); return {}
     out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
@@ -370,11 +372,3 @@ def run_gpu(args) -> dict:
         _write(out / 'gpu.json', json.dumps(report, indent=1, default=str))
     for k, v in report['acceptance'].items(): print(f"{k}: {'not run' if v is None else 'met' if v else 'NOT met'}")
     return report
-
-def add_gpu_command(sub):
-    g = sub.add_parser('gpu', help='every CUDA check in one bounded run (one H200: <= 8 minutes); '
-                                   'CSV and JSON to --out')
-    g.add_argument('--out', default='benchmarks/gpu', help='directory for gpu.json and the CSVs (commit it)')
-    g.add_argument('--dry-run', action='store_true', help='print the sections, shapes and time budgets, run nothing')
-    g.add_argument('--sections', nargs='+', choices=[s.name for s in SECTIONS], help='run only these sections')
-    g.set_defaults(run=run_gpu)

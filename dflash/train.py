@@ -43,7 +43,7 @@ def parse_config(argv=None) -> TrainConfig:
 
 # %% ../nbs/11_train.ipynb #7588c06c
 def toy_profile(resolve: bool = True) -> dict:
-    "The options of the default run on the toy target; its data files as paths (`resolve=False`: as the YAML names them)."
+    "The options of the default run on the toy target; its data files as paths (`resolve=False`: as the YAML has them)."
     assets = importlib.resources.files('dflash') / 'assets'
     p = yaml.safe_load((assets / 'toy-run.yaml').read_text())
     return {**p, **{k: str(assets / p[k]) for k in ('data', 'eval_data') if p.get(k) and resolve}}

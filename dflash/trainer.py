@@ -242,7 +242,8 @@ def csv_steps(path) -> list[int]:
 
 # %% ../nbs/10_trainer.ipynb #6042605f
 def online_fit(target_config, drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int,
-               dtype: str = 'bf16', attention: str = 'sdpa', micro_batch_size: int = 1, policy='auto') -> tuple[bool, str]:
+               dtype: str = 'bf16', attention: str = 'sdpa', micro_batch_size: int = 1,
+               policy='auto') -> tuple[bool, str]:
     "(whether the step and the online target fit `budget_bytes` together, the plan's sentence with the figures)"
     online = online_target_bytes(target_config, seq_len, micro_batch_size, dtype)
     left = budget_bytes - online['extra']                         # what the target leaves for the step
