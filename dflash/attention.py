@@ -28,7 +28,8 @@ def register_backend(name: str):
 
 def get_backend(name: str, **options) -> AttentionFn:
     "The attention function of backend `name`, with `options` bound."
-    if name not in BACKENDS: raise ValueError(f"attention backend {name!r} is unknown; choose one of {sorted(BACKENDS)}")
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r} is unknown; choose one of {sorted(BACKENDS)}")
     return BACKENDS[name](**options)
 
 # %% ../nbs/04_attention.ipynb #90c5f244
@@ -98,7 +99,8 @@ def _chunk_attention(q_c: Tensor, anch: Tensor, W: int | None, n: int, *kv: Tens
 
 # %% ../nbs/04_attention.ipynb #8865d15e
 def sdpa_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window: int | None = None,
-                   plan: ChunkPlan | None = None, budget_bytes=None, kernel: str = 'auto', chunk_cost: int = 2**19) -> Tensor:
+                   plan: ChunkPlan | None = None, budget_bytes=None, kernel: str = 'auto',
+                   chunk_cost: int = 2**19) -> Tensor:
     "Block attention by planned chunks of shared-prefix SDPA, GQA folded into queries, each chunk checkpointed."
     N, Hq, T, D = q.shape
     Hkv, S, B = k_ctx.shape[1], k_ctx.shape[2], layout.block_size

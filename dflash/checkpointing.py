@@ -24,9 +24,12 @@ def checkpointed_layers(policy, num_layers: int) -> list[int]:
         return list(range(0, num_layers, policy))
     if isinstance(policy, (list, tuple)):
         bad = [i for i in policy if not isinstance(i, int) or not 0 <= i < num_layers]
-        if bad: raise ValueError(f"checkpointing policy {list(policy)}: layer indices {bad} are not in [0, {num_layers - 1}]")
+        if bad:
+            raise ValueError(f"checkpointing policy {list(policy)}: layer indices {bad} "
+                             f"are not in [0, {num_layers - 1}]")
         return sorted(set(policy))
-    raise ValueError(f"checkpointing policy {policy!r}: use 'none', 'all', an int k (every k-th layer) or a list of layers")
+    raise ValueError(f"checkpointing policy {policy!r}: use 'none', 'all', an int k (every k-th layer) "
+                     "or a list of layers")
 
 # %% ../nbs/06_checkpointing.ipynb #b61c87a3
 def parse_policy(policy):
@@ -50,7 +53,8 @@ def mlp_token_bytes(hidden_size: int, intermediate_size: int, dtype: torch.dtype
 
 def checkpointed_layer(layer: DFlashDecoderLayer, x, ctx, rope_blk, rope_ctx, attend, use_reentrant: bool = False,
                        budget_bytes: int | None = None) -> Tensor:
-    "`layer(x, ...)` recomputed in backward: its attention block, then its MLP block by token slices within `budget_bytes`."
+    """`layer(x, ...)` recomputed in backward: its attention block,
+    then its MLP block by token slices within `budget_bytes`."""
     x = x + checkpoint_call(layer.attention_block, x, ctx, rope_blk, rope_ctx, attend, use_reentrant=use_reentrant)
     N, T, H = x.shape
     per_token = N * mlp_token_bytes(H, layer.mlp.intermediate_size, compute_dtype(x))

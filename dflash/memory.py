@@ -79,7 +79,8 @@ def _backward(out, grad_out):
     if not outs: raise ValueError("backward=True, but no output of fn requires grad: give inputs with "
                                   "requires_grad=True, or measure with backward=False")
     grads = [torch.ones_like(o) for o in outs] if grad_out is None else _tensors(grad_out)
-    if len(grads) != len(outs): raise ValueError(f"grad_out has {len(grads)} tensors for {len(outs)} outputs that require grad")
+    if len(grads) != len(outs):
+        raise ValueError(f"grad_out has {len(grads)} tensors for {len(outs)} outputs that require grad")
     torch.autograd.backward(outs, grads)
 
 def _measure_tracked(fn, args, kwargs, backward, grad_out, path) -> MemStats:

@@ -81,7 +81,8 @@ def task_count(rng, w=None):
     q = _ask(rng, 'How many letters are in "{w}"?', 'Count the letters in the word "{w}".',
              'How long is the word "{w}"?', w=w)
     steps = ', '.join(f'{c} is {i}' for i, c in enumerate(w, 1))
-    return q, f'Counting the letters of "{w}": {steps}. So "{w}" has {len(w)} letters.', f'{len(w)}', ('word', w, 'count')
+    a = f'Counting the letters of "{w}": {steps}. So "{w}" has {len(w)} letters.'
+    return q, a, f'{len(w)}', ('word', w, 'count')
 
 def task_reverse(rng, w=None):
     w = w or rng.choice(WORDS)
@@ -105,7 +106,8 @@ WORD_TASKS = {'spell': task_spell, 'count': task_count, 'reverse': task_reverse,
 def task_next_terms(rng):
     a, d, n = rng.randint(1, 50), rng.randint(2, 9), rng.randint(3, 5)
     seq, nxt = [a + i * d for i in range(n)], [a + i * d for i in range(n, n + 4)]
-    q = _ask(rng, 'What comes next: {s}?', 'Continue the sequence {s}.', 'Give the next numbers after {s}.', s=_nums(seq))
+    q = _ask(rng, 'What comes next: {s}?', 'Continue the sequence {s}.', 'Give the next numbers after {s}.',
+             s=_nums(seq))
     return (q, f'Each number is {d} more than the one before. The next numbers are {_nums(nxt[:-1])} and {nxt[-1]}.',
             _nums(nxt), ('num', nxt[-1]))
 
@@ -114,7 +116,8 @@ def task_count_range(rng):
     if rng.random() < .5:
         q, xs = _ask(rng, 'Count from {a} to {b}.', 'List the numbers from {a} to {b}.', a=a, b=b), range(a, b + 1)
         return q, f'Counting up from {a} to {b}: {_nums(xs)}.', _nums(xs), ('num', b)
-    q, xs = _ask(rng, 'Count down from {b} to {a}.', 'List the numbers from {b} down to {a}.', a=a, b=b), range(b, a - 1, -1)
+    q = _ask(rng, 'Count down from {b} to {a}.', 'List the numbers from {b} down to {a}.', a=a, b=b)
+    xs = range(b, a - 1, -1)
     return q, f'Counting down from {b} to {a}: {_nums(xs)}.', _nums(xs), ('num', a)
 
 def task_sort(rng):
@@ -232,8 +235,9 @@ def embedding_rows(n_tokens: int, multiple: int = 64) -> int:
 def toy_config(tok, hidden_size: int = 128, num_hidden_layers: int = 6, num_attention_heads: int = 4,
                num_key_value_heads: int = 2, intermediate_size: int = 384) -> Qwen3Config:
     "The toy target's Qwen3 config for tokenizer `tok`."
-    return Qwen3Config(vocab_size=embedding_rows(len(tok)), hidden_size=hidden_size, intermediate_size=intermediate_size,
-                       num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+    return Qwen3Config(vocab_size=embedding_rows(len(tok)), hidden_size=hidden_size,
+                       intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+                       num_attention_heads=num_attention_heads,
                        num_key_value_heads=num_key_value_heads, head_dim=hidden_size // num_attention_heads,
                        max_position_embeddings=4096, rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0},
                        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=tok.pad_token_id,
@@ -275,7 +279,8 @@ def _batches(lengths, batch_size, rng):
     return out
 
 def train_target(model, tok, convs, steps: int, batch_size: int = 32, lr: float = 3e-3, warmup: int = 50,
-                 seed: int = 0, eval_convs=None, eval_every: int = 200, log_every: int = 10, verbose: bool = False) -> dict:
+                 seed: int = 0, eval_convs=None, eval_every: int = 200, log_every: int = 10,
+                 verbose: bool = False) -> dict:
     "Train `model` on `convs` (next-token loss over whole conversations); returns the training log."
     rows = [encode_chat(tok, c['messages']) for c in convs]
     lengths, rng = [len(r[0]) for r in rows], random.Random(seed)
@@ -291,11 +296,13 @@ def train_target(model, tok, convs, steps: int, batch_size: int = 32, lr: float 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step(); opt.zero_grad(set_to_none=True); sched.step()
-        if step % log_every == 0 or step == steps - 1: log['step'].append(step); log['loss'].append(round(loss.item(), 4))
+        if step % log_every == 0 or step == steps - 1:
+            log['step'].append(step); log['loss'].append(round(loss.item(), 4))
         if eval_convs and (step % eval_every == 0 or step == steps - 1) and step > 0:
-            log['eval_step'].append(step); log['eval_accuracy'].append(round(assistant_accuracy(model, tok, eval_convs), 4))
-            if verbose: print(f"step {step:5d}  loss {loss.item():.3f}  held-out accuracy {log['eval_accuracy'][-1]:.3f}  "
-                              f"{time.time() - t0:.0f}s", flush=True)
+            log['eval_step'].append(step)
+            log['eval_accuracy'].append(round(assistant_accuracy(model, tok, eval_convs), 4))
+            if verbose: print(f"step {step:5d}  loss {loss.item():.3f}  "
+                              f"held-out accuracy {log['eval_accuracy'][-1]:.3f}  {time.time() - t0:.0f}s", flush=True)
     model.eval()
     log['seconds'] = round(time.time() - t0, 1)
     return log
