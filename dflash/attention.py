@@ -12,7 +12,7 @@ from torch import Tensor
 from .layout import BlockLayout
 
 # %% auto #0
-__all__ = ['AttentionFn', 'BACKENDS', 'register_backend', 'get_backend', 'eager_attention', 'random_qkv', 'sdpa_attention',
+__all__ = ['AttentionFn', 'BACKENDS', 'register_backend', 'get_backend', 'eager_attention', 'sdpa_attention',
            'flex_attention_blocks']
 
 # %% ../nbs/04_attention.ipynb #3a222b55
@@ -46,15 +46,6 @@ def eager_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_
 
 @register_backend('eager')
 def _eager() -> AttentionFn: return eager_attention
-
-# %% ../nbs/04_attention.ipynb #74ee0c1b
-def random_qkv(layout: BlockLayout, n_heads: int, n_kv_heads: int, head_dim: int, dtype=torch.float32,
-               requires_grad: bool = False, generator=None) -> tuple[Tensor, ...]:
-    "Random q, k_ctx, v_ctx, k_blk, v_blk shaped for `layout` (for tests and benchmarks)."
-    N, T, S = layout.batch_size, layout.num_blocks * layout.block_size, layout.seq_len
-    shapes = [(N, n_heads, T, head_dim), (N, n_kv_heads, S, head_dim), (N, n_kv_heads, S, head_dim),
-              (N, n_kv_heads, T, head_dim), (N, n_kv_heads, T, head_dim)]
-    return tuple(torch.randn(s, generator=generator, dtype=dtype).requires_grad_(requires_grad) for s in shapes)
 
 # %% ../nbs/04_attention.ipynb #d9c92aba
 import weakref

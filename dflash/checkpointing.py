@@ -11,8 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from .drafter import DFlashDrafter, DFlashDecoderLayer, compute_dtype
 
 # %% auto #0
-__all__ = ['checkpointed_layers', 'parse_policy', 'checkpoint_call', 'mlp_token_bytes', 'checkpointed_layer', 'set_checkpointing',
-           'drafter_grads']
+__all__ = ['checkpointed_layers', 'parse_policy', 'checkpoint_call', 'mlp_token_bytes', 'checkpointed_layer', 'set_checkpointing']
 
 # %% ../nbs/06_checkpointing.ipynb #ac979e2c
 def checkpointed_layers(policy, num_layers: int) -> list[int]:
@@ -73,16 +72,3 @@ def set_checkpointing(drafter: DFlashDrafter, policy='none', use_reentrant: bool
         else: layer.__dict__.pop('forward', None)
     drafter.checkpointing = (policy, use_reentrant, budget_bytes)
     return chosen
-
-# %% ../nbs/06_checkpointing.ipynb #adcf6506
-def drafter_grads(drafter: DFlashDrafter, context, layout, embed, lm_head, loss_fn=None) -> dict[str, Tensor]:
-    "Gradients of every drafter parameter for a weighted cross-entropy over the layout (or `loss_fn(hidden)`)."
-    drafter.zero_grad(set_to_none=True)
-    h = drafter(context, layout, embed)
-    if loss_fn is None:
-        logits = h @ lm_head.T                                                 # (N, A·B, V)
-        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), layout.labels.flatten(), reduction='none')
-        loss = (ce * layout.weights.flatten()).sum() / layout.weights.sum()
-    else: loss = loss_fn(h)
-    loss.backward()
-    return {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}

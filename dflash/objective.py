@@ -14,7 +14,7 @@ from .drafter import compute_dtype
 
 # %% auto #0
 __all__ = ['OBJECTIVE_CHUNK_COST', 'objective_bytes_per_row', 'objective_chunk_blocks', 'frugal_chunk_blocks', 'ObjectiveSums',
-           'accepted_length', 'dflash_objective', 'plain_objective']
+           'accepted_length', 'dflash_objective']
 
 # %% ../nbs/07_objective.ipynb #3283df5a
 def objective_bytes_per_row(vocab_size: int, dtype: torch.dtype) -> int:
@@ -144,25 +144,3 @@ def dflash_objective(hidden: Tensor, layout: BlockLayout, lm_head: Tensor, chunk
                          correct=correct.sum((0, 1)).float(), counted=supervised.sum((0, 1)).float(),
                          accept_sum=(accepted_length(correct, supervised) * layout.keep.to(ce.device)).sum().float(),
                          blocks=layout.keep.sum().float())
-
-# %% ../nbs/07_objective.ipynb #2ea74d08
-def plain_objective(hidden: Tensor, layout: BlockLayout, lm_head: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    "Reference: full logits at once -> (loss, accuracy per position, tau), counted block by block."
-    logits = hidden.float() @ lm_head.float().T                                       # (N, A·B, V)
-    N, A, B = layout.batch_size, layout.num_blocks, layout.block_size
-    ce = F.cross_entropy(logits.flatten(0, 1), layout.labels.flatten(), reduction='none')
-    w = layout.weights.flatten()
-    loss = (w * ce).sum() / w.sum()
-    pred = logits.argmax(-1).view(N, A, B)
-    right, seen, runs = torch.zeros(B), torch.zeros(B), []
-    for n in range(N):
-        for i in range(A):
-            if not layout.keep[n, i]: continue
-            run, going = 0, True
-            for k in range(1, B):
-                sup = layout.weights[n, i, k] > 0
-                ok = bool(sup and pred[n, i, k] == layout.labels[n, i, k])
-                seen[k] += float(sup); right[k] += float(ok)
-                going = going and ok; run += int(going)
-            runs.append(run)
-    return loss, right / seen.clamp(min=1), 1 + torch.tensor(runs, dtype=torch.float).mean()

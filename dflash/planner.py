@@ -12,8 +12,8 @@ from .layout import BlockLayout
 from .memory import fmt_bytes
 
 # %% auto #0
-__all__ = ['probe_kernel', 'chunk_bytes', 'Chunk', 'ChunkPlan', 'free_bytes', 'plan_chunks', 'random_layout', 'plot_plan',
-           'plt_subplots', 'explorer']
+__all__ = ['probe_kernel', 'chunk_bytes', 'Chunk', 'ChunkPlan', 'free_bytes', 'plan_chunks', 'plot_plan', 'plt_subplots',
+           'explorer']
 
 # %% ../nbs/03_planner.ipynb #cee92ae6
 _KERNELS = {SDPBackend.FLASH_ATTENTION: 'flash', SDPBackend.EFFICIENT_ATTENTION: 'efficient',
@@ -228,15 +228,6 @@ def plan_chunks(layout: BlockLayout, n_heads: int, n_kv_heads: int, head_dim: in
     p.fixed_bytes, p.peak_bytes, p.timeline = fixed, sim['peak'], sim
     p.bound_bytes = fixed + max([p.chunk_bytes(c) for c in p.chunks] + [assembly])
     return p
-
-# %% ../nbs/03_planner.ipynb #66b786c9
-def random_layout(N: int, S: int, n_anchors: int, B: int = 16, seed: int = 0, short_rows: bool = True) -> BlockLayout:
-    "A random layout; with `short_rows`, odd rows are supervised on their first half only (fewer anchors, padded)."
-    g = torch.Generator().manual_seed(seed)
-    ids, lm = torch.randint(5, 50, (N, S), generator=g), torch.rand(N, S, generator=g) > 0.2
-    if short_rows: lm[1::2, S // 2:] = False
-    lm[:, 1:3] = True                                                    # every row has a valid anchor
-    return BlockLayout.from_batch(ids, lm, 1, B, n_anchors, seed=seed)
 
 # %% ../nbs/03_planner.ipynb #c8937bef
 def plot_plan(plan: ChunkPlan, ax=None, row: int = 0):
