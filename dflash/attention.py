@@ -12,7 +12,7 @@ from torch import Tensor
 from .layout import BlockLayout
 
 # %% auto #0
-__all__ = ['AttentionFn', 'BACKENDS', 'register_backend', 'get_backend', 'eager_attention', 'random_qkv', 'sdpa_attention',
+__all__ = ['AttentionFn', 'BACKENDS', 'register_backend', 'get_backend', 'eager_attention', 'sdpa_attention',
            'flex_attention_blocks']
 
 # %% ../nbs/04_attention.ipynb #3a222b55
@@ -28,7 +28,8 @@ def register_backend(name: str):
 
 def get_backend(name: str, **options) -> AttentionFn:
     "The attention function of backend `name`, with `options` bound."
-    if name not in BACKENDS: raise ValueError(f"attention backend {name!r} is unknown; choose one of {sorted(BACKENDS)}")
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r} is unknown; choose one of {sorted(BACKENDS)}")
     return BACKENDS[name](**options)
 
 # %% ../nbs/04_attention.ipynb #90c5f244
@@ -45,15 +46,6 @@ def eager_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_
 
 @register_backend('eager')
 def _eager() -> AttentionFn: return eager_attention
-
-# %% ../nbs/04_attention.ipynb #74ee0c1b
-def random_qkv(layout: BlockLayout, n_heads: int, n_kv_heads: int, head_dim: int, dtype=torch.float32,
-               requires_grad: bool = False, generator=None) -> tuple[Tensor, ...]:
-    "Random q, k_ctx, v_ctx, k_blk, v_blk shaped for `layout` (for tests and benchmarks)."
-    N, T, S = layout.batch_size, layout.num_blocks * layout.block_size, layout.seq_len
-    shapes = [(N, n_heads, T, head_dim), (N, n_kv_heads, S, head_dim), (N, n_kv_heads, S, head_dim),
-              (N, n_kv_heads, T, head_dim), (N, n_kv_heads, T, head_dim)]
-    return tuple(torch.randn(s, generator=generator, dtype=dtype).requires_grad_(requires_grad) for s in shapes)
 
 # %% ../nbs/04_attention.ipynb #d9c92aba
 import weakref
@@ -98,7 +90,8 @@ def _chunk_attention(q_c: Tensor, anch: Tensor, W: int | None, n: int, *kv: Tens
 
 # %% ../nbs/04_attention.ipynb #8865d15e
 def sdpa_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window: int | None = None,
-                   plan: ChunkPlan | None = None, budget_bytes=None, kernel: str = 'auto', chunk_cost: int = 2**19) -> Tensor:
+                   plan: ChunkPlan | None = None, budget_bytes=None, kernel: str = 'auto',
+                   chunk_cost: int = 2**19) -> Tensor:
     "Block attention by planned chunks of shared-prefix SDPA, GQA folded into queries, each chunk checkpointed."
     N, Hq, T, D = q.shape
     Hkv, S, B = k_ctx.shape[1], k_ctx.shape[2], layout.block_size

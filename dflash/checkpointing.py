@@ -11,8 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from .drafter import DFlashDrafter, DFlashDecoderLayer, compute_dtype
 
 # %% auto #0
-__all__ = ['checkpointed_layers', 'parse_policy', 'checkpoint_call', 'mlp_token_bytes', 'checkpointed_layer', 'set_checkpointing',
-           'drafter_grads']
+__all__ = ['checkpointed_layers', 'parse_policy', 'checkpoint_call', 'mlp_token_bytes', 'checkpointed_layer', 'set_checkpointing']
 
 # %% ../nbs/06_checkpointing.ipynb #ac979e2c
 def checkpointed_layers(policy, num_layers: int) -> list[int]:
@@ -24,9 +23,12 @@ def checkpointed_layers(policy, num_layers: int) -> list[int]:
         return list(range(0, num_layers, policy))
     if isinstance(policy, (list, tuple)):
         bad = [i for i in policy if not isinstance(i, int) or not 0 <= i < num_layers]
-        if bad: raise ValueError(f"checkpointing policy {list(policy)}: layer indices {bad} are not in [0, {num_layers - 1}]")
+        if bad:
+            raise ValueError(f"checkpointing policy {list(policy)}: layer indices {bad} "
+                             f"are not in [0, {num_layers - 1}]")
         return sorted(set(policy))
-    raise ValueError(f"checkpointing policy {policy!r}: use 'none', 'all', an int k (every k-th layer) or a list of layers")
+    raise ValueError(f"checkpointing policy {policy!r}: use 'none', 'all', an int k (every k-th layer) "
+                     "or a list of layers")
 
 # %% ../nbs/06_checkpointing.ipynb #b61c87a3
 def parse_policy(policy):
@@ -50,7 +52,8 @@ def mlp_token_bytes(hidden_size: int, intermediate_size: int, dtype: torch.dtype
 
 def checkpointed_layer(layer: DFlashDecoderLayer, x, ctx, rope_blk, rope_ctx, attend, use_reentrant: bool = False,
                        budget_bytes: int | None = None) -> Tensor:
-    "`layer(x, ...)` recomputed in backward: its attention block, then its MLP block by token slices within `budget_bytes`."
+    """`layer(x, ...)` recomputed in backward: its attention block,
+    then its MLP block by token slices within `budget_bytes`."""
     x = x + checkpoint_call(layer.attention_block, x, ctx, rope_blk, rope_ctx, attend, use_reentrant=use_reentrant)
     N, T, H = x.shape
     per_token = N * mlp_token_bytes(H, layer.mlp.intermediate_size, compute_dtype(x))
@@ -69,16 +72,3 @@ def set_checkpointing(drafter: DFlashDrafter, policy='none', use_reentrant: bool
         else: layer.__dict__.pop('forward', None)
     drafter.checkpointing = (policy, use_reentrant, budget_bytes)
     return chosen
-
-# %% ../nbs/06_checkpointing.ipynb #adcf6506
-def drafter_grads(drafter: DFlashDrafter, context, layout, embed, lm_head, loss_fn=None) -> dict[str, Tensor]:
-    "Gradients of every drafter parameter for a weighted cross-entropy over the layout (or `loss_fn(hidden)`)."
-    drafter.zero_grad(set_to_none=True)
-    h = drafter(context, layout, embed)
-    if loss_fn is None:
-        logits = h @ lm_head.T                                                 # (N, A·B, V)
-        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), layout.labels.flatten(), reduction='none')
-        loss = (ce * layout.weights.flatten()).sum() / layout.weights.sum()
-    else: loss = loss_fn(h)
-    loss.backward()
-    return {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}

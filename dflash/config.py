@@ -104,12 +104,15 @@ def validate(self: DrafterConfig):
     _check(c.block_size >= 2, 'block_size', c.block_size, "must be >= 2 (the anchor token plus at least one to draft)")
     _check(0 <= c.mask_token_id < c.vocab_size, 'mask_token_id', c.mask_token_id, f"must be in [0, {c.vocab_size - 1}]")
     ids = c.target_layer_ids
-    _check(len(ids) >= 1 and len(set(ids)) == len(ids), 'target_layer_ids', ids, "must be a non-empty list of distinct ids")
+    _check(len(ids) >= 1 and len(set(ids)) == len(ids), 'target_layer_ids', ids,
+           "must be a non-empty list of distinct ids")
     for i in ids: _check(0 <= i < c.num_target_layers, 'target_layer_ids', ids,
-                         f"each id must be in [0, {c.num_target_layers - 1}] (the target has {c.num_target_layers} layers)")
+                         f"each id must be in [0, {c.num_target_layers - 1}] "
+                         f"(the target has {c.num_target_layers} layers)")
     _check(len(c.layer_types) == c.num_hidden_layers, 'layer_types', c.layer_types,
            f"must have num_hidden_layers={c.num_hidden_layers} entries")
-    for t in c.layer_types: _check(t in LAYER_TYPES, 'layer_types', c.layer_types, f"each entry must be one of {LAYER_TYPES}")
+    for t in c.layer_types:
+        _check(t in LAYER_TYPES, 'layer_types', c.layer_types, f"each entry must be one of {LAYER_TYPES}")
     if 'sliding_attention' in c.layer_types:
         _check(isinstance(c.sliding_window, int) and c.sliding_window >= 1, 'sliding_window', c.sliding_window,
                "must be an integer >= 1 when a layer is 'sliding_attention'")
@@ -134,7 +137,8 @@ def _mask_token_id(tokenizer, vocab_size):
                      "pass mask_token_id=...")
 
 @patch(cls_method=True)
-def from_target(cls: DrafterConfig, target_config, tokenizer=None, mask_token_id: int | None = None, **kw) -> DrafterConfig:
+def from_target(cls: DrafterConfig, target_config, tokenizer=None, mask_token_id: int | None = None,
+                **kw) -> DrafterConfig:
     "A drafter config for `target_config` (a transformers config); `kw` sets drafter fields."
     tc = target_config
     heads = tc.num_attention_heads
@@ -181,8 +185,8 @@ def from_dict(cls: DrafterConfig, d: dict, source: str = 'config', mask_token_id
             'num_hidden_layers', 'num_target_layers', 'block_size', 'sliding_window', 'max_position_embeddings')
     isint = lambda v: isinstance(v, int) and not isinstance(v, bool)
     bad = [f"{k}={d[k]!r}" for k in ints if d.get(k) is not None and not isint(d[k])]
-    if d.get('rms_norm_eps') is not None and (isinstance(d['rms_norm_eps'], bool) or
-                                              not isinstance(d['rms_norm_eps'], (int, float))): bad.append('rms_norm_eps')
+    eps = d.get('rms_norm_eps')
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))): bad.append('rms_norm_eps')
     dc = d['dflash_config'] if isinstance(d['dflash_config'], dict) else {}
     if dc.get('mask_token_id') is not None and not isint(dc['mask_token_id']):
         bad.append(f"dflash_config.mask_token_id={dc['mask_token_id']!r}")

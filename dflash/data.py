@@ -197,7 +197,8 @@ def read_jsonl(path, skip_bad_lines: bool = False, stats: DataStats | None = Non
             where = f"{path}:{n}"
             try:
                 rec = json.loads(raw.decode('utf-8'))
-                if not isinstance(rec, dict): raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+                if not isinstance(rec, dict):
+                    raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
                 try: json.dumps(rec, ensure_ascii=False).encode('utf-8')
                 except UnicodeEncodeError as e: raise DataError(f"{where}: text that is not valid Unicode ({e.reason}: "
                                                                 f"{e.object[e.start:e.end]!r})") from None
@@ -352,7 +353,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int = 307
         stats.truncated += 1; stats.truncated_tokens += len(ids) - max_length
         ids, mask = ids[:max_length], mask[:max_length]
     if len(valid_anchors(mask)) == 0:
-        stats.skip('no_anchor', f"{where}: no two consecutive assistant tokens within max_length={max_length}"); return None
+        stats.skip('no_anchor', f"{where}: no two consecutive assistant tokens within max_length={max_length}")
+        return None
     stats.samples += 1; stats.tokens += len(ids); stats.supervised_tokens += int(mask.sum())
     return {'input_ids': ids, 'loss_mask': mask}
 
@@ -561,13 +563,15 @@ def load_chat_data(path, tokenizer, max_length: int = 3072, skip_bad_lines: bool
 _WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pt', '.pth')
 
 def _weight_files(path: Path) -> list[Path]:
-    return sorted(f for f in path.iterdir() if f.is_file() and (f.suffix in _WEIGHT_SUFFIXES or f.name.endswith('.index.json')))
+    return sorted(f for f in path.iterdir()
+                  if f.is_file() and (f.suffix in _WEIGHT_SUFFIXES or f.name.endswith('.index.json')))
 
 def check_target_dir(path: Path):
     "The model directory's config, after checking it is a local causal LM with weights."
     from transformers import AutoConfig, MODEL_FOR_CAUSAL_LM_MAPPING
     if not path.is_dir(): raise FileNotFoundError(f"target {path}: no such directory")
-    if not (path / 'config.json').is_file(): raise ValueError(f"target {path}: no config.json, not a transformers model directory")
+    if not (path / 'config.json').is_file():
+        raise ValueError(f"target {path}: no config.json, not a transformers model directory")
     config = AutoConfig.from_pretrained(path)
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(f"target {path}: model_type {config.model_type!r} is not a causal LM "
@@ -600,10 +604,12 @@ class TargetFeatures:
         self.path = path = resolve_local(path)
         self.config = config = check_target_dir(path)
         T = config.num_hidden_layers
-        self.layer_ids = default_target_layer_ids(T, num_draft_layers) if layer_ids is None else [int(i) for i in layer_ids]
+        self.layer_ids = (default_target_layer_ids(T, num_draft_layers) if layer_ids is None
+                          else [int(i) for i in layer_ids])
         bad = [i for i in self.layer_ids if not 0 <= i < T]
         if bad or not self.layer_ids:
-            raise ValueError(f"target {path}: layer ids {bad or self.layer_ids} out of range: the target has {T} layers, "
+            raise ValueError(f"target {path}: layer ids {bad or self.layer_ids} out of range: "
+                             f"the target has {T} layers, "
                              f"ids must be in [0, {T - 1}]")
         if tokenizer is None and ((path / 'tokenizer.json').is_file() or (path / 'tokenizer_config.json').is_file()):
             tokenizer = path
@@ -611,7 +617,8 @@ class TargetFeatures:
         self.tokenizer = tokenizer
         self.device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == 'cuda' else torch.float32)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval().requires_grad_(False)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        self.model = model.to(self.device).eval().requires_grad_(False)
         rows = self.embed_weight.shape[0]
         if tokenizer is not None and len(tokenizer) > rows:
             raise ValueError(f"target {path}: the tokenizer has {len(tokenizer)} tokens but the target's embedding has "
@@ -655,7 +662,8 @@ def data_fingerprint(dataset) -> str:
     h = hashlib.sha256()
     for i in range(len(dataset)):
         s = dataset[i]
-        h.update(s['input_ids'].numpy().astype(np.int64).tobytes()); h.update(s['loss_mask'].numpy().astype(bool).tobytes())
+        h.update(s['input_ids'].numpy().astype(np.int64).tobytes())
+        h.update(s['loss_mask'].numpy().astype(bool).tobytes())
     return h.hexdigest()[:16]
 
 def _shard_name(k: int) -> str: return f'shard-{k:05d}.safetensors'
@@ -701,7 +709,8 @@ def _plan(features: TargetFeatures, dataset, shard_size: int, data_info: dict) -
             'shard_size': shard_size, 'num_shards': -(-n // shard_size), 'layer_ids': features.layer_ids,
             'hidden_size': features.hidden_size, 'context_size': features.context_size,
             'dtype': str(features.dtype).removeprefix('torch.'),
-            'target': {'identity': features.identity, 'path': str(features.path), 'model_type': features.config.model_type,
+            'target': {'identity': features.identity, 'path': str(features.path),
+                       'model_type': features.config.model_type,
                        'num_hidden_layers': features.config.num_hidden_layers},
             'data': {'fingerprint': data_fingerprint(dataset), **data_info}, 'shards': [], 'complete': False}
 
@@ -713,7 +722,9 @@ def _check_resume(out: Path, plan: dict):
                          f"({old.get('target', {}).get('path')}), not of target {plan['target']['identity']} "
                          f"({plan['target']['path']}); use another --out")
     for k in _PLAN_KEYS:
-        if old.get(k) != plan[k]: raise ValueError(f"{out}: holds a cache with {k}={old.get(k)!r}, this run has {plan[k]!r}; use another --out")
+        if old.get(k) != plan[k]:
+            raise ValueError(f"{out}: holds a cache with {k}={old.get(k)!r}, this run has {plan[k]!r}; "
+                             "use another --out")
     if old['data']['fingerprint'] != plan['data']['fingerprint']:
         raise ValueError(f"{out}: holds a cache of other data (fingerprint {old['data']['fingerprint']}, "
                          f"this data {plan['data']['fingerprint']}); use another --out")
@@ -779,7 +790,8 @@ class CacheDataset(Dataset):
         if not mf.is_file(): raise FileNotFoundError(f"cache {path}: no manifest.json, not a dflash cache")
         try: self.manifest = m = json.loads(mf.read_text())
         except json.JSONDecodeError as e: raise ValueError(f"cache {mf}: unreadable manifest ({e})") from None
-        if m.get('format') != CACHE_FORMAT: raise ValueError(f"cache {path}: format {m.get('format')!r}, expected {CACHE_FORMAT!r}")
+        if m.get('format') != CACHE_FORMAT:
+            raise ValueError(f"cache {path}: format {m.get('format')!r}, expected {CACHE_FORMAT!r}")
         if not m.get('complete'):
             raise ValueError(f"cache {path}: incomplete, {len(m['shards'])} of {m['num_shards']} shards written; "
                              "rerun the cache command to finish it")
@@ -787,7 +799,8 @@ class CacheDataset(Dataset):
             ident = target.identity if isinstance(target, TargetFeatures) else target_identity(resolve_local(target))
             tpath = target.path if isinstance(target, TargetFeatures) else target
             if ident != m['target']['identity']:
-                raise ValueError(f"cache {path} was written for target {m['target']['identity']} ({m['target']['path']}), "
+                raise ValueError(f"cache {path} was written for target {m['target']['identity']} "
+                                 f"({m['target']['path']}), "
                                  f"not for target {ident} ({tpath})")
         for s in m['shards']:
             f = path / s['file']
@@ -820,7 +833,8 @@ class CacheDataset(Dataset):
 
 # %% ../nbs/08_data.ipynb #4996ba8a
 def collate(samples: list[dict], pad_token_id: int = 0) -> dict:
-    "Pad samples to a batch: input_ids, loss_mask, attention_mask (N, S), sample_ids (N,), context (N, S, L·H) if cached."
+    """Pad samples to a batch: input_ids, loss_mask, attention_mask (N, S), sample_ids (N,),
+    context (N, S, L·H) if cached."""
     N, S = len(samples), max(len(s['input_ids']) for s in samples)
     out = {'input_ids': torch.full((N, S), pad_token_id, dtype=torch.long),
            'loss_mask': torch.zeros(N, S, dtype=torch.bool), 'attention_mask': torch.zeros(N, S, dtype=torch.bool),
@@ -830,7 +844,8 @@ def collate(samples: list[dict], pad_token_id: int = 0) -> dict:
         out['context'] = torch.zeros(N, S, c.shape[-1], dtype=c.dtype)
     for n, s in enumerate(samples):
         L = len(s['input_ids'])
-        out['input_ids'][n, :L], out['loss_mask'][n, :L], out['attention_mask'][n, :L] = s['input_ids'], s['loss_mask'], True
+        out['input_ids'][n, :L], out['loss_mask'][n, :L] = s['input_ids'], s['loss_mask']
+        out['attention_mask'][n, :L] = True
         if 'context' in out: out['context'][n, :L] = s['context']
     return out
 

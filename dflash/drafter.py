@@ -76,7 +76,8 @@ class RMSNorm(nn.Module):
         self.weight, self.variance_epsilon = nn.Parameter(torch.ones(size)), eps
 
     def forward(self, x: Tensor) -> Tensor:
-        with torch.autocast(x.device.type, enabled=False): return _RMSNormFn.apply(x, self.weight, self.variance_epsilon)
+        with torch.autocast(x.device.type, enabled=False):
+            return _RMSNormFn.apply(x, self.weight, self.variance_epsilon)
 
 # %% ../nbs/05_drafter.ipynb #c6db1718
 class DFlashAttention(nn.Module):
@@ -185,7 +186,8 @@ class DFlashDrafter(nn.Module):
         attend = lambda q, kc, vc, kb, vb, window, _layer: self.attn_fn(q, kc, vc, kb, vb, layout, window)
         return self._run(x, self._context(context), layout.positions.flatten(1), ctx_pos, attend)
 
-    def draft_block(self, context: Tensor, block_ids: Tensor, embed: Tensor, cache: ContextCache | None = None) -> Tensor:
+    def draft_block(self, context: Tensor, block_ids: Tensor, embed: Tensor,
+                    cache: ContextCache | None = None) -> Tensor:
         """Hidden states of one block right after the context. block_ids: (N, B) -> (N, B, H).
         context: (N, a, L·H) target features of positions 0..a-1; with a `cache`, only the positions
         the cache has not seen yet (the cache keeps the projected keys/values of the earlier ones)."""
@@ -250,9 +252,11 @@ def save_pretrained(self: DFlashDrafter, path):
 def _check_state(expected: dict, found: dict, source: str):
     "Raise naming the first missing, unexpected or mis-shaped tensor."
     for name in expected:
-        if name not in found: raise ValueError(f"{source}: missing tensor {name!r} (expected shape {tuple(expected[name].shape)})")
+        if name not in found:
+            raise ValueError(f"{source}: missing tensor {name!r} (expected shape {tuple(expected[name].shape)})")
     for name in found:
-        if name not in expected: raise ValueError(f"{source}: unexpected tensor {name!r}, not part of this drafter config")
+        if name not in expected:
+            raise ValueError(f"{source}: unexpected tensor {name!r}, not part of this drafter config")
     for name, t in found.items():
         if tuple(t.shape) != tuple(expected[name].shape):
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, "

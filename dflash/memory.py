@@ -79,7 +79,8 @@ def _backward(out, grad_out):
     if not outs: raise ValueError("backward=True, but no output of fn requires grad: give inputs with "
                                   "requires_grad=True, or measure with backward=False")
     grads = [torch.ones_like(o) for o in outs] if grad_out is None else _tensors(grad_out)
-    if len(grads) != len(outs): raise ValueError(f"grad_out has {len(grads)} tensors for {len(outs)} outputs that require grad")
+    if len(grads) != len(outs):
+        raise ValueError(f"grad_out has {len(grads)} tensors for {len(outs)} outputs that require grad")
     torch.autograd.backward(outs, grads)
 
 def _measure_tracked(fn, args, kwargs, backward, grad_out, path) -> MemStats:
@@ -162,6 +163,7 @@ def saved_bytes(fn: Callable, *args, mode: str = 'real', **kwargs) -> int:
     with fake: return _saved(fn, args, kwargs)
 
 # %% ../nbs/02_memory.ipynb #b02508a2
+import textwrap
 def _unit(values) -> tuple[float, str]:
     top = max(values, default=0)
     return (2**30, 'GiB') if top >= 2**30 else (2**20, 'MiB') if top >= 2**20 else (2**10, 'KiB')
@@ -171,6 +173,20 @@ def _budget_lines(ax, budget, div, unit):
     lines = budget if isinstance(budget, dict) else {f"budget {budget / div:.3g} {unit}": budget}
     for (label, b), style in zip(lines.items(), ('--', ':', '-.')):
         ax.axhline(b / div, color='crimson', ls=style, lw=1.2, label=label)
+
+def _xticks_overlap(ax) -> bool:
+    ax.figure.canvas.draw()
+    boxes = [t.get_window_extent() for t in ax.get_xticklabels()]
+    return any(a.x1 + 8 > b.x0 for a, b in zip(boxes, boxes[1:]))
+
+def _untangle_xticks(ax, labels: list[str], width: int = 14):
+    "Tick labels that overlap their neighbours: wrap them at `width` characters, then widen the figure until they fit."
+    if not _xticks_overlap(ax): return
+    ax.set_xticks(range(len(labels)), [textwrap.fill(s, width, break_long_words=False) for s in labels], fontsize=8)
+    for _ in range(10):
+        ax.figure.tight_layout()
+        if not _xticks_overlap(ax): return
+        ax.figure.set_figwidth(ax.figure.get_figwidth() * 1.15)
 
 def plot_peaks(peaks: dict, budget=None, ax=None, title: str = '', log: bool = False):
     "Bars of peak bytes: `{variant: bytes}`, or `{variant: {series: bytes}}` for grouped bars."
@@ -192,6 +208,7 @@ def plot_peaks(peaks: dict, budget=None, ax=None, title: str = '', log: bool = F
     if log: ax.set_yscale('log')
     if len(series) > 1 or budget is not None: ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1, 1))
     ax.figure.tight_layout()
+    _untangle_xticks(ax, [str(k) for k in groups])
     return ax
 
 def plot_sweep(xs, series: dict, budget=None, ax=None, xlabel: str = 'sequence length', title: str = '',

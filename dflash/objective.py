@@ -14,7 +14,7 @@ from .drafter import compute_dtype
 
 # %% auto #0
 __all__ = ['OBJECTIVE_CHUNK_COST', 'objective_bytes_per_row', 'objective_chunk_blocks', 'frugal_chunk_blocks', 'ObjectiveSums',
-           'accepted_length', 'dflash_objective', 'plain_objective']
+           'accepted_length', 'dflash_objective']
 
 # %% ../nbs/07_objective.ipynb #3283df5a
 def objective_bytes_per_row(vocab_size: int, dtype: torch.dtype) -> int:
@@ -27,7 +27,8 @@ def objective_chunk_blocks(vocab_size: int, block_size: int, dtype: torch.dtype,
     per_block = (block_size - 1) * objective_bytes_per_row(vocab_size, dtype)
     if budget_bytes < per_block:
         raise ValueError(f"objective budget {budget_bytes / 2**20:.1f} MiB is below one block's logits: "
-                         f"the minimum is {per_block / 2**20:.1f} MiB (block {block_size} x vocab {vocab_size}, {dtype})")
+                         f"the minimum is {per_block / 2**20:.1f} MiB "
+                         f"(block {block_size} x vocab {vocab_size}, {dtype})")
     return budget_bytes // per_block
 
 
@@ -35,7 +36,8 @@ def objective_chunk_blocks(vocab_size: int, block_size: int, dtype: torch.dtype,
 _TILE_ROWS = 128                 # rows one matmul tile computes at once: a chunk of fewer costs as many
 OBJECTIVE_CHUNK_COST = 2**26     # multiply-adds the fixed costs of one chunk are worth
 
-def _objective_cost(chunk: np.ndarray, blocks: int, rows_per_block: int, vocab_size: int, hidden_size: int) -> np.ndarray:
+def _objective_cost(chunk: np.ndarray, blocks: int, rows_per_block: int, vocab_size: int,
+                    hidden_size: int) -> np.ndarray:
     "Modelled cost (multiply-adds) of the objective over `blocks` blocks, `chunk` blocks at a time (array of sizes)."
     n, rest = blocks // chunk, blocks % chunk
     tiles = lambda r: -(-r // _TILE_ROWS) * _TILE_ROWS
@@ -45,7 +47,8 @@ def _objective_cost(chunk: np.ndarray, blocks: int, rows_per_block: int, vocab_s
 def frugal_chunk_blocks(blocks: int, block_size: int, vocab_size: int, hidden_size: int, dtype: torch.dtype,
                         budget_bytes: int | None = None, slack: float = 0.05) -> int:
     "Smallest chunk (blocks) whose modelled cost is within `slack` of the fastest one that fits `budget_bytes`."
-    cap = blocks if budget_bytes is None else min(blocks, objective_chunk_blocks(vocab_size, block_size, dtype, budget_bytes))
+    cap = blocks if budget_bytes is None else \
+        min(blocks, objective_chunk_blocks(vocab_size, block_size, dtype, budget_bytes))
     sizes = np.arange(1, max(cap, 1) + 1)
     cost = _objective_cost(sizes, blocks, block_size - 1, vocab_size, hidden_size)
     return int(sizes[np.argmax(cost <= (1 + slack) * cost.min())])
@@ -141,25 +144,3 @@ def dflash_objective(hidden: Tensor, layout: BlockLayout, lm_head: Tensor, chunk
                          correct=correct.sum((0, 1)).float(), counted=supervised.sum((0, 1)).float(),
                          accept_sum=(accepted_length(correct, supervised) * layout.keep.to(ce.device)).sum().float(),
                          blocks=layout.keep.sum().float())
-
-# %% ../nbs/07_objective.ipynb #2ea74d08
-def plain_objective(hidden: Tensor, layout: BlockLayout, lm_head: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    "Reference: full logits at once -> (loss, accuracy per position, tau), counted block by block."
-    logits = hidden.float() @ lm_head.float().T                                       # (N, A·B, V)
-    N, A, B = layout.batch_size, layout.num_blocks, layout.block_size
-    ce = F.cross_entropy(logits.flatten(0, 1), layout.labels.flatten(), reduction='none')
-    w = layout.weights.flatten()
-    loss = (w * ce).sum() / w.sum()
-    pred = logits.argmax(-1).view(N, A, B)
-    right, seen, runs = torch.zeros(B), torch.zeros(B), []
-    for n in range(N):
-        for i in range(A):
-            if not layout.keep[n, i]: continue
-            run, going = 0, True
-            for k in range(1, B):
-                sup = layout.weights[n, i, k] > 0
-                ok = bool(sup and pred[n, i, k] == layout.labels[n, i, k])
-                seen[k] += float(sup); right[k] += float(ok)
-                going = going and ok; run += int(going)
-            runs.append(run)
-    return loss, right / seen.clamp(min=1), 1 + torch.tensor(runs, dtype=torch.float).mean()

@@ -103,11 +103,13 @@ def _fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Modu
     "Replace the (meta) parameters and buffers of `module` by fake CPU tensors of the same shapes."
     with mode: return module.to_empty(device='cpu')
 
-def plan_layout(seq_len: int, num_anchors: int, block_size: int, rows: int, mask_token_id: int, vocab: int) -> BlockLayout:
+def plan_layout(seq_len: int, num_anchors: int, block_size: int, rows: int, mask_token_id: int,
+                vocab: int) -> BlockLayout:
     "A layout with `num_anchors` blocks per row over fully supervised rows (the worst case)."
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (rows, seq_len), generator=g)
-    return BlockLayout.from_batch(ids, torch.ones(rows, seq_len, dtype=torch.bool), mask_token_id, block_size, num_anchors)
+    loss_mask = torch.ones(rows, seq_len, dtype=torch.bool)
+    return BlockLayout.from_batch(ids, loss_mask, mask_token_id, block_size, num_anchors)
 
 def _static_bytes(cfg: DrafterConfig, seq_len: int, rows: int, dtype) -> tuple[int, int]:
     "(fp32 weights, frozen bytes) without building anything."
@@ -116,8 +118,10 @@ def _static_bytes(cfg: DrafterConfig, seq_len: int, rows: int, dtype) -> tuple[i
     frozen = (2 * cfg.vocab_size * cfg.hidden_size + rows * seq_len * cfg.context_size) * es
     return sum(p.numel() for p in d.parameters()) * 4, frozen
 
-def budgets(cfg: DrafterConfig, seq_len: int, memory_bytes: int, dtype='bf16', micro_batch_size: int = 1) -> tuple[int, int]:
-    "(attention planner budget, objective budget): a quarter and a sixteenth of what weights, gradients, moments and frozen tensors leave."
+def budgets(cfg: DrafterConfig, seq_len: int, memory_bytes: int, dtype='bf16',
+            micro_batch_size: int = 1) -> tuple[int, int]:
+    """(attention planner budget, objective budget): a quarter and a sixteenth of what
+    weights, gradients, moments and frozen tensors leave."""
     weights, frozen = _static_bytes(cfg, seq_len, micro_batch_size, DTYPES[dtype])
     spare = memory_bytes - 4 * weights - frozen
     if spare <= 0:
@@ -128,7 +132,8 @@ def budgets(cfg: DrafterConfig, seq_len: int, memory_bytes: int, dtype='bf16', m
 # %% ../nbs/07a_plan.ipynb #8733ceaf
 def step_memory(cfg: DrafterConfig, seq_len: int, num_anchors: int, policy='none', dtype: str = 'bf16',
                 attention: str = 'sdpa', micro_batch_size: int = 1, attention_budget: int | None = None,
-                objective_budget: int | None = None, optimizer: str = 'fused', memory_bytes: int | None = None) -> StepMemory:
+                objective_budget: int | None = None, optimizer: str = 'fused',
+                memory_bytes: int | None = None) -> StepMemory:
     "Run one training step of a drafter of `cfg` on fake tensors and return its memory."
     if dtype not in DTYPES: raise ValueError(f"dtype {dtype!r}: use one of {list(DTYPES)}")
     if optimizer not in ('fused', 'foreach'): raise ValueError(f"optimizer {optimizer!r}: use 'fused' or 'foreach'")
@@ -147,7 +152,8 @@ def step_memory(cfg: DrafterConfig, seq_len: int, num_anchors: int, policy='none
 def _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_size, attention_budget, objective_budget,
                  optimizer, t0) -> StepMemory:
     opts = dict(budget_bytes=attention_budget, chunk_cost=_FAKE_CHUNK_COST) if attention == 'sdpa' else {}
-    objective_budget = max(objective_budget, cfg.block_size * objective_bytes_per_row(cfg.vocab_size, dt))  # >= one block
+    one_block = cfg.block_size * objective_bytes_per_row(cfg.vocab_size, dt)
+    objective_budget = max(objective_budget, one_block)
     with torch.device('meta'): drafter = DFlashDrafter(cfg, attention, **opts)
     chosen = set_checkpointing(drafter, policy, budget_bytes=attention_budget)
     lay = plan_layout(seq_len, num_anchors, cfg.block_size, micro_batch_size, cfg.mask_token_id, cfg.vocab_size)
@@ -186,14 +192,15 @@ def _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_s
 # %% ../nbs/07a_plan.ipynb #549a5f60
 POLICIES = ('none', 2, 'all')
 
-def recommend_policy(drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int, dtype: str = 'bf16',
-                     attention: str = 'sdpa', micro_batch_size: int = 1, optimizer: str = 'fused',
+def recommend_policy(drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int,
+                     dtype: str = 'bf16', attention: str = 'sdpa', micro_batch_size: int = 1, optimizer: str = 'fused',
                      policies=POLICIES, full_table: bool = False) -> tuple[object, list[StepMemory]]:
     "(cheapest checkpointing policy whose step fits `budget_bytes`, else the most frugal one; the rows measured)"
     a, o = budgets(drafter_config, seq_len, budget_bytes, dtype, micro_batch_size)
     table = []
-    for p in policies:                                   # fastest first: stop at the first that fits unless asked for all
-        table.append(step_memory(drafter_config, seq_len, num_anchors, p, dtype, attention, micro_batch_size, a, o, optimizer))
+    for p in policies:                          # fastest first: stop at the first that fits unless asked for all
+        table.append(step_memory(drafter_config, seq_len, num_anchors, p, dtype, attention, micro_batch_size,
+                                 a, o, optimizer))
         if table[-1].total <= budget_bytes and not full_table: break
     fits = [r for r in table if r.total <= budget_bytes]
     return (fits[0] if fits else min(table, key=lambda r: r.total)).policy, table
@@ -203,14 +210,15 @@ def _gb(n: int) -> str: return f"{n / 1e9:.2f}"
 
 def format_table(table: list[StepMemory], budget_bytes: int) -> str:
     "The predicted peaks of each policy, one row each, and whether they fit `budget_bytes`."
-    head = ['policy', 'recomputes', 'time overhead', 'weights', 'grads', 'AdamW', 'activations', 'step', 'frozen', 'total', 'fits']
+    head = ['policy', 'recomputes', 'time overhead', 'weights', 'grads', 'AdamW', 'activations', 'step', 'frozen',
+            'total', 'fits']
     rows = [[str(r.policy), ','.join(map(str, r.checkpointed)) or '-', r.overhead, _gb(r.weights), _gb(r.grads),
              _gb(r.optimizer), _gb(r.activations), _gb(r.training_peak), _gb(r.frozen), _gb(r.total),
              'yes' if r.total <= budget_bytes else f'no, {_gb(r.total - budget_bytes)} over'] for r in table]
     w = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]
     line = lambda xs: '  '.join(x.rjust(n) if i >= 3 and i < 10 else x.ljust(n) for i, (x, n) in enumerate(zip(xs, w)))
-    return '\n'.join([f"budget {_gb(budget_bytes)} GB ({fmt_bytes(budget_bytes)}); all sizes in GB (1e9 bytes)", line(head),
-                      *map(line, rows)])
+    title = f"budget {_gb(budget_bytes)} GB ({fmt_bytes(budget_bytes)}); all sizes in GB (1e9 bytes)"
+    return '\n'.join([title, line(head), *map(line, rows)])
 
 def recommendation(policy, table: list[StepMemory], budget_bytes: int) -> str:
     "One sentence: the policy to use, or by how much the most frugal one misses."
@@ -218,20 +226,23 @@ def recommendation(policy, table: list[StepMemory], budget_bytes: int) -> str:
     if r.total <= budget_bytes:
         return (f"use --checkpointing {policy}: the step peaks at {_gb(r.total)} GB of {_gb(budget_bytes)} GB "
                 f"({_gb(budget_bytes - r.total)} GB spare), time overhead {r.overhead}")
-    return (f"no policy fits: the most frugal ({policy}) needs {_gb(r.total)} GB, {_gb(r.total - budget_bytes)} GB over "
+    return (f"no policy fits: the most frugal ({policy}) needs {_gb(r.total)} GB, "
+            f"{_gb(r.total - budget_bytes)} GB over "
             f"{_gb(budget_bytes)} GB; shorten --seq-len or --anchors, or shard the optimizer (FSDP/DeepSpeed)")
 
 # %% ../nbs/07a_plan.ipynb #0985cd10
 def online_target_bytes(target_config, seq_len: int, micro_batch_size: int = 1, dtype: str = 'bf16') -> dict:
-    "Bytes the frozen target adds on each process in online mode: weights beyond the shared embedding and LM head, and its feature forward."
+    """Bytes the frozen target adds on each process in online mode: weights beyond the shared embedding and LM head,
+    and its feature forward."""
     from transformers import AutoModelForCausalLM
     with torch.device('meta'): model = AutoModelForCausalLM.from_config(target_config)
     es, c = torch.empty((), dtype=DTYPES[dtype]).element_size(), target_config
     weights = sum(p.numel() for p in model.parameters()) * es
-    shared = {id(m.weight): m.weight.numel() * es for m in (model.get_input_embeddings(), model.get_output_embeddings())}
+    shared = {id(m.weight): m.weight.numel() * es
+              for m in (model.get_input_embeddings(), model.get_output_embeddings())}
     D = getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads
     per_token = (c.num_hidden_layers + 1) * c.hidden_size + 2 * c.hidden_size + 3 * c.intermediate_size \
-        + (c.num_attention_heads + 2 * c.num_key_value_heads) * D               # all hidden states + one layer's temporaries
+        + (c.num_attention_heads + 2 * c.num_key_value_heads) * D    # all hidden states + one layer's temporaries
     activations = micro_batch_size * seq_len * per_token * es
     rest = weights - sum(shared.values())
     return dict(weights=weights, rest=rest, activations=activations, extra=rest + activations)
@@ -283,17 +294,21 @@ def main(argv=None) -> int:
     budget = parse_memory(a.memory)
     a.policies = [parse_policy(p) for p in a.policies] if a.policies else list(POLICIES)
     tc = _target_config(a.target_config)
-    cfg = DrafterConfig.from_target(tc, mask_token_id=tc.vocab_size - 1, num_hidden_layers=a.layers, block_size=a.block_size)
-    print(f"drafter: {a.layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads "
-          f"of {cfg.head_dim}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}; S={a.seq_len}, "
-          f"{a.anchors} blocks of {a.block_size}, x{a.micro_batch_size}; {a.dtype} autocast, fp32 weights, {a.optimizer} AdamW")
+    cfg = DrafterConfig.from_target(tc, mask_token_id=tc.vocab_size - 1, num_hidden_layers=a.layers,
+                                    block_size=a.block_size)
+    print(f"drafter: {a.layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads of {cfg.head_dim}, "
+          f"intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}; S={a.seq_len}, "
+          f"{a.anchors} blocks of {a.block_size}, x{a.micro_batch_size}; "
+          f"{a.dtype} autocast, fp32 weights, {a.optimizer} AdamW")
     policy, table = recommend_policy(cfg, a.seq_len, a.anchors, budget, a.dtype, a.attention, a.micro_batch_size,
                                      a.optimizer, a.policies, full_table=True)
     print(format_table(table, budget))
     print(recommendation(policy, table, budget))
     print(online_advice(online_target_bytes(tc, a.seq_len, a.micro_batch_size),
                         next(r for r in table if r.policy == policy).total, budget))
-    print("fake tensors with CPU kernel semantics; allocator rounding and fragmentation not counted: keep a few % spare")
+    print("fake tensors with CPU kernel semantics; allocator rounding and fragmentation not counted: "
+          "keep a few % spare")
     return 0 if next(r for r in table if r.policy == policy).total <= budget else 1
 
 # %% ../nbs/07a_plan.ipynb #3eed0329

@@ -12,15 +12,16 @@ from .layout import BlockLayout
 from .memory import fmt_bytes
 
 # %% auto #0
-__all__ = ['probe_kernel', 'chunk_bytes', 'Chunk', 'ChunkPlan', 'free_bytes', 'plan_chunks', 'random_layout', 'plot_plan',
-           'plt_subplots', 'explorer']
+__all__ = ['probe_kernel', 'chunk_bytes', 'Chunk', 'ChunkPlan', 'free_bytes', 'plan_chunks', 'plot_plan', 'plt_subplots',
+           'explorer']
 
 # %% ../nbs/03_planner.ipynb #cee92ae6
 _KERNELS = {SDPBackend.FLASH_ATTENTION: 'flash', SDPBackend.EFFICIENT_ATTENTION: 'efficient',
             SDPBackend.MATH: 'math', SDPBackend.CUDNN_ATTENTION: 'cudnn'}
 
 def probe_kernel(device='cpu', dtype=torch.float32, head_dim: int = 64, mask: bool = True) -> str:
-    "Name of the SDPA kernel PyTorch picks for folded-GQA block attention on `device`: 'cpu_flash', 'efficient', 'flash', 'cudnn' or 'math'."
+    """Name of the SDPA kernel PyTorch picks for folded-GQA block attention on `device`:
+    'cpu_flash', 'efficient', 'flash', 'cudnn' or 'math'."""
     device = torch.device(device)
     q = torch.zeros(1, 2, 64, head_dim, device=device, dtype=dtype)      # (1, Hkv, g·rows, D)
     k = torch.zeros(1, 2, 96, head_dim, device=device, dtype=dtype)      # (1, Hkv, L, D)
@@ -31,7 +32,8 @@ def probe_kernel(device='cpu', dtype=torch.float32, head_dim: int = 64, mask: bo
 # %% ../nbs/03_planner.ipynb #f36d03c5
 def _es(dtype) -> int: return torch.empty((), dtype=dtype).element_size()
 
-def chunk_bytes(rows: int, keys: int, n_heads: int, n_kv_heads: int, head_dim: int, dtype, kernel: str = 'cpu_flash') -> int:
+def chunk_bytes(rows: int, keys: int, n_heads: int, n_kv_heads: int, head_dim: int, dtype,
+                kernel: str = 'cpu_flash') -> int:
     "Transient bytes of one checkpointed chunk (`rows` block tokens, `keys` keys) at its worst moment."
     es, g, D, Hq, Hkv = _es(dtype), n_heads // n_kv_heads, head_dim, n_heads, n_kv_heads
     L = -(-keys // 16) * 16 if kernel == 'efficient' else keys           # mem-efficient pads the bias
@@ -39,7 +41,7 @@ def chunk_bytes(rows: int, keys: int, n_heads: int, n_kv_heads: int, head_dim: i
     qo = Hq * rows * D * es                                              # one query-sized tensor
     lse = Hq * (-(-rows // 32) * 32 if kernel == 'efficient' else rows) * 4
     mask_bool, mask_add = g * rows * keys, g * rows * L * es
-    rec = kv + 2 * qo + lse + mask_bool + mask_add                       # replayed forward: q fold, out, lse, both masks
+    rec = kv + 2 * qo + lse + mask_bool + mask_add               # replayed forward: q fold, out, lse, both masks
     bwd = 2 * kv + 4 * qo + lse + mask_add                               # + grad out copy, grad q, grad k, grad v
     if kernel == 'efficient': bwd += Hq * rows * D * 4 + Hq * rows * 4   # fp32 grad-q accumulator, delta
     if kernel == 'math':
@@ -82,8 +84,9 @@ class ChunkPlan:
 
     def __repr__(self):
         return (f"ChunkPlan({len(self.chunks)} chunks over {len(self.order)} rows, kernel {self.kernel}: "
-                f"work {self.work / max(self.needed_work, 1):.2f}x needed ({self.work / max(self.dense_work, 1):.2f}x dense), "
-                f"peak {fmt_bytes(self.peak_bytes)}, budget {fmt_bytes(self.budget_bytes) if self.budget_bytes < 2**60 else 'none'})")
+                f"work {self.work / max(self.needed_work, 1):.2f}x needed "
+                f"({self.work / max(self.dense_work, 1):.2f}x dense), peak {fmt_bytes(self.peak_bytes)}, "
+                f"budget {fmt_bytes(self.budget_bytes) if self.budget_bytes < 2**60 else 'none'})")
 
 # %% ../nbs/03_planner.ipynb #8088575c
 def _sizes(p: ChunkPlan, N: int) -> dict:
@@ -123,7 +126,8 @@ def _simulate(p: ChunkPlan) -> dict:
             peak_b = max(peak_b, live + acc + whole); acc += whole - pieces
         live += acc
     if N > 1: peak_b = max(peak_b, live + z['out'])                       # stacking the q gradients of all rows
-    return dict(forward=int(peak_f), backward=int(peak_b), peak=int(max(peak_f, peak_b)), fixed=2 * z['out'] + z['grads'])
+    return dict(forward=int(peak_f), backward=int(peak_b), peak=int(max(peak_f, peak_b)),
+                fixed=2 * z['out'] + z['grads'])
 
 # %% ../nbs/03_planner.ipynb #891ca08a
 def free_bytes(device) -> int:
@@ -180,10 +184,12 @@ def _frugal_cap(tables: list, cap: float, lowest: float, slack: float) -> float:
 def plan_chunks(layout: BlockLayout, n_heads: int, n_kv_heads: int, head_dim: int, dtype=torch.float32,
                 budget_bytes: int | float | None = None, kernel: str = 'auto', sliding_window: int | None = None,
                 device='cpu', chunk_cost: int = 2**19, slack: float = 0.05) -> ChunkPlan:
-    "Chunks of the sorted blocks of every row, each fitting `budget_bytes` (bytes, or a fraction of free memory): the least memory costing at most `1 + slack` x the least work."
+    """Chunks of the sorted blocks of every row, each fitting `budget_bytes` (bytes, or a fraction of free memory):
+    the least memory costing at most `1 + slack` x the least work."""
     if n_heads % n_kv_heads: raise ValueError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
     if kernel == 'auto': kernel = probe_kernel(device, dtype, head_dim)
-    if kernel == 'flash': raise ValueError("the flash kernel takes no mask; block attention needs 'efficient', 'cpu_flash' or 'math'")
+    if kernel == 'flash':
+        raise ValueError("the flash kernel takes no mask; block attention needs 'efficient', 'cpu_flash' or 'math'")
     anchors, keep = layout.anchors.tolist(), layout.keep.tolist()      # host values: no device read-back
     B, S, A = layout.block_size, layout.seq_len, layout.num_blocks
     order = [sorted((i for i in range(A) if keep[n][i]), key=lambda i: anchors[n][i]) for n in range(len(anchors))]
@@ -199,9 +205,11 @@ def plan_chunks(layout: BlockLayout, n_heads: int, n_kv_heads: int, head_dim: in
     if isinstance(budget_bytes, float) and budget_bytes <= 1: budget_bytes = int(budget_bytes * free_bytes(device))
     budget_bytes = int(budget_bytes)
     if budget_bytes < fixed + smallest:
-        raise ValueError(f"budget {budget_bytes} bytes ({fmt_bytes(budget_bytes)}) is below the smallest feasible plan: "
+        raise ValueError(f"budget {budget_bytes} bytes ({fmt_bytes(budget_bytes)}) is below the smallest "
+                         f"feasible plan: "
                          f"{fixed + smallest} bytes ({fmt_bytes(fixed + smallest)}) = output, gradients "
-                         f"{fmt_bytes(fixed)} + one block's temporaries or one row's gradient join {fmt_bytes(smallest)}")
+                         f"{fmt_bytes(fixed)} + one block's temporaries or one row's gradient join "
+                         f"{fmt_bytes(smallest)}")
     cap = budget_bytes - fixed
     rows = [(n, np.asarray(a, dtype=np.int64)) for n, a in enumerate(srt) if a]
     tables = [_row_tables(a, B, n_heads, sliding_window, chunk_cost, cost_bytes) for _, a in rows]
@@ -220,15 +228,6 @@ def plan_chunks(layout: BlockLayout, n_heads: int, n_kv_heads: int, head_dim: in
     p.fixed_bytes, p.peak_bytes, p.timeline = fixed, sim['peak'], sim
     p.bound_bytes = fixed + max([p.chunk_bytes(c) for c in p.chunks] + [assembly])
     return p
-
-# %% ../nbs/03_planner.ipynb #66b786c9
-def random_layout(N: int, S: int, n_anchors: int, B: int = 16, seed: int = 0, short_rows: bool = True) -> BlockLayout:
-    "A random layout; with `short_rows`, odd rows are supervised on their first half only (fewer anchors, padded)."
-    g = torch.Generator().manual_seed(seed)
-    ids, lm = torch.randint(5, 50, (N, S), generator=g), torch.rand(N, S, generator=g) > 0.2
-    if short_rows: lm[1::2, S // 2:] = False
-    lm[:, 1:3] = True                                                    # every row has a valid anchor
-    return BlockLayout.from_batch(ids, lm, 1, B, n_anchors, seed=seed)
 
 # %% ../nbs/03_planner.ipynb #c8937bef
 def plot_plan(plan: ChunkPlan, ax=None, row: int = 0):

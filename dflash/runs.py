@@ -18,7 +18,8 @@ __all__ = ['RUN_FILES', 'FIXED_ON_RESUME', 'TrainConfig', 'check_train', 'fsync_
 @dataclass
 class TrainConfig:
     target: str | None = option(None, "local target model directory (default: the shipped toy target)")
-    data: str | None = option(None, "chat data for training, JSONL (the toy run's: in the package's assets)", path='file')
+    data: str | None = option(None, "chat data for training, JSONL (the toy run's: in the package's assets)",
+                              path='file')
     eval_data: str | None = option(None, "held-out chat JSONL (none: no held-out evaluation)",
                                    path='file')
     cache: str | None = option(None, "offline hidden-state cache directory (from `python -m dflash.data cache`) "

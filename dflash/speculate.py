@@ -67,7 +67,8 @@ from .drafter import DFlashDrafter, ContextCache
 from .data import read_jsonl, to_messages, target_features
 
 # %% ../nbs/09a_speculate.ipynb #5491609a
-def check_compatible(drafter_config: DrafterConfig, target_config, block_size: int | None = None, name: str = 'drafter'):
+def check_compatible(drafter_config: DrafterConfig, target_config, block_size: int | None = None,
+                     name: str = 'drafter'):
     "Raise one ValueError listing every way the drafter does not fit the target."
     d, t = drafter_config, target_config
     problems = []
@@ -78,7 +79,8 @@ def check_compatible(drafter_config: DrafterConfig, target_config, block_size: i
     bad = [i for i in d.target_layer_ids if not 0 <= i < t.num_hidden_layers]
     if bad: problems.append(f"target_layer_ids {bad} are not layers of the target (0..{t.num_hidden_layers - 1})")
     if block_size is not None and not 2 <= block_size <= d.block_size:
-        problems.append(f"block size {block_size} is not in [2, {d.block_size}] (the drafter was trained with {d.block_size})")
+        problems.append(f"block size {block_size} is not in [2, {d.block_size}] "
+                        f"(the drafter was trained with {d.block_size})")
     if problems: raise ValueError(f"{name} does not fit the target: " + '; '.join(problems))
 
 # %% ../nbs/09a_speculate.ipynb #7499721f

@@ -6,12 +6,8 @@
 from __future__ import annotations
 import importlib.resources, json, math, random, time
 from pathlib import Path
-import torch
 from fastcore.script import call_parse
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from .data import read_jsonl
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast,
-                          Qwen3Config, Qwen3ForCausalLM)
+# torch, tokenizers and transformers load inside the functions that use them: `--help` answers at once
 
 # %% auto #0
 __all__ = ['WORDS', 'DAYS', 'MONTHS', 'SYSTEM_PROMPTS', 'BRIEF_PROMPT', 'WORD_TASKS', 'TASKS', 'SPECIAL_TOKENS', 'CHAT_TEMPLATE',
@@ -81,7 +77,8 @@ def task_count(rng, w=None):
     q = _ask(rng, 'How many letters are in "{w}"?', 'Count the letters in the word "{w}".',
              'How long is the word "{w}"?', w=w)
     steps = ', '.join(f'{c} is {i}' for i, c in enumerate(w, 1))
-    return q, f'Counting the letters of "{w}": {steps}. So "{w}" has {len(w)} letters.', f'{len(w)}', ('word', w, 'count')
+    a = f'Counting the letters of "{w}": {steps}. So "{w}" has {len(w)} letters.'
+    return q, a, f'{len(w)}', ('word', w, 'count')
 
 def task_reverse(rng, w=None):
     w = w or rng.choice(WORDS)
@@ -105,7 +102,8 @@ WORD_TASKS = {'spell': task_spell, 'count': task_count, 'reverse': task_reverse,
 def task_next_terms(rng):
     a, d, n = rng.randint(1, 50), rng.randint(2, 9), rng.randint(3, 5)
     seq, nxt = [a + i * d for i in range(n)], [a + i * d for i in range(n, n + 4)]
-    q = _ask(rng, 'What comes next: {s}?', 'Continue the sequence {s}.', 'Give the next numbers after {s}.', s=_nums(seq))
+    q = _ask(rng, 'What comes next: {s}?', 'Continue the sequence {s}.', 'Give the next numbers after {s}.',
+             s=_nums(seq))
     return (q, f'Each number is {d} more than the one before. The next numbers are {_nums(nxt[:-1])} and {nxt[-1]}.',
             _nums(nxt), ('num', nxt[-1]))
 
@@ -114,7 +112,8 @@ def task_count_range(rng):
     if rng.random() < .5:
         q, xs = _ask(rng, 'Count from {a} to {b}.', 'List the numbers from {a} to {b}.', a=a, b=b), range(a, b + 1)
         return q, f'Counting up from {a} to {b}: {_nums(xs)}.', _nums(xs), ('num', b)
-    q, xs = _ask(rng, 'Count down from {b} to {a}.', 'List the numbers from {b} down to {a}.', a=a, b=b), range(b, a - 1, -1)
+    q = _ask(rng, 'Count down from {b} to {a}.', 'List the numbers from {b} down to {a}.', a=a, b=b)
+    xs = range(b, a - 1, -1)
     return q, f'Counting down from {b} to {a}: {_nums(xs)}.', _nums(xs), ('num', a)
 
 def task_sort(rng):
@@ -185,6 +184,7 @@ def write_jsonl(path, convs):
 
 def load_jsonl(path) -> list[dict]:
     "The records of a JSONL file, through `dflash.data`'s reader (which names a malformed line)."
+    from dflash.data import read_jsonl
     return [rec for _, rec in read_jsonl(path)]
 
 def toy_splits(n_target: int, n_train: int, n_eval: int, seed: int = 0):
@@ -208,6 +208,8 @@ CHAT_TEMPLATE = (
 
 def train_tokenizer(convs, vocab_size: int = 1000) -> PreTrainedTokenizerFast:
     "A byte-level BPE tokenizer with Qwen's special tokens and chat template, trained on `convs`."
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
@@ -232,8 +234,10 @@ def embedding_rows(n_tokens: int, multiple: int = 64) -> int:
 def toy_config(tok, hidden_size: int = 128, num_hidden_layers: int = 6, num_attention_heads: int = 4,
                num_key_value_heads: int = 2, intermediate_size: int = 384) -> Qwen3Config:
     "The toy target's Qwen3 config for tokenizer `tok`."
-    return Qwen3Config(vocab_size=embedding_rows(len(tok)), hidden_size=hidden_size, intermediate_size=intermediate_size,
-                       num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+    from transformers import Qwen3Config
+    return Qwen3Config(vocab_size=embedding_rows(len(tok)), hidden_size=hidden_size,
+                       intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+                       num_attention_heads=num_attention_heads,
                        num_key_value_heads=num_key_value_heads, head_dim=hidden_size // num_attention_heads,
                        max_position_embeddings=4096, rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0},
                        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=tok.pad_token_id,
@@ -242,6 +246,7 @@ def toy_config(tok, hidden_size: int = 128, num_hidden_layers: int = 6, num_atte
 # %% ../nbs/09_toy.ipynb #8482676f
 def _pad(rows, pad_id):
     "Right-pad (ids, mask) rows: (input_ids, attention_mask, assistant_mask), each (N, S)."
+    import torch
     S = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), S), pad_id, dtype=torch.long)
     attn, amask = torch.zeros_like(ids), torch.zeros_like(ids)
@@ -249,15 +254,16 @@ def _pad(rows, pad_id):
         ids[n, :len(i)], attn[n, :len(i)], amask[n, :len(i)] = torch.tensor(i), 1, torch.tensor(a)
     return ids, attn, amask
 
-@torch.no_grad()
 def assistant_accuracy(model, tok, convs, batch_size: int = 64) -> float:
     "Teacher-forced greedy next-token accuracy on the assistant tokens of `convs`."
+    import torch
     was_training = model.training; model.eval()
     rows = sorted((encode_chat(tok, c['messages']) for c in convs), key=lambda r: len(r[0]))
     right = total = 0
     for i in range(0, len(rows), batch_size):
         ids, attn, amask = _pad(rows[i:i + batch_size], tok.pad_token_id)
-        pred = model(input_ids=ids, attention_mask=attn).logits[:, :-1].argmax(-1)  # (N, S-1): guess for x[t+1]
+        with torch.no_grad(): logits = model(input_ids=ids, attention_mask=attn).logits
+        pred = logits[:, :-1].argmax(-1)                                           # (N, S-1): guess for x[t+1]
         sel = amask[:, 1:].bool()
         right += (pred == ids[:, 1:])[sel].sum().item(); total += sel.sum().item()
     model.train(was_training)
@@ -275,8 +281,10 @@ def _batches(lengths, batch_size, rng):
     return out
 
 def train_target(model, tok, convs, steps: int, batch_size: int = 32, lr: float = 3e-3, warmup: int = 50,
-                 seed: int = 0, eval_convs=None, eval_every: int = 200, log_every: int = 10, verbose: bool = False) -> dict:
+                 seed: int = 0, eval_convs=None, eval_every: int = 200, log_every: int = 10,
+                 verbose: bool = False) -> dict:
     "Train `model` on `convs` (next-token loss over whole conversations); returns the training log."
+    import torch
     rows = [encode_chat(tok, c['messages']) for c in convs]
     lengths, rng = [len(r[0]) for r in rows], random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -291,11 +299,13 @@ def train_target(model, tok, convs, steps: int, batch_size: int = 32, lr: float 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step(); opt.zero_grad(set_to_none=True); sched.step()
-        if step % log_every == 0 or step == steps - 1: log['step'].append(step); log['loss'].append(round(loss.item(), 4))
+        if step % log_every == 0 or step == steps - 1:
+            log['step'].append(step); log['loss'].append(round(loss.item(), 4))
         if eval_convs and (step % eval_every == 0 or step == steps - 1) and step > 0:
-            log['eval_step'].append(step); log['eval_accuracy'].append(round(assistant_accuracy(model, tok, eval_convs), 4))
-            if verbose: print(f"step {step:5d}  loss {loss.item():.3f}  held-out accuracy {log['eval_accuracy'][-1]:.3f}  "
-                              f"{time.time() - t0:.0f}s", flush=True)
+            log['eval_step'].append(step)
+            log['eval_accuracy'].append(round(assistant_accuracy(model, tok, eval_convs), 4))
+            if verbose: print(f"step {step:5d}  loss {loss.item():.3f}  "
+                              f"held-out accuracy {log['eval_accuracy'][-1]:.3f}  {time.time() - t0:.0f}s", flush=True)
     model.eval()
     log['seconds'] = round(time.time() - t0, 1)
     return log
@@ -313,8 +323,9 @@ def toy_data_dir() -> Path:
     "The shipped toy corpus: `train.jsonl` and `eval.jsonl`."
     return assets_dir() / 'toy-data'
 
-def load_toy_target(path=None, dtype=torch.float32):
+def load_toy_target(path=None, dtype='float32'):
     "(model, tokenizer) of the shipped toy target (or of the target folder `path`), in eval mode."
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     path = Path(path) if path is not None else toy_target_dir()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(path)
@@ -324,12 +335,15 @@ def build(out=None, steps: int = 1000, batch_size: int = 32, lr: float = 3e-3, n
           n_eval: int = 500, vocab_size: int = 1000, seed: int = 0, model_kw: dict | None = None,
           threads: int = 1, verbose: bool = True) -> dict:
     "Generate the corpus, train the tokenizer and the target, save all under `out`; returns the training log."
+    import torch
     t0, out, old_threads = time.time(), Path(out) if out is not None else assets_dir(), torch.get_num_threads()
     torch.set_num_threads(threads)
     try: return _build(out, steps, batch_size, lr, n_train, n_eval, vocab_size, seed, model_kw, verbose, t0)
     finally: torch.set_num_threads(old_threads)
 
 def _build(out, steps, batch_size, lr, n_train, n_eval, vocab_size, seed, model_kw, verbose, t0):
+    import torch
+    from transformers import GenerationConfig, Qwen3ForCausalLM
     target_convs, train, held_out = toy_splits(steps * batch_size, n_train, n_eval, seed)
     write_jsonl(out / 'toy-data' / 'train.jsonl', train)
     write_jsonl(out / 'toy-data' / 'eval.jsonl', held_out)
@@ -371,6 +385,7 @@ def main(command: str,              # `build`: the corpus, tokenizer and target;
          seed: int = 0,             # seed of the corpus and the training
          threads: int = 1):         # torch threads (one is about as fast for a model this small, and never stalls)
     "Build the toy target (`python -m dflash.toy build [--out DIR]`), then its regenerated corpus (`... regenerate`)."
+    import torch
     if command not in ('build', 'regenerate'):
         raise SystemExit(f"unknown command {command!r}; the commands are 'build' and 'regenerate'")
     if command == 'build': return build(out, steps=steps, seed=seed, threads=threads)

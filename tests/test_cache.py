@@ -16,7 +16,8 @@ def _jsonl(path, n, seed=0, turns=2):
         for _ in range(n):
             msgs = []
             for _ in range(turns):
-                msgs += [{'role': 'user', 'content': chat_sentence(rng)}, {'role': 'assistant', 'content': chat_sentence(rng)}]
+                msgs += [{'role': 'user', 'content': chat_sentence(rng)},
+                         {'role': 'assistant', 'content': chat_sentence(rng)}]
             f.write(json.dumps({'messages': msgs}) + '\n')
     return path
 
@@ -109,7 +110,8 @@ def test_truncated_or_missing_shard_is_named(small_cache):
     _, _, cache = small_cache
     shard = cache / 'shard-00001.safetensors'
     shard.write_bytes(shard.read_bytes()[:-7])
-    with pytest.raises(ValueError, match=r'shard shard-00001.safetensors is truncated or corrupt \(\d+ bytes, the manifest says'):
+    msg = r'shard shard-00001.safetensors is truncated or corrupt \(\d+ bytes, the manifest says'
+    with pytest.raises(ValueError, match=msg):
         CacheDataset(cache)
     shard.unlink()
     with pytest.raises(ValueError, match='shard shard-00001.safetensors is missing'): CacheDataset(cache)
@@ -134,13 +136,15 @@ def test_cache_of_another_target_names_both(small_cache, chat_targets):
 def test_cli_bad_input(tmp_path, chat_targets, capsys):
     f = _jsonl(tmp_path / 'd.jsonl', 3, seed=4)
     f.write_text(f.read_text() + '{"messages": [{"role": "user", "content": "yes"}]}\n{"chat": []}\n')
-    args = ['cache', '--target', str(chat_targets['qwen3']), '--data', str(f), '--out', str(tmp_path / 'c'), '--no-progress']
+    args = ['cache', '--target', str(chat_targets['qwen3']), '--data', str(f), '--out', str(tmp_path / 'c'),
+            '--no-progress']
     with pytest.raises(SystemExit) as e: main(args)
     assert e.value.code == 2 and "d.jsonl:5: no 'messages' or 'conversations' key" in capsys.readouterr().err
     main(args + ['--skip-bad-lines'])
     stats = CacheDataset(tmp_path / 'c').stats
     assert (stats.samples, stats.bad_lines, stats.no_supervised) == (3, 1, 1)
-    with pytest.raises(SystemExit): main(['cache', '--target', str(tmp_path / 'nope'), '--data', str(f), '--out', str(tmp_path / 'x')])
+    with pytest.raises(SystemExit):
+        main(['cache', '--target', str(tmp_path / 'nope'), '--data', str(f), '--out', str(tmp_path / 'x')])
     assert "nope': no such path" in capsys.readouterr().err
 
 
@@ -148,7 +152,8 @@ def test_cli_help(capsys):
     with pytest.raises(SystemExit) as e: main(['cache', '--help'])
     out = capsys.readouterr().out
     assert e.value.code == 0 and out.startswith('usage: python -m dflash.data cache')
-    for opt in ('--target', '--data', '--out', '--layers', '--max-length', '--shard-size', '--skip-bad-lines'): assert opt in out
+    for opt in ('--target', '--data', '--out', '--layers', '--max-length', '--shard-size', '--skip-bad-lines'):
+        assert opt in out
 
 
 def _port():

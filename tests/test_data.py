@@ -128,7 +128,8 @@ def test_malformed_line_names_file_and_line(tmp_path, chat_tokenizers):
 @pytest.mark.parametrize('record, message', [
     ({'text': 'hello'}, "d.jsonl:2: no 'messages' or 'conversations' key (found keys ['text'])"),
     ({'messages': [{'content': 'x'}]}, "d.jsonl:2: messages[0] has no 'role' key"),
-    ({'messages': [{'role': 'user', 'content': 'x'}, {'role': 'assistant'}]}, "d.jsonl:2: messages[1] has no 'content' key"),
+    ({'messages': [{'role': 'user', 'content': 'x'}, {'role': 'assistant'}]},
+     "d.jsonl:2: messages[1] has no 'content' key"),
     ({'conversations': [{'from': 'human'}]}, "d.jsonl:2: conversations[0] has no 'value' key"),
     ({'conversations': [{'value': 'x'}]}, "d.jsonl:2: conversations[0] has no 'from' key"),
     ({'conversations': [{'from': 'robot', 'value': 'x'}]}, "d.jsonl:2: conversations[0]: role 'robot' is not one of"),
@@ -171,12 +172,14 @@ def test_target_features_bad_directories(tmp_path, chat_targets, chat_tokenizers
         TargetFeatures(tmp_path / 'empty')
     T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, vocab_size=64).save_pretrained(tmp_path / 't5')
     with pytest.raises(ValueError, match="t5: model_type 't5' is not a causal LM"): TargetFeatures(tmp_path / 't5')
-    LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2).save_pretrained(tmp_path / 'noweights')
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    cfg.save_pretrained(tmp_path / 'noweights')
     with pytest.raises(ValueError, match='noweights: no weight files'): TargetFeatures(tmp_path / 'noweights')
-    with pytest.raises(ValueError, match=r'layer ids \[6, 9\] out of range: the target has 6 layers, ids must be in \[0, 5\]'):
+    msg = r'layer ids \[6, 9\] out of range: the target has 6 layers, ids must be in \[0, 5\]'
+    with pytest.raises(ValueError, match=msg):
         TargetFeatures(chat_targets['llama'], layer_ids=[1, 6, 9])
-    small = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                         vocab_size=300))
+    small = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, vocab_size=300))
     small.save_pretrained(tmp_path / 'small')
     with pytest.raises(ValueError, match=r"the tokenizer has \d+ tokens but the target's embedding has only 300 rows"):
         TargetFeatures(tmp_path / 'small', layer_ids=[0], tokenizer=chat_tokenizers['chatml'])
@@ -184,7 +187,8 @@ def test_target_features_bad_directories(tmp_path, chat_targets, chat_tokenizers
 
 def test_collate_pads_and_keeps_per_sample_blocks(tmp_path, chat_tokenizers):
     tok, rng = chat_tokenizers['chatml'], np.random.default_rng(5)
-    ds = ChatDataset.from_jsonl(_write(tmp_path / 'd.jsonl', [{'messages': _conversation(rng, turns=1 + i)} for i in range(3)]), tok)
+    convs = [{'messages': _conversation(rng, turns=1 + i)} for i in range(3)]
+    ds = ChatDataset.from_jsonl(_write(tmp_path / 'd.jsonl', convs), tok)
     b = collate([ds[2], ds[0], ds[1]], pad_token_id=tok.pad_token_id)
     S = len(ds[2]['input_ids'])
     assert b['input_ids'].shape == b['loss_mask'].shape == b['attention_mask'].shape == (3, S)
@@ -192,7 +196,8 @@ def test_collate_pads_and_keeps_per_sample_blocks(tmp_path, chat_tokenizers):
     L = len(ds[0]['input_ids'])
     assert (b['input_ids'][1, L:] == tok.pad_token_id).all() and not b['loss_mask'][1, L:].any()
     assert b['attention_mask'].sum(1).tolist() == [S, L, len(ds[1]['input_ids'])]
-    lay = BlockLayout.from_batch(b['input_ids'], b['loss_mask'], 0, 4, num_anchors=5, seed=3, sample_ids=b['sample_ids'])
+    lay = BlockLayout.from_batch(b['input_ids'], b['loss_mask'], 0, 4, num_anchors=5, seed=3,
+                                 sample_ids=b['sample_ids'])
     alone = BlockLayout.from_batch(ds[0]['input_ids'][None], ds[0]['loss_mask'][None], 0, 4, num_anchors=5, seed=3,
                                    sample_ids=[0])
     assert torch.equal(lay.anchors[1][lay.keep[1]], alone.anchors[0])
@@ -203,7 +208,8 @@ def test_online_features_feed_the_drafter(chat_targets, tmp_path):
     from dflash.drafter import DFlashDrafter
     t = TargetFeatures(chat_targets['qwen3'], num_draft_layers=2)
     rng = np.random.default_rng(7)
-    ds = ChatDataset.from_jsonl(_write(tmp_path / 'd.jsonl', [{'messages': _conversation(rng)} for _ in range(2)]), t.tokenizer)
+    convs = [{'messages': _conversation(rng)} for _ in range(2)]
+    ds = ChatDataset.from_jsonl(_write(tmp_path / 'd.jsonl', convs), t.tokenizer)
     b = collate([ds[0], ds[1]], pad_token_id=t.tokenizer.pad_token_id)
     cfg = t.drafter_config(block_size=4)
     lay = BlockLayout.from_batch(b['input_ids'], b['loss_mask'], cfg.mask_token_id, cfg.block_size, num_anchors=4,

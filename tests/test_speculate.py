@@ -57,7 +57,8 @@ def test_command_line(tmp_path):
     out = tmp_path / 'spec'
     run = subprocess.run([sys.executable, '-m', 'dflash.speculate', '--target', str(toy_target_dir()),
                           '--drafter', str(assets_dir() / 'toy-drafter'), '--data', str(toy_data_dir() / 'eval.jsonl'),
-                          '--num-prompts', '3', '--max-new-tokens', '16', '--out', str(out)], capture_output=True, text=True)
+                          '--num-prompts', '3', '--max-new-tokens', '16', '--out', str(out)],
+                         capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     report = json.loads((out / 'acceptance.json').read_text())
     assert report['tau'] >= 1 and sum(report['histogram']) == report['steps'] and (out / 'acceptance.png').is_file()
