@@ -40,7 +40,8 @@ def _heavy():
     from dflash.config import DrafterConfig
     from dflash.layout import BlockLayout
     from dflash.memory import measure, fmt_bytes
-    from dflash.attention import get_backend, random_qkv
+    from dflash.attention import get_backend
+    from dflash.testing import random_qkv
     from dflash.drafter import DFlashDrafter
     from dflash.checkpointing import set_checkpointing, parse_policy, checkpointed_layers
     from dflash.objective import dflash_objective

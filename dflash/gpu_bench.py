@@ -12,8 +12,9 @@ from torch import Tensor
 from transformers import Qwen3Config
 from .config import DrafterConfig
 from .memory import measure, fmt_bytes, MemoryTracker
-from .planner import plan_chunks, probe_kernel, random_layout
-from .attention import get_backend, random_qkv, eager_attention, sdpa_attention
+from .planner import plan_chunks, probe_kernel
+from .testing import random_layout, random_qkv
+from .attention import get_backend, eager_attention, sdpa_attention
 from .drafter import DFlashDrafter
 from .checkpointing import set_checkpointing
 from .objective import dflash_objective
