@@ -52,11 +52,11 @@ def _heavy():
 if not (__name__ == '__main__' and '__file__' in globals()): _heavy()
 
 # %% auto #0
-__all__ = ['METHODS', 'LAYOUTS', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'dense_attention', 'gather_attention', 'bench_layout',
-           'bench_many', 'physical_floor', 'run_attention', 'parser', 'main', 'fit_exponent', 'run_scaling', 'StepCase',
-           'reference_attention', 'step_case', 'drafter_step', 'reference_step', 'bench_steps', 'run_step',
-           'make_target', 'free_port', 'launch_commands', 'launch_train', 'last_error', 'logged_steps', 'throughput',
-           'run_train', 'bench_regenerate', 'run_regenerate', 'run_data']
+__all__ = ['METHODS', 'LAYOUTS', 'COUNT', 'NONNEG', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'dense_attention', 'gather_attention',
+           'bench_layout', 'bench_many', 'physical_floor', 'run_attention', 'parser', 'main', 'fit_exponent',
+           'run_scaling', 'StepCase', 'reference_attention', 'step_case', 'drafter_step', 'reference_step',
+           'bench_steps', 'run_step', 'make_target', 'free_port', 'launch_commands', 'launch_train', 'last_error',
+           'logged_steps', 'throughput', 'run_train', 'bench_regenerate', 'run_regenerate', 'run_data']
 
 # %% ../nbs/13_bench.ipynb #e0bdccab
 def dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window=None) -> Tensor:
@@ -143,6 +143,18 @@ def physical_floor(qkv) -> int:
     "Bytes of q, k, v, the output (q-sized) and their gradients."
     return 2 * (sum(t.numel() * t.element_size() for t in qkv) + qkv[0].numel() * qkv[0].element_size())
 
+# %% ../nbs/13_bench.ipynb #a1c0b7e1
+def _int_at_least(low: int):
+    "An argparse type: an integer >= `low`, refused when the command line is parsed, naming the range."
+    def parse(text: str) -> int:
+        try: value = int(text)
+        except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low: raise argparse.ArgumentTypeError(f"{value}: must be >= {low}")
+        return value
+    return parse
+
+COUNT, NONNEG = _int_at_least(1), _int_at_least(0)      # sizes and counts; seeds, threads and warm-up steps
+
 # %% ../nbs/13_bench.ipynb #8550ddab
 def run_attention(args) -> list[dict]:
     """Measure each method of `args.methods` on each layout of `args.layouts`; print a table; write CSV and plot under
@@ -215,22 +227,22 @@ def _add_attention(sub):
     a = sub.add_parser('attention', help='block attention backends against naive baselines, forward+backward')
     a.add_argument('--device', default='cpu')
     a.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
-    a.add_argument('--seq-len', type=int, default=4096)
-    a.add_argument('--anchors', type=int, default=256)
-    a.add_argument('--block-size', type=int, default=16)
-    a.add_argument('--batch', type=int, default=1)
-    a.add_argument('--heads', type=int, default=8)
-    a.add_argument('--kv-heads', type=int, default=2)
-    a.add_argument('--head-dim', type=int, default=64)
-    a.add_argument('--sliding-window', type=int, default=None)
+    a.add_argument('--seq-len', type=COUNT, default=4096)
+    a.add_argument('--anchors', type=COUNT, default=256)
+    a.add_argument('--block-size', type=COUNT, default=16)
+    a.add_argument('--batch', type=COUNT, default=1)
+    a.add_argument('--heads', type=COUNT, default=8)
+    a.add_argument('--kv-heads', type=COUNT, default=2)
+    a.add_argument('--head-dim', type=COUNT, default=64)
+    a.add_argument('--sliding-window', type=COUNT, default=None)
     a.add_argument('--budget', type=float, default=None,
                    help='sdpa budget: bytes, or a fraction of free memory if <= 1')
     a.add_argument('--layouts', nargs='+', default=list(LAYOUTS), choices=list(LAYOUTS),
                    help='uniform anchors, or chat-like: supervision in the last half / quarter')
     a.add_argument('--methods', nargs='+', default=['dense', 'gather', 'sdpa', 'flex'], choices=sorted(METHODS))
-    a.add_argument('--repeats', type=int, default=3)
-    a.add_argument('--threads', type=int, default=1, help='torch threads during the run (0: leave as is)')
-    a.add_argument('--seed', type=int, default=0)
+    a.add_argument('--repeats', type=COUNT, default=3)
+    a.add_argument('--threads', type=NONNEG, default=1, help='torch threads during the run (0: leave as is)')
+    a.add_argument('--seed', type=NONNEG, default=0)
     a.add_argument('--out', default='bench_out', help="directory for attention.csv and attention.png ('' for none)")
     a.set_defaults(run=run_attention)
 
@@ -313,18 +325,18 @@ def run_scaling(args) -> dict:
 def _add_scaling(sub):
     s = sub.add_parser('scaling',
                        help='growth of sdpa time and memory in sequence length and anchors (fitted exponents)')
-    s.add_argument('--seq-lens', nargs='+', type=int, default=[1024, 2048, 4096, 8192, 16384])
-    s.add_argument('--anchors', type=int, default=256, help='anchors of the sequence-length sweep')
-    s.add_argument('--anchor-counts', nargs='+', type=int, default=[64, 128, 256, 512, 1024])
-    s.add_argument('--seq-len', type=int, default=8192, help='sequence length of the anchor sweep')
+    s.add_argument('--seq-lens', nargs='+', type=COUNT, default=[1024, 2048, 4096, 8192, 16384])
+    s.add_argument('--anchors', type=COUNT, default=256, help='anchors of the sequence-length sweep')
+    s.add_argument('--anchor-counts', nargs='+', type=COUNT, default=[64, 128, 256, 512, 1024])
+    s.add_argument('--seq-len', type=COUNT, default=8192, help='sequence length of the anchor sweep')
     s.add_argument('--layout', default='half', choices=list(LAYOUTS))
-    s.add_argument('--heads', type=int, default=8)
-    s.add_argument('--kv-heads', type=int, default=2)
-    s.add_argument('--head-dim', type=int, default=64)
+    s.add_argument('--heads', type=COUNT, default=8)
+    s.add_argument('--kv-heads', type=COUNT, default=2)
+    s.add_argument('--head-dim', type=COUNT, default=64)
     s.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
-    s.add_argument('--repeats', type=int, default=1)
-    s.add_argument('--threads', type=int, default=1)
-    s.add_argument('--seed', type=int, default=0)
+    s.add_argument('--repeats', type=COUNT, default=1)
+    s.add_argument('--threads', type=NONNEG, default=1)
+    s.add_argument('--seed', type=NONNEG, default=0)
     s.set_defaults(run=run_scaling)
 
 # %% ../nbs/13_bench.ipynb #6db602f4
@@ -506,14 +518,14 @@ def _add_step(sub):
     s.add_argument('--layouts', nargs='+', default=list(LAYOUTS), choices=list(LAYOUTS))
     s.add_argument('--policies', nargs='+', type=_policy, default=['none', 'all'],
                    help="'none', 'all' or k (every k-th layer)")
-    s.add_argument('--seq-len', type=int, default=None, help="override every config's sequence length")
-    s.add_argument('--anchors', type=int, default=None, help="override every config's anchors")
-    s.add_argument('--block-size', type=int, default=16)
+    s.add_argument('--seq-len', type=COUNT, default=None, help="override every config's sequence length")
+    s.add_argument('--anchors', type=COUNT, default=None, help="override every config's anchors")
+    s.add_argument('--block-size', type=COUNT, default=16)
     s.add_argument('--device', default='cpu')
     s.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
-    s.add_argument('--repeats', type=int, default=3)
-    s.add_argument('--threads', type=int, default=1, help='torch threads during the run (0: leave as is)')
-    s.add_argument('--seed', type=int, default=0)
+    s.add_argument('--repeats', type=COUNT, default=3)
+    s.add_argument('--threads', type=NONNEG, default=1, help='torch threads during the run (0: leave as is)')
+    s.add_argument('--seed', type=NONNEG, default=0)
     s.add_argument('--out', default='bench_out', help="directory for step.csv and step.png ('' for none)")
     s.set_defaults(run=run_step)
 
@@ -697,20 +709,20 @@ def _add_train(sub):
     t = sub.add_parser('train', help='tokens/s and peak memory of real training runs (accelerate launch): '
                                      '1 and 2 processes, 2 machines')
     t.add_argument('--configs', nargs='+', default=list(TRAIN_TARGETS), choices=list(TRAIN_TARGETS))
-    t.add_argument('--processes', nargs='+', type=int, default=[1, 2], help='processes per run, on one machine')
-    t.add_argument('--machines', type=int, default=2, help='also run the most processes split over this many '
+    t.add_argument('--processes', nargs='+', type=COUNT, default=[1, 2], help='processes per run, on one machine')
+    t.add_argument('--machines', type=COUNT, default=2, help='also run the most processes split over this many '
                    'machines on localhost, started together (1: no such run)')
-    t.add_argument('--steps', type=int, default=6, help='optimizer steps per run')
-    t.add_argument('--warmup-steps', type=int, default=2, help='first steps left out of tokens/s')
-    t.add_argument('--batch-size', type=int, default=16, help='sequences per step, over all processes')
-    t.add_argument('--micro-batch-size', type=int, default=4)
-    t.add_argument('--num-layers', type=int, default=2, help='drafter layers')
-    t.add_argument('--num-anchors', type=int, default=64)
-    t.add_argument('--max-length', type=int, default=512)
+    t.add_argument('--steps', type=COUNT, default=6, help='optimizer steps per run')
+    t.add_argument('--warmup-steps', type=NONNEG, default=2, help='first steps left out of tokens/s')
+    t.add_argument('--batch-size', type=COUNT, default=16, help='sequences per step, over all processes')
+    t.add_argument('--micro-batch-size', type=COUNT, default=4)
+    t.add_argument('--num-layers', type=COUNT, default=2, help='drafter layers')
+    t.add_argument('--num-anchors', type=COUNT, default=64)
+    t.add_argument('--max-length', type=COUNT, default=512)
     t.add_argument('--attention', default='sdpa', choices=['sdpa', 'flex', 'eager'])
     t.add_argument('--device', default='cpu', choices=['cpu', 'cuda'])
-    t.add_argument('--threads', type=int, default=1, help='OMP_NUM_THREADS of every process')
-    t.add_argument('--seed', type=int, default=0)
+    t.add_argument('--threads', type=NONNEG, default=1, help='OMP_NUM_THREADS of every process')
+    t.add_argument('--seed', type=NONNEG, default=0)
     t.add_argument('--out', default='bench_out', help="directory for train.csv ('' for none)")
     t.set_defaults(run=run_train)
 
@@ -758,12 +770,12 @@ def run_regenerate(args) -> list[dict]:
 
 def _add_regenerate(sub):
     g = sub.add_parser('regenerate', help='tokens/s of regeneration by the toy target, batched against one at a time')
-    g.add_argument('--n', type=int, default=32, help='held-out toy conversations')
-    g.add_argument('--batch-size', type=int, default=16)
-    g.add_argument('--max-new-tokens', type=int, default=64)
-    g.add_argument('--repeats', type=int, default=2)
+    g.add_argument('--n', type=COUNT, default=32, help='held-out toy conversations')
+    g.add_argument('--batch-size', type=COUNT, default=16)
+    g.add_argument('--max-new-tokens', type=COUNT, default=64)
+    g.add_argument('--repeats', type=COUNT, default=2)
     g.add_argument('--device', default='cpu', choices=['cpu', 'cuda'])
-    g.add_argument('--threads', type=int, default=1, help='torch threads during the run (0: leave as is)')
+    g.add_argument('--threads', type=NONNEG, default=1, help='torch threads during the run (0: leave as is)')
     g.add_argument('--out', default='bench_out', help="directory for regenerate.csv ('' for none)")
     g.set_defaults(run=run_regenerate)
 
@@ -820,9 +832,9 @@ def run_data(args) -> list[dict]:
 def _add_data(sub):
     d = sub.add_parser('data', help='chat data tokenization: conversations/s with 1 and 2 processes, '
                                     'first and second launch')
-    d.add_argument('--conversations', type=int, default=100_000, help='toy conversations')
-    d.add_argument('--processes', type=int, nargs='+', default=[1, 2], help='tokenizing processes, num_proc')
-    d.add_argument('--seed', type=int, default=0)
+    d.add_argument('--conversations', type=COUNT, default=100_000, help='toy conversations')
+    d.add_argument('--processes', type=COUNT, nargs='+', default=[1, 2], help='tokenizing processes, num_proc')
+    d.add_argument('--seed', type=NONNEG, default=0)
     d.add_argument('--out', default='bench_out', help="directory for data.csv ('' for none)")
     d.set_defaults(run=run_data)
 
