@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, asdict
 from pathlib import Path
 from typing import Callable
 from .config import resolve_local
-from .options import option, parse_options, OptionsError, exit_bad_options
+from .options import option, parse_options, OptionsError, exit_bad_options, file_sha256
 
 # %% auto #0
 __all__ = ['ROLES', 'DATA_SUFFIXES', 'TOKENIZE_VERSION', 'CACHE_FORMAT', 'DataOptions', 'CacheOptions', 'layer_ids', 'Subcommand',
@@ -466,13 +466,6 @@ def read_records(path, skip_bad_lines: bool = False, stats: DataStats | None = N
 # %% ../nbs/08_data.ipynb #3433f8ba
 TOKENIZE_VERSION = 1   # bump when tokenization changes, so older caches are not reused
 
-def _sha256(path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        while b := f.read(chunk): h.update(b)
-    return h.hexdigest()
-
-
 def tokenizer_fingerprint(tokenizer) -> str:
     "A hash of what tokenization depends on: the vocabulary and merges, special tokens, and the chat template."
     h = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
@@ -484,7 +477,7 @@ def _source_fingerprint(path: Path) -> str:
     h = hashlib.sha256()
     for f in sorted(p for p in ([path] if path.is_file() else path.rglob('*')) if p.is_file()):
         h.update(f"{f.relative_to(path) if f != path else f.name}:{f.stat().st_size}\n".encode())
-        h.update(_sha256(f).encode())
+        h.update(file_sha256(f).encode())
     return h.hexdigest()[:16]
 
 def _tokenize_batch(batch, tokenizer, max_length, skip_bad_lines, template_kw):
@@ -587,7 +580,7 @@ def target_identity(path) -> str:
     h.update((path / 'config.json').read_bytes())
     for f in _weight_files(path):
         st = f.stat(); key = (str(f.resolve()), st.st_size, st.st_mtime_ns)
-        if key not in _IDENTITIES: _IDENTITIES[key] = _sha256(f)
+        if key not in _IDENTITIES: _IDENTITIES[key] = file_sha256(f)
         h.update(f"{f.name}:{st.st_size}:{_IDENTITIES[key]}".encode())
     return h.hexdigest()[:16]
 
@@ -695,7 +688,7 @@ def _write_shard(path: Path, tensors: dict[str, Tensor]) -> dict:
     "Write a shard, then its record (`<shard>.json`: counts, bytes, sha256), both atomically."
     atomic_write(path, lambda p: save_file(tensors, p, metadata={'format': 'pt'}))
     rec = {'file': path.name, 'num_samples': len(tensors['sample_ids']), 'num_tokens': len(tensors['input_ids']),
-           'bytes': path.stat().st_size, 'sha256': _sha256(path)}
+           'bytes': path.stat().st_size, 'sha256': file_sha256(path)}
     _write_json(path.with_name(path.name + '.json'), rec)
     return rec
 
@@ -735,7 +728,7 @@ def _done_shard(out: Path, k: int, verify: bool = False) -> dict | None:
     if not (f.is_file() and r.is_file()): return None
     try: rec = json.loads(r.read_text())
     except json.JSONDecodeError: return None
-    ok = f.stat().st_size == rec.get('bytes') and (not verify or _sha256(f) == rec.get('sha256'))
+    ok = f.stat().st_size == rec.get('bytes') and (not verify or file_sha256(f) == rec.get('sha256'))
     return rec if ok else None
 
 def write_cache(features: TargetFeatures, dataset, out, shard_size: int = 64, progress: bool = True,
@@ -816,7 +809,7 @@ class CacheDataset(Dataset):
     def _shard(self, k: int):
         if k not in self._open:
             s = self.manifest['shards'][k]
-            if _sha256(self.path / s['file']) != s['sha256']:
+            if file_sha256(self.path / s['file']) != s['sha256']:
                 raise ValueError(f"cache {self.path}: shard {s['file']} is corrupt (sha256 differs from the manifest)")
             f = safe_open(self.path / s['file'], framework='pt')
             self._open[k] = (f, f.get_tensor('offsets').tolist())

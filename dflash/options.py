@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_options.ipynb #36b3f8d0
 from __future__ import annotations
-import argparse, copy, json, math, os, struct, sys, types, typing
+import argparse, copy, hashlib, json, math, os, struct, sys, types, typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 import yaml
@@ -13,7 +13,7 @@ from fastcore.basics import patch_to
 
 # %% auto #0
 __all__ = ['OptionsError', 'option', 'flag', 'allowed_text', 'check_value', 'OptionParser', 'build_options', 'parse_options',
-           'exit_bad_options', 'json_problem', 'safetensors_problem', 'model_dir_problems']
+           'exit_bad_options', 'json_problem', 'safetensors_problem', 'model_dir_problems', 'file_sha256']
 
 # %% ../nbs/00a_options.ipynb #38d158e5
 class OptionsError(ValueError):
@@ -236,3 +236,10 @@ def model_dir_problems(path, name: str) -> list[str]:
     if not weights: probs.append(f"{name}: {p}: no *.safetensors weights")
     probs += [f"{name}: {b}" for w in weights if (b := safetensors_problem(w))]
     return probs
+
+def file_sha256(path, chunk: int = 1 << 22) -> str:
+    "The SHA-256 of a file's bytes, read in chunks."
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        while b := f.read(chunk): h.update(b)
+    return h.hexdigest()

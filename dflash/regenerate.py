@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from .config import resolve_local
+from .options import file_sha256
 from .data import DataError, DataStats, read_records, to_messages, target_identity, check_target_dir
 from .drafter import atomic_write
 
@@ -239,14 +240,12 @@ def regenerate_batch(engine, tokenizer, convs: list[list[dict]], template_kw: di
 # %% ../nbs/08a_regenerate.ipynb #b383dd2b
 INDEX_FORMAT = 'dflash-regenerate/1'
 
-def _sha256_file(path, chunk: int = 1 << 22) -> str:
-    "The checksum of a data file, or of a directory's files (names and contents) for a saved or hub dataset."
-    path, h = resolve_local(path, 'dataset'), hashlib.sha256()
-    for f in sorted(q for q in path.rglob('*') if q.is_file()) if path.is_dir() else [path]:
-        h.update(str(f.relative_to(path) if path.is_dir() else '').encode())
-        with open(f, 'rb') as fh:
-            while b := fh.read(chunk): h.update(b)
-    return h.hexdigest()
+def _sha256_file(path) -> str:
+    "The checksum of a data file, or of a directory's files (names and checksums) for a saved or hub dataset."
+    path = resolve_local(path, 'dataset')
+    if not path.is_dir(): return file_sha256(path)
+    files = sorted(q for q in path.rglob('*') if q.is_file())
+    return hashlib.sha256(''.join(f"{f.relative_to(path)} {file_sha256(f)}\n" for f in files).encode()).hexdigest()
 
 def run_header(cfg: RegenConfig) -> dict:
     "What the output is a regeneration of: the first line of the index."

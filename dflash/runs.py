@@ -4,14 +4,14 @@
 
 # %% ../nbs/09b_runs.ipynb #6b350687
 from __future__ import annotations
-import hashlib, json, os, re, shutil, socket, time
+import json, os, re, shutil, socket, time
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 from .options import option, model_dir_problems, json_problem, flag
 
 # %% auto #0
 __all__ = ['RUN_FILES', 'FIXED_ON_RESUME', 'TrainConfig', 'check_train', 'fsync_path', 'write_atomic', 'write_json',
-           'file_sha256', 'RunDirError', 'run_files', 'read_run', 'lock_run', 'unlock_run', 'move_aside', 'claim_run',
+           'RunDirError', 'run_files', 'read_run', 'lock_run', 'unlock_run', 'move_aside', 'claim_run',
            'resume_changes']
 
 # %% ../nbs/09b_runs.ipynb #4745fd52
@@ -119,12 +119,6 @@ def write_atomic(path, data: str | bytes):
     fsync_path(path.parent)
 
 def write_json(path, obj): write_atomic(path, json.dumps(obj, indent=1) + '\n')
-
-def file_sha256(path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        while (b := f.read(chunk)): h.update(b)
-    return h.hexdigest()
 
 # %% ../nbs/09b_runs.ipynb #0da2b238
 RUN_FILES = ('run.json', 'checkpoints', 'metrics.csv', 'eval.csv', 'drafter', 'summary.json')

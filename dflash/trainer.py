@@ -26,8 +26,8 @@ from .planner import free_bytes
 from .objective import dflash_objective, ObjectiveSums
 from .data import ChatDataset, CacheDataset, TargetFeatures, collate
 from .toy import toy_target_dir, toy_data_dir
-from .options import json_problem
-from .runs import TrainConfig, write_atomic, write_json, fsync_path, file_sha256
+from .options import json_problem, file_sha256
+from .runs import TrainConfig, write_atomic, write_json, fsync_path
 
 # %% auto #0
 __all__ = ['complete_checkpoints', 'frozen_head_weights', 'RunParts', 'load_parts', 'epoch_order', 'step_samples',
