@@ -10,8 +10,8 @@ from pathlib import Path
 from .options import option, model_dir_problems, json_problem, flag
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'FIXED_ON_RESUME', 'TrainConfig', 'check_train', 'fsync_path', 'write_atomic', 'write_json',
-           'RunDirError', 'run_files', 'read_run', 'lock_run', 'unlock_run', 'move_aside', 'claim_run',
+__all__ = ['RUN_FILES', 'FIXED_ON_RESUME', 'TrainConfig', 'launch_problems', 'check_train', 'fsync_path', 'write_atomic',
+           'write_json', 'RunDirError', 'run_files', 'read_run', 'lock_run', 'unlock_run', 'move_aside', 'claim_run',
            'resume_changes']
 
 # %% ../nbs/09b_runs.ipynb #4745fd52
@@ -59,6 +59,25 @@ class TrainConfig:
                                     ge=0)
     spec_new_tokens: int = option(64, "tokens generated per prompt in that evaluation", ge=1)
 
+# %% ../nbs/09b_runs.ipynb #b7d1c0a2
+def _env_flag(env, key: str) -> bool: return env.get(key, 'false').lower() in ('1', 'true', 'yes', 'y', 'on', 't')
+
+def launch_problems(env=None) -> list[str]:
+    "What in accelerate's launch settings (its config or flags, as the launcher passes them) dflash.train cannot use."
+    env, probs = os.environ if env is None else env, []
+    if _env_flag(env, 'ACCELERATE_USE_DEEPSPEED'):
+        probs.append("DeepSpeed is not supported by dflash.train: its engine steps inside backward, which breaks the "
+                     "trainer's gradient accumulation and non-finite step skipping; use DDP (the default) or FSDP")
+    if _env_flag(env, 'ACCELERATE_USE_FSDP'):
+        if (version := env.get('FSDP_VERSION', '2')) != '2':
+            probs.append(f"fsdp_version {version}: dflash.train shards with FSDP2; set fsdp_version: 2 in the "
+                         "accelerate config (or launch with --fsdp_version 2)")
+        if _env_flag(env, 'FSDP_ACTIVATION_CHECKPOINTING'):
+            probs.append("fsdp_activation_checkpointing: dflash.train checkpoints its layers itself; turn it off "
+                         "and choose with --checkpointing (auto by default)")
+    return probs
+
+
 # %% ../nbs/09b_runs.ipynb #3e2408de
 def _has_line(path) -> bool:
     "Whether a text file holds a non-blank line (read only as far as the first one)."
@@ -99,7 +118,7 @@ def check_train(c: TrainConfig) -> list[str]:
     if c.block_size > c.max_length:
         probs.append(f"--block-size = {c.block_size}: allowed <= max_length ({c.max_length})")
     if (p := _policy_problem(str(c.checkpointing))): probs.append(p)
-    return probs
+    return probs + launch_problems()
 
 # %% ../nbs/09b_runs.ipynb #99b1472b
 def fsync_path(path):

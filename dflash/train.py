@@ -54,10 +54,11 @@ def spec_tau(trainer) -> dict | None:
     "Speculative-decoding acceptance on the held-out prompts (main process; None when not measurable)."
     from dflash.speculate import eval_prompts, acceptance_eval
     from dflash.toy import toy_data_dir
-    c, p, acc = trainer.cfg, trainer.parts, trainer.acc
+    c, p = trainer.cfg, trainer.parts
     eval_path = c.eval_data or (str(toy_data_dir() / 'eval.jsonl') if c.target is None else None)
-    if not acc.is_main_process or p.features is None or not eval_path or not c.spec_eval_prompts: return None
-    drafter = acc.unwrap_model(trainer.model)
+    if p.features is None or not eval_path or not c.spec_eval_prompts: return None
+    drafter = trainer.whole_drafter()                    # every process takes part (FSDP gathers the shards)
+    if drafter is None: return None                      # not the main process
     was_training = drafter.training
     drafter.eval()
     prompts = eval_prompts(eval_path, p.tokenizer, c.spec_eval_prompts)

@@ -10,12 +10,16 @@ from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule, CPUOffloadPolicy, fully_shard
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from fastcore.basics import patch
 from safetensors import safe_open
 from safetensors.torch import save_file, load_file
 from tqdm.auto import tqdm
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import set_seed, parse_flag_from_env
 from transformers import AutoConfig, AutoTokenizer, get_cosine_schedule_with_warmup
 from .config import DrafterConfig
 from .layout import BlockLayout
@@ -27,13 +31,13 @@ from .objective import dflash_objective, ObjectiveSums
 from .data import ChatDataset, CacheDataset, TargetFeatures, collate
 from .toy import toy_target_dir, toy_data_dir
 from .options import json_problem, file_sha256
-from .runs import TrainConfig, write_atomic, write_json, fsync_path
+from .runs import TrainConfig, write_atomic, write_json, fsync_path, launch_problems
 
 # %% auto #0
 __all__ = ['complete_checkpoints', 'frozen_head_weights', 'RunParts', 'load_parts', 'epoch_order', 'step_samples',
-           'rank_micro_batches', 'CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'rotate_checkpoints',
-           'save_checkpoint', 'load_checkpoint', 'peak_memory_mb', 'append_csv', 'sums_metrics', 'truncate_csv',
-           'csv_steps', 'online_fit', 'Trainer']
+           'rank_micro_batches', 'CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'whole_state',
+           'rotate_checkpoints', 'save_checkpoint', 'load_checkpoint', 'peak_memory_mb', 'append_csv', 'sums_metrics',
+           'truncate_csv', 'csv_steps', 'online_fit', 'fsdp_settings', 'shard_drafter', 'Trainer']
 
 # %% ../nbs/10_trainer.ipynb #0ebcce23
 def frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
@@ -140,8 +144,13 @@ def verify_checkpoint(d) -> dict:
 complete_checkpoints = checkpoint_dirs
 
 # %% ../nbs/10_trainer.ipynb #9d7168c8
+def whole_state(**kw) -> StateDictOptions:
+    "State dict options for whole tensors: gathered from every process's shards when processes run together."
+    together = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return StateDictOptions(full_state_dict=together, **kw)
+
 def _flat_optimizer(sd: dict) -> tuple[dict[str, Tensor], dict]:
-    "An optimizer state dict as safetensors tensors ('param.key') and JSON (groups, non-tensor state)."
+    "An optimizer state dict by parameter name as safetensors tensors ('name.key') and JSON (groups, scalars)."
     tensors, scalars = {}, {}
     for i, s in sd['state'].items():
         for k, v in s.items():
@@ -152,8 +161,8 @@ def _flat_optimizer(sd: dict) -> tuple[dict[str, Tensor], dict]:
 def _nested_optimizer(tensors: dict, meta: dict) -> dict:
     state = {}
     for key, v in [*tensors.items(), *meta['scalars'].items()]:
-        i, k = key.split('.', 1)
-        state.setdefault(int(i), {})[k] = v
+        name, k = key.rsplit('.', 1)
+        state.setdefault(name, {})[k] = v
     return {'state': state, 'param_groups': meta['param_groups']}
 
 def _bad_steps(d) -> int | None:
@@ -175,10 +184,12 @@ def save_checkpoint(accelerator: Accelerator, out, step: int, model, opt, sched,
     "Write weights, optimizer, schedule and `state` as `out/checkpoints/step-N`, flushed and whole; rotate old ones."
     d = Path(out) / 'checkpoints'
     tmp, final = d / f'.step-{step:07d}.partial', d / f'step-{step:07d}'
-    weights = accelerator.get_state_dict(model)                     # every process takes part (sharded engines)
+    gathered = whole_state(cpu_offload=True)         # every process takes part; the main process gets the tensors
+    weights = get_model_state_dict(model, options=gathered)
+    moments = get_optimizer_state_dict(model, getattr(opt, 'optimizer', opt), options=gathered)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
-        tensors, opt_meta = _flat_optimizer(opt.state_dict())
+        tensors, opt_meta = _flat_optimizer(moments)
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / 'model.safetensors')
         save_file(tensors, tmp / 'optimizer.safetensors')
         files = {}
@@ -198,8 +209,11 @@ def save_checkpoint(accelerator: Accelerator, out, step: int, model, opt, sched,
 def load_checkpoint(accelerator: Accelerator, d, model, opt, sched) -> dict:
     "Verify checkpoint `d` and load it into model, optimizer and schedule (safetensors and JSON only); its state."
     st = verify_checkpoint(d)
-    accelerator.unwrap_model(model).load_state_dict(load_file(Path(d) / 'model.safetensors'))
-    opt.load_state_dict(_nested_optimizer(load_file(Path(d) / 'optimizer.safetensors'), st['optimizer']))
+    whole = whole_state()                             # every process reads the whole tensors and keeps its shard
+    set_model_state_dict(model, load_file(Path(d) / 'model.safetensors'), options=whole)
+    set_optimizer_state_dict(model, getattr(opt, 'optimizer', opt),
+                             _nested_optimizer(load_file(Path(d) / 'optimizer.safetensors'), st['optimizer']),
+                             options=whole)
     sched.load_state_dict(st['scheduler'])
     return st
 
@@ -264,19 +278,19 @@ def online_fit(target_config, drafter_config: DrafterConfig, seq_len: int, num_a
 # %% ../nbs/10_trainer.ipynb #d2a16c6e
 _PLAN_DTYPE = {'bf16': 'bf16', 'fp16': 'fp16'}                    # accelerate's mixed precision -> the plan's dtype
 
-def _refuse_unsupported_plugins():
-    "DeepSpeed steps its own engine in `backward`, which breaks the trainer's accumulation and non-finite skipping."
-    if os.environ.get('ACCELERATE_USE_DEEPSPEED', 'false').lower() == 'true':
-        raise ValueError("DeepSpeed is not supported by dflash.train: its engine steps inside backward, which breaks "
-                         "the trainer's gradient accumulation and non-finite step skipping; use DDP (the default)")
+def fsdp_settings(acc: Accelerator) -> dict | None:
+    "`fully_shard`'s arguments from the user's FSDP settings (accelerate config or launch flags); None: no FSDP."
+    if acc.distributed_type.value != 'FSDP' and not parse_flag_from_env('ACCELERATE_USE_FSDP'): return None
+    kw = {'reshard_after_forward': parse_flag_from_env('FSDP_RESHARD_AFTER_FORWARD', True)}
+    if parse_flag_from_env('FSDP_OFFLOAD_PARAMS'): kw['offload_policy'] = CPUOffloadPolicy()
+    plugin = getattr(acc.state, 'fsdp_plugin', None)            # accelerate's own (GPU): its mixed precision policy
+    if plugin is not None and plugin.mixed_precision_policy is not None: kw['mp_policy'] = plugin.mixed_precision_policy
+    return kw
 
-def _refuse_sharded(acc: Accelerator):
-    "FSDP (asked for, or set up) and other sharded engines: checkpoints hold whole optimizer state, so stop."
-    asked = os.environ.get('ACCELERATE_USE_FSDP', 'false').lower() == 'true'
-    if asked or acc.distributed_type.value in ('FSDP', 'DEEPSPEED', 'MEGATRON_LM'):
-        raise NotImplementedError(f"{'FSDP' if asked else acc.distributed_type.value} is not supported by dflash.train "
-                                  "yet: its checkpoints hold whole (unsharded) optimizer state, written by the main "
-                                  "process; use DDP (the default: accelerate launch --multi_gpu)")
+def shard_drafter(drafter: DFlashDrafter, **settings) -> DFlashDrafter:
+    "FSDP2 over all processes: each decoder layer its own unit, then the rest (fc, norms) at the root."
+    for layer in drafter.layers: fully_shard(layer, **settings)
+    return fully_shard(drafter, **settings)
 
 def _refuse_online_misfit(cfg: TrainConfig, acc: Accelerator):
     "Stop an online GPU run whose step and target the plan says cannot share the device."
@@ -295,13 +309,14 @@ class Trainer:
         self.cfg = cfg
         self.out = Path(cfg.out)
         gpu = torch.cuda.is_available()      # without one, processes launched together train over gloo (MULTI_CPU)
-        _refuse_unsupported_plugins()
+        if bad := launch_problems():                   # checked with the options by the CLI; here for direct use
+            raise ValueError("accelerate settings dflash.train cannot use:\n  " + '\n  '.join(bad))
         launched = 'ACCELERATE_MIXED_PRECISION' in os.environ      # set by accelerate launch: the user's choice wins
         precision = None if launched else 'bf16' if gpu else 'no'
         self.acc = acc = accelerator or Accelerator(cpu=not gpu, mixed_precision=precision,
                                                     log_with='tensorboard', project_dir=str(self.out))
         gpu = acc.device.type == 'cuda'
-        _refuse_sharded(acc)
+        self.fsdp = fsdp_settings(acc)
         if cfg.batch_size % acc.num_processes:
             raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the number of processes "
                              f"({acc.num_processes})")
@@ -316,12 +331,19 @@ class Trainer:
             self.policy, _ = recommend_policy(p.drafter_config, cfg.max_length, cfg.num_anchors, budget, dtype,
                                               cfg.attention, cfg.micro_batch_size)
         options = {'budget_bytes': attention_budget} if cfg.attention == 'sdpa' else {}
-        drafter = DFlashDrafter(p.drafter_config, cfg.attention, **options)
+        drafter = DFlashDrafter(p.drafter_config, cfg.attention, **options)      # the same on every process (seeded)
         set_checkpointing(drafter, self.policy, budget_bytes=attention_budget)
+        if self.fsdp is not None: drafter = shard_drafter(drafter, **self.fsdp)  # before the optimizer sees it
         opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=gpu or None)
         self.total_steps = cfg.max_steps or max(1, int(cfg.epochs * (len(p.train) // cfg.batch_size)))
         self.sched = get_cosine_schedule_with_warmup(opt, round(cfg.warmup_ratio * self.total_steps), self.total_steps)
-        self.model, self.opt = acc.prepare(drafter, opt)
+        if self.fsdp is not None and acc.distributed_type.value != 'FSDP':        # CPU: accelerate would wrap DDP
+            self.model, self.opt = drafter, acc.prepare(opt)
+        else: self.model, self.opt = acc.prepare(drafter, opt)   # accelerate's FSDP2 keeps a module already sharded
+        if self.fsdp is not None and acc.is_main_process:
+            local = sum(q.to_local().numel() for q in drafter.parameters())
+            print(f"FSDP2: the drafter is sharded over {acc.num_processes} processes; this one holds {local:,} of "
+                  f"its {sum(q.numel() for q in drafter.parameters()):,} parameters")
         self.step, self.bad_steps = 0, 0
 
 # %% ../nbs/10_trainer.ipynb #a18a946a
@@ -342,8 +364,8 @@ def _context(self: Trainer, b: dict) -> Tensor:
 
 @patch
 def _sums(self: Trainer, b, lay) -> ObjectiveSums:
-    hidden = self.model(self._context(b), lay, self.parts.embed)
-    with self.acc.autocast():                              # bf16 on GPU, like the drafter's forward
+    with self.acc.autocast():                  # the mixed precision asked for (also a module accelerate did not wrap)
+        hidden = self.model(self._context(b), lay, self.parts.embed)
         return dflash_objective(hidden, lay, self.parts.lm_head, budget_bytes=self.objective_budget)
 
 @patch
@@ -363,13 +385,15 @@ def train_step(self: Trainer) -> dict:
     W = acc.reduce(sum(lay.weights.sum() for _, lay in micro).float().reshape(1), 'sum')
     total, tokens = None, sum(int(b['attention_mask'].sum()) for b, _ in micro)
     for i, (b, lay) in enumerate(micro):
-        with acc.no_sync(self.model) if i < len(micro) - 1 else nullcontext():
+        # FSDP reduce-scatters every micro-batch's gradients: holding them whole until the last would undo the sharding
+        with acc.no_sync(self.model) if i < len(micro) - 1 and self.fsdp is None else nullcontext():
             s = self._sums(b, lay)
             acc.backward(s.loss_sum / W[0] * acc.num_processes)
         s = ObjectiveSums(*(getattr(s, f.name).detach() for f in fields(s)))
         total = s if total is None else total + s
     g = self._reduce(total)
     grad_norm = acc.clip_grad_norm_(self.model.parameters(), c.max_grad_norm)
+    if isinstance(grad_norm, DTensor): grad_norm = grad_norm.full_tensor()      # sharded gradients: the global norm
     lr = self.sched.get_last_lr()[0]
     if torch.isfinite(g.loss_sum) and torch.isfinite(grad_norm):
         self.opt.step(); self.sched.step(); self.bad_steps = 0
@@ -440,12 +464,23 @@ def resume(self: Trainer) -> Path | None:
 
 # %% ../nbs/10_trainer.ipynb #8ae0131f
 @patch
+def whole_drafter(self: Trainer) -> DFlashDrafter | None:
+    "The drafter as one whole module on the main process, None on the others; every process calls it (FSDP gathers)."
+    if self.fsdp is None: return self.acc.unwrap_model(self.model) if self.acc.is_main_process else None
+    weights = get_model_state_dict(self.model, options=whole_state(cpu_offload=True))
+    if not self.acc.is_main_process: return None
+    whole = DFlashDrafter(self.parts.drafter_config, self.cfg.attention)
+    whole.load_state_dict(weights)
+    return whole.to(self.acc.device).train(self.model.training)
+
+@patch
 def export(self: Trainer):
     "Write the drafter in the DFlash format to `out/drafter`, whole: a hidden directory, flushed, renamed."
+    drafter = self.whole_drafter()
     if self.acc.is_main_process:
         tmp, final, old = self.out / '.drafter.partial', self.out / 'drafter', self.out / '.drafter.old'
         shutil.rmtree(tmp, ignore_errors=True)
-        self.acc.unwrap_model(self.model).save_pretrained(tmp)
+        drafter.save_pretrained(tmp)
         for f in tmp.iterdir(): fsync_path(f)
         _fault('export')
         shutil.rmtree(old, ignore_errors=True)
@@ -504,5 +539,6 @@ def fit(self: Trainer) -> dict:
     acc.wait_for_everyone()
     if not last and main and (rows := list(csv.DictReader(open(self.out / 'metrics.csv')))):
         last = {k: float(v) for k, v in rows[-1].items()}      # resumed after the last step: its logged metrics
-    return {**last, **ev, 'mixed_precision': acc.mixed_precision, 'distributed_type': acc.distributed_type.value}
+    return {**last, **ev, 'mixed_precision': acc.mixed_precision, 'distributed_type': acc.distributed_type.value,
+            'fsdp': self.fsdp is not None}
 

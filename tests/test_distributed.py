@@ -1,5 +1,5 @@
 "The user's accelerate settings, two machines, any world size: real `accelerate launch` processes on CPU (gloo)."
-import csv, json, os, shutil, socket, subprocess, sys
+import csv, json, os, re, shutil, socket, subprocess, sys
 from pathlib import Path
 import pytest
 
@@ -119,10 +119,47 @@ def test_deepspeed_is_refused_before_loading(tmp_path):
     assert not (tmp_path / 'ds' / 'metrics.csv').exists()
 
 
-def test_fsdp_is_refused_not_silently_ddp(tmp_path):
-    "FSDP is not supported yet; on CPU accelerate would even ignore --use_fsdp and run DDP: the trainer says so, stops."
-    r = subprocess.run(command(tmp_path / 'fsdp', *SMALL, processes=2,
-                               accelerate=('--mixed_precision', 'no', '--use_fsdp', '--fsdp_version', '2')),
-                       env=ENV, capture_output=True, text=True, timeout=300)
+FSDP = ('--mixed_precision', 'no', '--use_fsdp', '--fsdp_version', '2')
+
+
+@pytest.fixture(scope='module')
+def fsdp_run(runs):
+    "The 2-process run under FSDP (on CPU accelerate's plugin cannot start; the trainer shards with FSDP2 itself)."
+    out = runs / 'fsdp'
+    r = launch(out, *SMALL, '--spec-eval-prompts', '1', '--spec-new-tokens', '16', processes=2, accelerate=FSDP)
+    return out, r.stdout + r.stderr
+
+
+def test_fsdp_shards_and_trains_like_ddp(runs, fsdp_run):
+    "Sharded over 2 processes, the drafter follows DDP's loss curve, and exports and measures the same drafter."
+    from safetensors.torch import load_file
+    out, log = fsdp_run
+    held, total = (int(n.replace(',', '')) for n in re.search(r'this one holds ([\d,]+) of its ([\d,]+) parameters',
+                                                              log).groups())
+    assert 0.4 * total < held < 0.6 * total, (held, total)
+    assert_close(losses(out), losses(runs / 'two'))
+    m = summary(out)['metrics']
+    assert m['fsdp'] and m['distributed_type'] == 'MULTI_CPU' and m['processes'] == 2
+    assert summary(out)['spec_after']['tau'] >= 1.0, "the whole drafter, gathered, drafts on the main process"
+    a, b = load_file(out / 'drafter' / 'model.safetensors'), load_file(runs / 'two' / 'drafter' / 'model.safetensors')
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-5 for k in a)
+
+
+@pytest.mark.parametrize('saved,resumed', [('fsdp', 1), ('two', 'fsdp')])
+def test_fsdp_checkpoints_resume_anywhere(runs, fsdp_run, tmp_path, saved, resumed):
+    "A checkpoint holds whole tensors by name: FSDP's resumes on 1 process, and DDP's resumes under FSDP."
+    out = _interrupted_copy(runs / saved, tmp_path / 'resumed')
+    launch(out, *SMALL, '--resume', processes=2 if resumed == 'fsdp' else resumed,
+           **({'accelerate': FSDP} if resumed == 'fsdp' else {}))
+    assert_close(losses(out), {k: v for k, v in losses(runs / 'two').items() if k > 2})
+
+
+def test_fsdp_settings_it_cannot_use_are_refused_before_loading(tmp_path):
+    "FSDP1 and FSDP's own activation checkpointing: one error naming both, before any model loads."
+    env = {**ENV, 'ACCELERATE_USE_FSDP': 'true', 'FSDP_VERSION': '1', 'FSDP_ACTIVATION_CHECKPOINTING': 'true'}
+    r = subprocess.run([sys.executable, '-m', 'dflash.train', '--out', str(tmp_path / 'v1'), *SMALL],
+                       env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
-    assert 'FSDP is not supported by dflash.train' in r.stdout + r.stderr, r.stdout + r.stderr
+    for says in ('fsdp_version 1', '--fsdp_version 2', 'fsdp_activation_checkpointing', '--checkpointing'):
+        assert says in r.stderr, r.stderr
+    assert 'Loading' not in r.stderr and not (tmp_path / 'v1' / 'metrics.csv').exists()
