@@ -124,9 +124,10 @@ FSDP = ('--mixed_precision', 'no', '--use_fsdp', '--fsdp_version', '2')
 
 @pytest.fixture(scope='module')
 def fsdp_run(runs):
-    "The 2-process run under FSDP (on CPU accelerate's plugin cannot start; the trainer shards with FSDP2 itself)."
+    "The 2-process run under FSDP, every layer checkpointed (on CPU, where accelerate's plugin cannot start)."
     out = runs / 'fsdp'
-    r = launch(out, *SMALL, '--spec-eval-prompts', '1', '--spec-new-tokens', '16', processes=2, accelerate=FSDP)
+    r = launch(out, *SMALL, '--checkpointing', 'all', '--spec-eval-prompts', '1', '--spec-new-tokens', '16',
+               processes=2, accelerate=FSDP)
     return out, r.stdout + r.stderr
 
 
@@ -137,6 +138,7 @@ def test_fsdp_shards_and_trains_like_ddp(runs, fsdp_run):
     held, total = (int(n.replace(',', '')) for n in re.search(r'this one holds ([\d,]+) of its ([\d,]+) parameters',
                                                               log).groups())
     assert 0.4 * total < held < 0.6 * total, (held, total)
+    assert 'layer checkpointing: all' in log
     assert_close(losses(out), losses(runs / 'two'))
     m = summary(out)['metrics']
     assert m['fsdp'] and m['distributed_type'] == 'MULTI_CPU' and m['processes'] == 2
