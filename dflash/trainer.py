@@ -77,7 +77,7 @@ def load_parts(cfg: TrainConfig, device) -> RunParts:
     tok = AutoTokenizer.from_pretrained(target)
     dkw = dict(num_hidden_layers=cfg.num_layers, block_size=cfg.block_size)
     if cfg.cache:
-        features, (embed, lm_head) = None, frozen_head_weights(target)
+        features, ev, (embed, lm_head) = None, None, frozen_head_weights(target)
         train = CacheDataset(cfg.cache, target)
         ids = train.manifest['layer_ids']
         if cfg.target_layer_ids is not None and list(cfg.target_layer_ids) != ids:
@@ -86,12 +86,12 @@ def load_parts(cfg: TrainConfig, device) -> RunParts:
         embed, lm_head = embed.to(device), lm_head.to(device)
     else:
         train = load_chat_data(data, tok, cfg.max_length, report=True)     # tokenized once, cached; counts printed
+        ev = ChatDataset.from_jsonl(eval_data, tok, cfg.max_length) if eval_data else None
+        if ev is not None and not len(ev):
+            raise ValueError(f"--eval-data {eval_data}: no usable conversation to evaluate on")
         features = TargetFeatures(target, cfg.target_layer_ids, cfg.num_layers, device=device, tokenizer=tok)
         embed, lm_head = features.embed_weight, features.lm_head_weight
         dcfg = features.drafter_config(**dkw)
-    ev = ChatDataset.from_jsonl(eval_data, tok, cfg.max_length) if eval_data and features is not None else None
-    if ev is not None and not len(ev):
-        raise ValueError(f"--eval-data {eval_data}: no usable conversation to evaluate on")
     if len(train) < cfg.batch_size:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(train)} samples)")
     return RunParts(tok, features, embed, lm_head, train, ev, dcfg)
