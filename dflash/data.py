@@ -16,9 +16,9 @@ __all__ = ['ROLES', 'DATA_SUFFIXES', 'TOKENIZE_VERSION', 'CACHE_FORMAT', 'DataOp
            'parse_command', 'DataError', 'DataStats', 'read_jsonl', 'role_of', 'to_messages', 'record_tools',
            'TemplateError', 'turn_markers', 'assistant_spans', 'tokenize_chat', 'tokenize_conversation',
            'set_chat_template', 'load_tokenizer', 'ChatDataset', 'read_records', 'tokenizer_fingerprint',
-           'load_chat_data', 'check_target_dir', 'target_identity', 'target_features', 'TargetFeatures',
-           'cache_bytes_per_token', 'data_fingerprint', 'write_cache', 'CacheDataset', 'collate', 'tokenize_command',
-           'cache_command', 'main']
+           'load_chat_data', 'check_target_dir', 'checksum_memo', 'weights_sha256', 'target_identity',
+           'target_features', 'TargetFeatures', 'cache_bytes_per_token', 'data_fingerprint', 'write_cache',
+           'CacheDataset', 'collate', 'tokenize_command', 'cache_command', 'main']
 
 # %% ../nbs/08_data.ipynb #762db414
 @dataclass
@@ -572,16 +572,30 @@ def check_target_dir(path: Path):
     if not _weight_files(path): raise ValueError(f"target {path}: no weight files ({', '.join(_WEIGHT_SUFFIXES)})")
     return config
 
-_IDENTITIES = {}   # (file, size, mtime) -> sha256: a process hashes each weights file once
+def checksum_memo() -> Path:
+    "Where weights checksums are remembered between processes and runs: the user's cache directory."
+    return Path(os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache') / 'dflash' / 'weights-sha256.json'
+
+def weights_sha256(f: Path) -> str:
+    "sha256 of a weights file, hashed once per machine: remembered by its path, size and modification time."
+    from dflash.options import json_problem; from dflash.runs import write_json
+    st, memo = f.stat(), checksum_memo()
+    key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    if known := (json_problem(memo)[0] or {}).get(key): return known
+    digest = file_sha256(f)
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        known = json_problem(memo)[0] or {}                                 # read again: others may have added theirs
+        write_json(memo, {**{k: v for k, v in known.items() if Path(k.split('|')[0]).exists()}, key: digest})
+    except OSError: pass                                                     # a read-only cache: hashed again next time
+    return digest
 
 def target_identity(path) -> str:
     "Fingerprint of a model directory: config.json, and each weight file's name and whole content (sha256)."
     path, h = Path(path), hashlib.sha256()
     h.update((path / 'config.json').read_bytes())
     for f in _weight_files(path):
-        st = f.stat(); key = (str(f.resolve()), st.st_size, st.st_mtime_ns)
-        if key not in _IDENTITIES: _IDENTITIES[key] = file_sha256(f)
-        h.update(f"{f.name}:{st.st_size}:{_IDENTITIES[key]}".encode())
+        h.update(f"{f.name}:{f.stat().st_size}:{weights_sha256(f)}".encode())
     return h.hexdigest()[:16]
 
 # %% ../nbs/08_data.ipynb #d1f8a1b6

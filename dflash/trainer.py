@@ -21,14 +21,14 @@ from tqdm.auto import tqdm
 from accelerate import Accelerator
 from accelerate.utils import set_seed, parse_flag_from_env
 from transformers import AutoConfig, AutoTokenizer, get_cosine_schedule_with_warmup
-from .config import DrafterConfig
+from .config import DrafterConfig, resolve_local
 from .layout import BlockLayout
 from .drafter import DFlashDrafter
 from .checkpointing import set_checkpointing, parse_policy
 from .plan import budgets, recommend_policy, step_memory, online_target_bytes, online_advice
 from .planner import free_bytes
 from .objective import dflash_objective, ObjectiveSums
-from .data import ChatDataset, CacheDataset, TargetFeatures, collate
+from .data import ChatDataset, CacheDataset, TargetFeatures, collate, target_identity
 from .toy import toy_target_dir, toy_data_dir
 from .options import json_problem, file_sha256
 from .runs import TrainConfig, write_atomic, write_json, fsync_path, launch_problems
@@ -67,7 +67,7 @@ class RunParts:
 
 def load_parts(cfg: TrainConfig, device) -> RunParts:
     "Resolve the target and data of `cfg` (defaults: the toy) and build the datasets."
-    from dflash.data import load_chat_data; from dflash.config import resolve_local   # hub ids; data before the model
+    from dflash.data import load_chat_data
     toy = cfg.target is None
     target = resolve_local(cfg.target) if not toy else toy_target_dir()
     data = cfg.data or (toy_data_dir() / 'train.jsonl' if toy else None)
@@ -294,7 +294,6 @@ def shard_drafter(drafter: DFlashDrafter, **settings) -> DFlashDrafter:
 
 def _refuse_online_misfit(cfg: TrainConfig, acc: Accelerator):
     "Stop an online GPU run whose step and target the plan says cannot share the device."
-    from dflash.config import resolve_local
     tc = AutoConfig.from_pretrained(resolve_local(cfg.target) if cfg.target else toy_target_dir())
     dcfg = DrafterConfig.from_target(tc, mask_token_id=tc.vocab_size - 1, num_hidden_layers=cfg.num_layers,
                                      block_size=cfg.block_size)
@@ -322,6 +321,8 @@ class Trainer:
                              f"({acc.num_processes})")
         set_seed(cfg.seed)
         if gpu and cfg.cache is None: _refuse_online_misfit(cfg, acc)   # before the target loads
+        with acc.local_main_process_first():     # one process per machine hashes the target's weights, the rest
+            target_identity(resolve_local(cfg.target) if cfg.target else toy_target_dir())     # read its checksums
         self.parts = p = load_parts(cfg, acc.device)
         budget, dtype = int(free_bytes(acc.device) * cfg.memory_fraction), _PLAN_DTYPE.get(acc.mixed_precision, 'fp32')
         attention_budget, self.objective_budget = budgets(p.drafter_config, cfg.max_length, budget, dtype,
