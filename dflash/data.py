@@ -585,8 +585,8 @@ def weights_sha256(f: Path) -> str:
     digest = file_sha256(f)
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
-        known = json_problem(memo)[0] or {}                                 # read again: others may have added theirs
-        write_json(memo, {**{k: v for k, v in known.items() if Path(k.split('|')[0]).exists()}, key: digest})
+        now = json_problem(memo)[0] or {}                                   # read again: others may have added theirs
+        write_json(memo, {**{k: v for k, v in now.items() if Path(k.split('|')[0]).exists()}, key: digest})
     except OSError: pass                                                     # a read-only cache: hashed again next time
     return digest
 
