@@ -160,10 +160,12 @@ def read_run(out) -> dict | None:
 
 # %% ../nbs/09b_runs.ipynb #183f4c97
 def _alive(pid: int) -> bool:
+    "Whether process `pid` runs: it exists and is not a zombie (exited, not yet reaped by its parent)."
     try: os.kill(pid, 0)
     except ProcessLookupError: return False
     except PermissionError: return True
-    return True
+    try: return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0] != 'Z'
+    except OSError: return True                                        # no /proc to ask: it exists
 
 def lock_run(out) -> Path:
     "Take `out/.lock` for this process; a live holder is refused, a dead one's lock is taken over."
