@@ -72,6 +72,10 @@ def launch_problems(env=None) -> list[str]:
         if (version := env.get('FSDP_VERSION', '2')) != '2':
             probs.append(f"fsdp_version {version}: dflash.train shards with FSDP2; set fsdp_version: 2 in the "
                          "accelerate config (or launch with --fsdp_version 2)")
+        names = set(env.get('FSDP_TRANSFORMER_CLS_TO_WRAP', '').replace(',', ' ').split()) - {'DFlashDecoderLayer'}
+        if names:
+            probs.append(f"fsdp_transformer_layer_cls_to_wrap {' '.join(sorted(names))}: not a layer of the drafter; "
+                         "dflash.train shards it per DFlashDecoderLayer itself, so leave this setting out")
         if _env_flag(env, 'FSDP_ACTIVATION_CHECKPOINTING'):
             probs.append("fsdp_activation_checkpointing: dflash.train checkpoints its layers itself; turn it off "
                          "and choose with --checkpointing (auto by default)")
