@@ -133,7 +133,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 from .config import DrafterConfig, default_target_layer_ids, hf_hub_cache
 from .layout import valid_anchors
-from .drafter import atomic_write
+from .runs import write_atomic, write_json
 
 # %% ../nbs/08_data.ipynb #e33fbecc
 class DataError(ValueError):
@@ -648,8 +648,6 @@ def cache_bytes_per_token(context_size: int, dtype: torch.dtype = torch.bfloat16
 # %% ../nbs/08_data.ipynb #fcaeae7d
 CACHE_FORMAT = 'dflash-hidden-cache/1'
 
-def _write_json(path: Path, obj): atomic_write(path, lambda p: Path(p).write_text(json.dumps(obj, indent=1) + '\n'))
-
 def data_fingerprint(dataset) -> str:
     "A hash of every sample's token ids and loss mask."
     h = hashlib.sha256()
@@ -686,10 +684,10 @@ def _shard_tensors(features: TargetFeatures, dataset, idx: range, batch_tokens: 
 
 def _write_shard(path: Path, tensors: dict[str, Tensor]) -> dict:
     "Write a shard, then its record (`<shard>.json`: counts, bytes, sha256), both atomically."
-    atomic_write(path, lambda p: save_file(tensors, p, metadata={'format': 'pt'}))
+    write_atomic(path, lambda p: save_file(tensors, p, metadata={'format': 'pt'}))
     rec = {'file': path.name, 'num_samples': len(tensors['sample_ids']), 'num_tokens': len(tensors['input_ids']),
            'bytes': path.stat().st_size, 'sha256': file_sha256(path)}
-    _write_json(path.with_name(path.name + '.json'), rec)
+    write_json(path.with_name(path.name + '.json'), rec)
     return rec
 
 # %% ../nbs/08_data.ipynb #f2e23258
@@ -747,7 +745,7 @@ def write_cache(features: TargetFeatures, dataset, out, shard_size: int = 64, pr
         for k in range(manifest['num_shards']):                          # a shard that fails its checksum is redone
             r = out / (_shard_name(k) + '.json')
             if r.is_file() and _done_shard(out, k, verify=True) is None: r.unlink()
-        _write_json(out / 'manifest.json', {**manifest, 'shards': [r for k in range(manifest['num_shards'])
+        write_json(out / 'manifest.json', {**manifest, 'shards': [r for k in range(manifest['num_shards'])
                                                                      if (r := _done_shard(out, k))]})
     state.wait_for_everyone()
     if not state.is_main_process: _check_resume(out, manifest)           # the same error on every process
@@ -761,7 +759,7 @@ def write_cache(features: TargetFeatures, dataset, out, shard_size: int = 64, pr
         bar.update(len(idx))
         if state.is_main_process:                                        # progress others can see, for resuming
             done = [r for j in range(K) if (r := _done_shard(out, j))]
-            _write_json(out / 'manifest.json', {**manifest, 'shards': done})
+            write_json(out / 'manifest.json', {**manifest, 'shards': done})
     bar.close()
     state.wait_for_everyone()
     if state.is_main_process:
@@ -770,7 +768,7 @@ def write_cache(features: TargetFeatures, dataset, out, shard_size: int = 64, pr
         if missing:
             raise ValueError(f"{out}: shards {missing[:5]} are missing or corrupt after writing; rerun to redo them")
         manifest['complete'] = True
-        _write_json(out / 'manifest.json', manifest)
+        write_json(out / 'manifest.json', manifest)
     state.wait_for_everyone()
     return json.loads((out / 'manifest.json').read_text())
 

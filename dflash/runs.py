@@ -7,6 +7,7 @@ from __future__ import annotations
 import json, os, re, shutil, socket, time
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
+from typing import Callable
 from .options import option, model_dir_problems, json_problem, flag
 
 # %% auto #0
@@ -108,14 +109,17 @@ def fsync_path(path):
     try: os.fsync(fd)
     finally: os.close(fd)
 
-def write_atomic(path, data: str | bytes):
-    "Write `data` to `path` whole: a flushed temporary file renamed into place."
+def write_atomic(path, data: str | bytes | Callable):
+    """Write `path` whole or not at all: `data` (text or bytes), or what `data(tmp)` writes to the path `tmp` (a
+    safetensors `save_file`), goes to a temporary file beside it, flushed, then renamed into place."""
     path = Path(path)
     tmp = path.with_name(f'.{path.name}.tmp-{os.getpid()}')
-    with open(tmp, 'wb') as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush(); os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        if callable(data): data(tmp)
+        else: tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    finally: tmp.unlink(missing_ok=True)                   # a failed write leaves the old file and no temporary
     fsync_path(path.parent)
 
 def write_json(path, obj): write_atomic(path, json.dumps(obj, indent=1) + '\n')
