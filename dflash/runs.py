@@ -11,8 +11,8 @@ from typing import Callable
 from .options import option, model_dir_problems, json_problem, flag
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'FIXED_ON_RESUME', 'TrainConfig', 'check_train', 'fsync_path', 'write_atomic', 'write_json',
-           'RunDirError', 'run_files', 'read_run', 'lock_run', 'unlock_run', 'move_aside', 'claim_run',
+__all__ = ['RUN_FILES', 'FIXED_ON_RESUME', 'TrainConfig', 'policy_problem', 'check_train', 'fsync_path', 'write_atomic',
+           'write_json', 'RunDirError', 'run_files', 'read_run', 'lock_run', 'unlock_run', 'move_aside', 'claim_run',
            'resume_changes']
 
 # %% ../nbs/09b_runs.ipynb #4745fd52
@@ -65,13 +65,14 @@ def _has_line(path) -> bool:
     "Whether a text file holds a non-blank line (read only as far as the first one)."
     with open(path, 'rb') as f: return any(line.strip() for line in f)
 
-def _policy_problem(text: str) -> str | None:
-    if text in ('auto', 'none', 'all') or (text.isdigit() and int(text) >= 1): return None
+def policy_problem(text: str, name: str = '--checkpointing', words=('auto', 'none', 'all')) -> str | None:
+    "What is wrong with a layer checkpointing policy given as text to option `name`, or None."
+    if text in words or (text.isdigit() and int(text) >= 1): return None
     try: ids = json.loads(text)
     except json.JSONDecodeError: ids = None
     if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         return None
-    return f"--checkpointing = {text!r}: allowed auto, none, all, an integer k >= 1, or a list of layers like [0,2]"
+    return f"{name} = {text!r}: allowed {', '.join(words)}, an integer k >= 1, or a list of layers like [0,2]"
 
 def check_train(c: TrainConfig) -> list[str]:
     "Problems that involve two options or the disk (each option's own range is checked by its field)."
@@ -99,7 +100,7 @@ def check_train(c: TrainConfig) -> list[str]:
                      f"({c.batch_size // world})")
     if c.block_size > c.max_length:
         probs.append(f"--block-size = {c.block_size}: allowed <= max_length ({c.max_length})")
-    if (p := _policy_problem(str(c.checkpointing))): probs.append(p)
+    if (p := policy_problem(str(c.checkpointing))): probs.append(p)
     return probs
 
 # %% ../nbs/09b_runs.ipynb #99b1472b
