@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, asdict
 from pathlib import Path
 from typing import Callable
 from .config import resolve_local
-from .options import option, parse_options, OptionsError, exit_bad_options, file_sha256
+from .options import option, parse_subcommand, OptionsError, exit_bad_options, file_sha256
 
 # %% auto #0
 __all__ = ['ROLES', 'DATA_SUFFIXES', 'TOKENIZE_VERSION', 'CACHE_FORMAT', 'DataOptions', 'CacheOptions', 'layer_ids', 'Subcommand',
@@ -106,17 +106,8 @@ def _usage() -> str:
 
 def parse_command(argv=None) -> tuple[str, object]:
     "(subcommand, its checked options); `--help` prints and exits 0, bad options print every problem and exit 2."
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ('-h', '--help'):
-        print(_usage(), file=sys.stdout if argv else sys.stderr)
-        raise SystemExit(0 if argv else 2)
-    name, sc = argv[0], _SUBCOMMANDS.get(argv[0])
-    try:
-        if sc is None: raise OptionsError([f"{name!r}: unknown command; one of {', '.join(_SUBCOMMANDS)}"],
-                                          'python -m dflash.data')
-        opts, _ = parse_options(sc.options, argv[1:], f'python -m dflash.data {name}', sc.description, check=sc.check)
+    try: return parse_subcommand(_SUBCOMMANDS, argv, 'python -m dflash.data', _usage())
     except OptionsError as e: exit_bad_options(e)
-    return name, opts
 
 # %% ../nbs/08_data.ipynb #2b331094
 if __name__ == '__main__' and '__file__' in globals() and sys.argv[1:2] and \
