@@ -18,11 +18,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 from tqdm import tqdm
-from .options import option, parse_options, OptionsError, exit_bad_options
+from .options import option, parse_subcommand, OptionsError, exit_bad_options
 from .runs import policy_problem
 
 def _heavy():
@@ -154,6 +154,7 @@ class Subcommand:
     run: Callable
     help: str                                      # one line in the command's list
     check: Callable | None = None                  # options -> problems beyond each value's range
+    description: str = ''                          # the `--help` text (default: the options' docstring)
 
 SUBCOMMANDS: dict[str, Subcommand] = {}            # each benchmark's cell adds its own
 
@@ -266,27 +267,15 @@ def _usage() -> str:
             f"ratios in one run; `{PROG} COMMAND --help` lists a command's options\n\ncommands:\n"
             + ''.join(f"  {n:<12}{s.help}\n" for n, s in SUBCOMMANDS.items()))
 
-def _shown_defaults(cls) -> dict:
-    "List defaults shown as they are typed: space separated."
-    return {f.name: ' '.join(map(str, f.default)) for f in fields(cls) if isinstance(f.default, tuple)}
-
-def parse_bench(argv=None) -> tuple[Subcommand, object]:
+def parse_bench(argv=None) -> tuple[str, object]:
     "(the subcommand, its checked options); `--help` prints and exits 0; bad options raise one `OptionsError`."
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ('-h', '--help'):
-        print(_usage(), file=sys.stdout if argv else sys.stderr)
-        raise SystemExit(0 if argv else 2)
-    sc = SUBCOMMANDS.get(argv[0])
-    if sc is None: raise OptionsError([f"{argv[0]!r}: unknown command; one of {', '.join(SUBCOMMANDS)}"], PROG)
-    opts, _ = parse_options(sc.options, argv[1:], f'{PROG} {argv[0]}', sc.options.__doc__, check=sc.check,
-                            help_defaults=_shown_defaults(sc.options))
-    return sc, opts
+    return parse_subcommand(SUBCOMMANDS, argv, PROG, _usage())
 
 def main(argv=None):
-    try: sc, opts = parse_bench(argv)
+    try: name, opts = parse_bench(argv)
     except OptionsError as e: exit_bad_options(e)
     _heavy()                                        # a subcommand runs: now torch and the models
-    return sc.run(opts)
+    return SUBCOMMANDS[name].run(opts)
 
 # %% ../nbs/13_bench.ipynb #52a954f9
 def fit_exponent(xs, ys) -> float:

@@ -4,7 +4,7 @@
 
 # %% ../nbs/13a_gpu.ipynb #503000eb
 from __future__ import annotations
-import argparse, contextlib, csv, json, math, os, subprocess, sys, tempfile, time
+import contextlib, csv, json, math, os, subprocess, sys, tempfile, time
 from dataclasses import dataclass
 from pathlib import Path
 import torch
