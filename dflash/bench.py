@@ -154,7 +154,6 @@ class Subcommand:
     run: Callable
     help: str                                      # one line in the command's list
     check: Callable | None = None                  # options -> problems beyond each value's range
-    description: str = ''                          # the `--help` text (default: the options' docstring)
 
 SUBCOMMANDS: dict[str, Subcommand] = {}            # each benchmark's cell adds its own
 

@@ -198,7 +198,8 @@ def exit_bad_options(e: OptionsError):
 # %% ../nbs/00a_options.ipynb #5b0e7c22
 def parse_subcommand(commands: dict, argv=None, prog: str = '', usage: str = '') -> tuple[str, object]:
     """`prog COMMAND [options]`: (COMMAND, its checked options). `commands[COMMAND]` has `options` (a dataclass),
-    `description` and `check`; no command or `--help`: `usage` printed, exit 2 or 0; bad options: one `OptionsError`."""
+    `check` and maybe a `description` (else the dataclass's docstring); no command or `--help`: `usage` printed, exit
+    2 or 0; bad options: one `OptionsError`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ('-h', '--help'):
         print(usage, file=sys.stdout if argv else sys.stderr)
@@ -206,7 +207,7 @@ def parse_subcommand(commands: dict, argv=None, prog: str = '', usage: str = '')
     name, sc = argv[0], commands.get(argv[0])
     if sc is None: raise OptionsError([f"{name!r}: unknown command; one of {', '.join(commands)}"], prog)
     shown = {f.name: ' '.join(map(str, f.default)) for f in fields(sc.options) if isinstance(f.default, tuple)}
-    return name, parse_options(sc.options, argv[1:], f'{prog} {name}', sc.description or sc.options.__doc__,
+    return name, parse_options(sc.options, argv[1:], f'{prog} {name}', getattr(sc, 'description', '') or sc.options.__doc__,
                                check=sc.check, help_defaults=shown)[0]
 
 # %% ../nbs/00a_options.ipynb #3656bb5a
