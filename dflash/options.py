@@ -207,8 +207,8 @@ def parse_subcommand(commands: dict, argv=None, prog: str = '', usage: str = '')
     name, sc = argv[0], commands.get(argv[0])
     if sc is None: raise OptionsError([f"{name!r}: unknown command; one of {', '.join(commands)}"], prog)
     shown = {f.name: ' '.join(map(str, f.default)) for f in fields(sc.options) if isinstance(f.default, tuple)}
-    return name, parse_options(sc.options, argv[1:], f'{prog} {name}', getattr(sc, 'description', '') or sc.options.__doc__,
-                               check=sc.check, help_defaults=shown)[0]
+    about = getattr(sc, 'description', '') or sc.options.__doc__
+    return name, parse_options(sc.options, argv[1:], f'{prog} {name}', about, check=sc.check, help_defaults=shown)[0]
 
 # %% ../nbs/00a_options.ipynb #3656bb5a
 def json_problem(path, what: str = 'file') -> tuple[dict | None, str | None]:
