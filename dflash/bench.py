@@ -4,7 +4,6 @@
 
 # %% ../nbs/13_bench.ipynb #50e35e72
 from __future__ import annotations
-import argparse
 import contextlib
 import dataclasses
 import csv
@@ -21,7 +20,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 from tqdm import tqdm
+from .options import option, parse_subcommand, OptionsError, exit_bad_options
+from .runs import policy_problem
 
 def _heavy():
     """torch, transformers and the dflash modules built on them, into this module's globals: at once when the module
@@ -52,11 +54,12 @@ def _heavy():
 if not (__name__ == '__main__' and '__file__' in globals()): _heavy()
 
 # %% auto #0
-__all__ = ['METHODS', 'LAYOUTS', 'COUNT', 'NONNEG', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'dense_attention', 'gather_attention',
-           'bench_layout', 'bench_many', 'physical_floor', 'run_attention', 'parser', 'main', 'fit_exponent',
-           'run_scaling', 'StepCase', 'reference_attention', 'step_case', 'drafter_step', 'reference_step',
-           'bench_steps', 'run_step', 'make_target', 'free_port', 'launch_commands', 'launch_train', 'last_error',
-           'logged_steps', 'throughput', 'run_train', 'bench_regenerate', 'run_regenerate', 'run_data']
+__all__ = ['METHODS', 'LAYOUTS', 'SUBCOMMANDS', 'PROG', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'dense_attention', 'gather_attention',
+           'bench_layout', 'bench_many', 'physical_floor', 'Subcommand', 'AttentionBench', 'run_attention',
+           'parse_bench', 'main', 'fit_exponent', 'ScalingBench', 'run_scaling', 'StepCase', 'reference_attention',
+           'step_case', 'drafter_step', 'reference_step', 'bench_steps', 'StepBench', 'run_step', 'make_target',
+           'free_port', 'launch_commands', 'launch_train', 'last_error', 'logged_steps', 'throughput', 'TrainBench',
+           'run_train', 'bench_regenerate', 'RegenerateBench', 'run_regenerate', 'DataBench', 'run_data', 'GpuBench']
 
 # %% ../nbs/13_bench.ipynb #e0bdccab
 def dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window=None) -> Tensor:
@@ -144,16 +147,40 @@ def physical_floor(qkv) -> int:
     return 2 * (sum(t.numel() * t.element_size() for t in qkv) + qkv[0].numel() * qkv[0].element_size())
 
 # %% ../nbs/13_bench.ipynb #a1c0b7e1
-def _int_at_least(low: int):
-    "An argparse type: an integer >= `low`, refused when the command line is parsed, naming the range."
-    def parse(text: str) -> int:
-        try: value = int(text)
-        except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low: raise argparse.ArgumentTypeError(f"{value}: must be >= {low}")
-        return value
-    return parse
+@dataclass
+class Subcommand:
+    "A `python -m dflash.bench` subcommand: its options dataclass (whose docstring describes it), what runs it."
+    options: type
+    run: Callable
+    help: str                                      # one line in the command's list
+    check: Callable | None = None                  # options -> problems beyond each value's range
 
-COUNT, NONNEG = _int_at_least(1), _int_at_least(0)      # sizes and counts; seeds, threads and warm-up steps
+SUBCOMMANDS: dict[str, Subcommand] = {}            # each benchmark's cell adds its own
+
+@dataclass
+class AttentionBench:
+    """Block attention backends against the naive baselines, forward+backward, on one scenario: time and peak memory
+    as ratios to the dense mask's, measured in one run."""
+    device: str = option('cpu', 'torch device')
+    dtype: str = option('float32', 'dtype of q, k and v', choices=['float32', 'bfloat16', 'float16'])
+    seq_len: int = option(4096, 'sequence length S', ge=1)
+    anchors: int = option(256, 'anchors (blocks) per row', ge=1)
+    block_size: int = option(16, 'block size B', ge=1)
+    batch: int = option(1, 'rows N', ge=1)
+    heads: int = option(8, 'query heads', ge=1)
+    kv_heads: int = option(2, 'key/value heads', ge=1)
+    head_dim: int = option(64, 'head dim D', ge=1)
+    sliding_window: int | None = option(None, 'sliding window of a local-attention layer (default: full attention)',
+                                        ge=1)
+    budget: float | None = option(None, "sdpa budget: bytes, or a fraction of free memory if <= 1 (default: the "
+                                        "backend's)", gt=0)
+    layouts: list[str] = option(tuple(LAYOUTS), 'uniform anchors, or chat-like: supervision in the last half / '
+                                                'quarter', choices=list(LAYOUTS))
+    methods: list[str] = option(('dense', 'gather', 'sdpa', 'flex'), 'methods measured', choices=sorted(METHODS))
+    repeats: int = option(3, 'interleaved rounds after the warm-up; the median is reported', ge=1)
+    threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
+    seed: int = option(0, 'seed of the layouts and inputs', ge=0)
+    out: str = option('bench_out', "directory for attention.csv and attention.png ('' for none)")
 
 # %% ../nbs/13_bench.ipynb #8550ddab
 def run_attention(args) -> list[dict]:
@@ -161,7 +188,8 @@ def run_attention(args) -> list[dict]:
     `args.out`."""
     dtype, rows = getattr(torch, args.dtype), []
     cpu = torch.device(args.device).type == 'cpu'
-    fns = {name: METHODS[name](**({'budget_bytes': args.budget} if name == 'sdpa' and args.budget else {}))
+    budget = int(args.budget) if args.budget and args.budget > 1 else args.budget           # bytes, or a fraction
+    fns = {name: METHODS[name](**({'budget_bytes': budget} if name == 'sdpa' and budget else {}))
            for name in args.methods if not (name == 'flex' and cpu)}
     for kind in _bar(args.layouts, 'attention layouts'):
         layout = bench_layout(kind, args.batch, args.seq_len, args.anchors, args.block_size, seed=args.seed)
@@ -223,75 +251,30 @@ def _plot(rows, floor, path):
     fig.tight_layout(); fig.savefig(path, dpi=100)
     if 'inline' not in matplotlib.get_backend(): plt.close(fig)
 
-def _add_attention(sub):
-    a = sub.add_parser('attention', help='block attention backends against naive baselines, forward+backward')
-    a.add_argument('--device', default='cpu')
-    a.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
-    a.add_argument('--seq-len', type=COUNT, default=4096)
-    a.add_argument('--anchors', type=COUNT, default=256)
-    a.add_argument('--block-size', type=COUNT, default=16)
-    a.add_argument('--batch', type=COUNT, default=1)
-    a.add_argument('--heads', type=COUNT, default=8)
-    a.add_argument('--kv-heads', type=COUNT, default=2)
-    a.add_argument('--head-dim', type=COUNT, default=64)
-    a.add_argument('--sliding-window', type=COUNT, default=None)
-    a.add_argument('--budget', type=float, default=None,
-                   help='sdpa budget: bytes, or a fraction of free memory if <= 1')
-    a.add_argument('--layouts', nargs='+', default=list(LAYOUTS), choices=list(LAYOUTS),
-                   help='uniform anchors, or chat-like: supervision in the last half / quarter')
-    a.add_argument('--methods', nargs='+', default=['dense', 'gather', 'sdpa', 'flex'], choices=sorted(METHODS))
-    a.add_argument('--repeats', type=COUNT, default=3)
-    a.add_argument('--threads', type=NONNEG, default=1, help='torch threads during the run (0: leave as is)')
-    a.add_argument('--seed', type=NONNEG, default=0)
-    a.add_argument('--out', default='bench_out', help="directory for attention.csv and attention.png ('' for none)")
-    a.set_defaults(run=run_attention)
+SUBCOMMANDS['attention'] = Subcommand(AttentionBench, run_attention, 'block attention backends against naive '
+                                     'baselines, forward+backward')
 
 # %% ../nbs/13_bench.ipynb #8aa8f751
 def _bar(cases=None, desc: str = '', total: int | None = None):
     "A progress bar over a subcommand's cases, on stderr, shown only in a terminal (not in logs or notebooks)."
     return tqdm(cases, desc=desc, total=total, file=sys.stderr, disable=None, leave=False)
 
-def _show_defaults(p: argparse.ArgumentParser):
-    "End every option's help with its one default (lists space-separated), in every subcommand."
-    for a in p._actions:
-        if isinstance(a, argparse._SubParsersAction):
-            for s in a.choices.values(): _show_defaults(s)
-        elif a.option_strings and a.default is not argparse.SUPPRESS and not isinstance(a.default, bool):
-            d = ' '.join(map(str, a.default)) if isinstance(a.default, list) else 'none' if a.default is None \
-                else repr(a.default) if a.default == '' else a.default
-            a.help = f"{a.help + ' ' if a.help else ''}(default: {str(d).replace('%', '%%')})"
+PROG = 'python -m dflash.bench'
 
-def _run_gpu(args):
-    from dflash.gpu_bench import run_gpu            # 13a_gpu imports this module: only when the subcommand runs
-    return run_gpu(args)
+def _usage() -> str:
+    return (f"usage: {PROG} {{{','.join(SUBCOMMANDS)}}} [options]\n\ndflash benchmarks: time and peak memory as "
+            f"ratios in one run; `{PROG} COMMAND --help` lists a command's options\n\ncommands:\n"
+            + ''.join(f"  {n:<12}{s.help}\n" for n, s in SUBCOMMANDS.items()))
 
-def _add_gpu(sub):
-    g = sub.add_parser('gpu', help='every CUDA check in one bounded run (one H200: <= 8 minutes); '
-                                   'CSV and JSON to --out')
-    g.add_argument('--out', default='benchmarks/gpu', help='directory for gpu.json and the CSVs (commit it)')
-    g.add_argument('--dry-run', action='store_true', help='print the sections, shapes and time budgets, run nothing')
-    g.add_argument('--sections', nargs='+', help='run only these sections (--dry-run lists them)')
-    g.set_defaults(run=_run_gpu)
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog='python -m dflash.bench',
-                                description='dflash benchmarks: time and peak memory as ratios in one run')
-    sub = p.add_subparsers(dest='command', required=True)
-    _add_attention(sub)
-    _add_scaling(sub)
-    _add_step(sub)
-    _add_train(sub)
-    _add_regenerate(sub)
-    _add_data(sub)
-    _add_gpu(sub)
-    _show_defaults(p)
-    return p
+def parse_bench(argv=None) -> tuple[str, object]:
+    "(the subcommand, its checked options); `--help` prints and exits 0; bad options raise one `OptionsError`."
+    return parse_subcommand(SUBCOMMANDS, argv, PROG, _usage())
 
 def main(argv=None):
-    args = parser().parse_args(argv)
+    try: name, opts = parse_bench(argv)
+    except OptionsError as e: exit_bad_options(e)
     _heavy()                                        # a subcommand runs: now torch and the models
-    if getattr(args, 'budget', None) is not None and args.budget > 1: args.budget = int(args.budget)
-    return args.run(args)
+    return SUBCOMMANDS[name].run(opts)
 
 # %% ../nbs/13_bench.ipynb #52a954f9
 def fit_exponent(xs, ys) -> float:
@@ -299,6 +282,23 @@ def fit_exponent(xs, ys) -> float:
     lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
     mx, my = statistics.fmean(lx), statistics.fmean(ly)
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+@dataclass
+class ScalingBench:
+    """Growth of the sdpa backend's time and peak memory in sequence length (at --anchors) and in anchors (at
+    --seq-len): forward+backward per point and the fitted exponents."""
+    seq_lens: list[int] = option((1024, 2048, 4096, 8192, 16384), 'sequence lengths of the first sweep', ge=1)
+    anchors: int = option(256, 'anchors of the sequence-length sweep', ge=1)
+    anchor_counts: list[int] = option((64, 128, 256, 512, 1024), 'anchor counts of the second sweep', ge=1)
+    seq_len: int = option(8192, 'sequence length of the anchor sweep', ge=1)
+    layout: str = option('half', 'layout of every point', choices=list(LAYOUTS))
+    heads: int = option(8, 'query heads', ge=1)
+    kv_heads: int = option(2, 'key/value heads', ge=1)
+    head_dim: int = option(64, 'head dim D', ge=1)
+    dtype: str = option('float32', 'dtype of q, k and v', choices=['float32', 'bfloat16'])
+    repeats: int = option(1, 'interleaved rounds per point after the warm-up', ge=1)
+    threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
+    seed: int = option(0, 'seed of the layouts and inputs', ge=0)
 
 def run_scaling(args) -> dict:
     """sdpa fwd+bwd time and peak over sequence lengths (at `--anchors`) and anchor counts (at `--seq-len`); fitted
@@ -322,22 +322,8 @@ def run_scaling(args) -> dict:
               f"of peak {out[axis]['peak_exponent']:.2f}")
     return out
 
-def _add_scaling(sub):
-    s = sub.add_parser('scaling',
-                       help='growth of sdpa time and memory in sequence length and anchors (fitted exponents)')
-    s.add_argument('--seq-lens', nargs='+', type=COUNT, default=[1024, 2048, 4096, 8192, 16384])
-    s.add_argument('--anchors', type=COUNT, default=256, help='anchors of the sequence-length sweep')
-    s.add_argument('--anchor-counts', nargs='+', type=COUNT, default=[64, 128, 256, 512, 1024])
-    s.add_argument('--seq-len', type=COUNT, default=8192, help='sequence length of the anchor sweep')
-    s.add_argument('--layout', default='half', choices=list(LAYOUTS))
-    s.add_argument('--heads', type=COUNT, default=8)
-    s.add_argument('--kv-heads', type=COUNT, default=2)
-    s.add_argument('--head-dim', type=COUNT, default=64)
-    s.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
-    s.add_argument('--repeats', type=COUNT, default=1)
-    s.add_argument('--threads', type=NONNEG, default=1)
-    s.add_argument('--seed', type=NONNEG, default=0)
-    s.set_defaults(run=run_scaling)
+SUBCOMMANDS['scaling'] = Subcommand(ScalingBench, run_scaling, 'growth of sdpa time and memory in sequence length '
+                                   'and anchors (fitted exponents)')
 
 # %% ../nbs/13_bench.ipynb #6db602f4
 STEP_CONFIGS = {   # drafter sizes of the `step` benchmark; head_dim = hidden // heads
@@ -440,13 +426,26 @@ def bench_steps(case: StepCase, policies: list, kind: str = 'uniform', repeats: 
             for k, x in res.items()}
 
 # %% ../nbs/13_bench.ipynb #5530c012
-def _policy(text: str):
-    "A checkpointing policy from the command line (`parse_policy`), refused at parsing when it is not one."
-    try:
-        policy = parse_policy(text)
-        checkpointed_layers(policy, 1 << 10)                           # raises for what is not a policy
-    except ValueError as e: raise argparse.ArgumentTypeError(str(e)) from None
-    return policy
+@dataclass
+class StepBench:
+    """A drafter training step against the field's reference step, per checkpointing policy, config and layout:
+    time and peak memory as ratios to the reference's, losses asserted equal."""
+    configs: list[str] = option(('medium',), 'drafter sizes', choices=list(STEP_CONFIGS))
+    layouts: list[str] = option(tuple(LAYOUTS), 'uniform anchors, or chat-like', choices=list(LAYOUTS))
+    policies: list[str] = option(('none', 'all'), 'checkpointing policies: none, all, k (every k-th layer) or a '
+                                                  'list of layers like [0,2]')
+    seq_len: int | None = option(None, "sequence length of every config (default: each config's)", ge=1)
+    anchors: int | None = option(None, "anchors of every config (default: each config's)", ge=1)
+    block_size: int = option(16, 'block size B', ge=1)
+    device: str = option('cpu', 'torch device')
+    dtype: str = option('float32', 'dtype of the drafter and its inputs', choices=['float32', 'bfloat16', 'float16'])
+    repeats: int = option(3, 'interleaved rounds after the warm-up; the median is reported', ge=1)
+    threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
+    seed: int = option(0, 'seed of the models and layouts', ge=0)
+    out: str = option('bench_out', "directory for step.csv and step.png ('' for none)")
+
+def _check_step(o: StepBench) -> list[str]:
+    return [p for t in o.policies if (p := policy_problem(t, '--policies', ('none', 'all')))]
 
 def run_step(args) -> list[dict]:
     "Measure the reference step and dflash's step per checkpointing policy, per config and layout; table, CSV, plot."
@@ -461,7 +460,7 @@ def run_step(args) -> list[dict]:
                            f"vocab {z['vocab']}, S={case.seq_len}, {case.anchors} anchors x B={args.block_size}, "
                            f"{sum(p.numel() for p in case.drafter.parameters()) / 1e6:.1f}M parameters")
             for kind in args.layouts:
-                res = bench_steps(case, args.policies, kind, args.repeats)
+                res = bench_steps(case, [parse_policy(t) for t in args.policies], kind, args.repeats)
                 bar.update()
                 base = res['reference']
                 for p, r in res.items():
@@ -511,23 +510,8 @@ def _step_plot(rows, path):
     ax.legend(fontsize=7); fig.tight_layout(); fig.savefig(path, dpi=100)
     if 'inline' not in matplotlib.get_backend(): plt.close(fig)
 
-def _add_step(sub):
-    s = sub.add_parser('step',
-                       help="a drafter training step against the field's reference step, per checkpointing policy")
-    s.add_argument('--configs', nargs='+', default=['medium'], choices=list(STEP_CONFIGS))
-    s.add_argument('--layouts', nargs='+', default=list(LAYOUTS), choices=list(LAYOUTS))
-    s.add_argument('--policies', nargs='+', type=_policy, default=['none', 'all'],
-                   help="'none', 'all' or k (every k-th layer)")
-    s.add_argument('--seq-len', type=COUNT, default=None, help="override every config's sequence length")
-    s.add_argument('--anchors', type=COUNT, default=None, help="override every config's anchors")
-    s.add_argument('--block-size', type=COUNT, default=16)
-    s.add_argument('--device', default='cpu')
-    s.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
-    s.add_argument('--repeats', type=COUNT, default=3)
-    s.add_argument('--threads', type=NONNEG, default=1, help='torch threads during the run (0: leave as is)')
-    s.add_argument('--seed', type=NONNEG, default=0)
-    s.add_argument('--out', default='bench_out', help="directory for step.csv and step.png ('' for none)")
-    s.set_defaults(run=run_step)
+SUBCOMMANDS['step'] = Subcommand(StepBench, run_step, "a drafter training step against the field's reference step, "
+                                 'per checkpointing policy', _check_step)
 
 # %% ../nbs/13_bench.ipynb #e20b7bec
 TRAIN_TARGETS = {   # targets of the `train` benchmark: None is the shipped toy; else sizes for `toy_config`
@@ -556,28 +540,40 @@ def free_port() -> str:
         s.bind(('127.0.0.1', 0))
         return str(s.getsockname()[1])
 
-def launch_commands(out, processes: int = 1, *train_args: str, device: str = 'cpu', machines: int = 1,
-                    port: str | None = None) -> list[list[str]]:
-    "One `accelerate launch -m dflash.train` command per machine: `processes` in all, `machines` of them on localhost."
+def launch_commands(out, *train_args: str, processes: int = 1, machines: int = 1, device: str = 'cpu',
+                    accelerate_args=('--mixed_precision', 'no'), port: str | None = None) -> list[list[str]]:
+    """One `accelerate launch [accelerate_args] -m dflash.train --out OUT *train_args` per machine: `processes` in all,
+    `machines` of them on localhost."""
     if processes % machines: raise ValueError(f"{processes} processes do not split over {machines} machines")
-    if device == 'cpu' and processes == 1: dist = ['--cpu', '--num_processes', '1']
-    else: dist = ['--multi_gpu'] * (processes > 1) + ['--num_processes', str(processes)]     # in all, not per machine
+    plugin = any(a in accelerate_args for a in ('--use_fsdp', '--use_deepspeed'))     # they exclude --multi_gpu
+    dist = ['--cpu'] if device == 'cpu' and processes == 1 else ['--multi_gpu'] if processes > 1 and not plugin else []
     port = port or free_port()
     nodes = [['--num_machines', '1']] if machines == 1 else [
         ['--num_machines', str(machines), '--machine_rank', str(r), '--main_process_ip', '127.0.0.1']
         for r in range(machines)]
-    return [[sys.executable, '-m', 'accelerate.commands.launch', *dist, *node, '--mixed_precision', 'no',
-             '--dynamo_backend', 'no', '--main_process_port', port, '-m', 'dflash.train', '--out', str(out),
-             *train_args] for node in nodes]
+    return [[sys.executable, '-m', 'accelerate.commands.launch', *dist, '--num_processes', str(processes), *node,
+             *accelerate_args, '--dynamo_backend', 'no', '--main_process_port', port, '-m', 'dflash.train',
+             '--out', str(out), *train_args] for node in nodes]
 
-def launch_train(out, processes: int = 1, *train_args: str, device: str = 'cpu', threads: int = 1,
-                 machines: int = 1, timeout: float = 3600) -> subprocess.CompletedProcess:
-    """Run `accelerate launch -m dflash.train --out OUT *train_args` on `processes` processes, over `machines`
-    simulated machines on localhost (launches started together); the finished launch (several: outputs joined)."""
-    cmds = launch_commands(out, processes, *train_args, device=device, machines=machines)
-    env = {**os.environ, 'OMP_NUM_THREADS': str(threads), 'PYTHONUNBUFFERED': '1', 'TOKENIZERS_PARALLELISM': 'false'}
-    if device == 'cpu': env['ACCELERATE_USE_CPU'] = 'true'              # else --multi_gpu gives lone processes
-    if machines == 1: return subprocess.run(cmds[0], env=env, capture_output=True, text=True, timeout=timeout)
+def launch_train(out, *train_args: str, processes: int = 1, machines: int = 1, device: str = 'cpu',
+                 accelerate_args=('--mixed_precision', 'no'), threads: int = 1, env: dict | None = None,
+                 timeout: float = 3600, wait: bool = True):
+    """Run `launch_commands(...)`, `threads` threads per process, `env` added to the environment: the finished launch
+    (several machines: started together, outputs joined, failures last; past `timeout`: exit -9). `wait=False`: the
+    running launch of one machine, in a session of its own (so its process group can be killed)."""
+    cmds = launch_commands(out, *train_args, processes=processes, machines=machines, device=device,
+                           accelerate_args=accelerate_args)
+    env = {**os.environ, 'OMP_NUM_THREADS': str(threads), 'PYTHONUNBUFFERED': '1', 'TOKENIZERS_PARALLELISM': 'false',
+           **({'ACCELERATE_USE_CPU': 'true'} if device == 'cpu' else {}), **(env or {})}  # cpu: else lone processes
+    if not wait:
+        if machines > 1: raise ValueError("wait=False starts one machine's launch")
+        return subprocess.Popen(cmds[0], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    if machines == 1:
+        try: return subprocess.run(cmds[0], env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            text = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ''
+            return subprocess.CompletedProcess(cmds[0], -9, text, f"timed out after {timeout:.0f} s")
     logs = [tempfile.TemporaryFile('w+') for _ in cmds]                # files, not pipes: no launch blocks on output
     procs = [subprocess.Popen(c, env=env, stdout=f, stderr=subprocess.STDOUT, text=True) for c, f in zip(cmds, logs)]
     deadline, stopped = time.monotonic() + timeout, None
@@ -624,6 +620,38 @@ def throughput(metrics_csv, warmup_steps: int = 1) -> dict:
                 peak_mem_mb=max(float(r['peak_mem_mb']) for r in rows))
 
 # %% ../nbs/13_bench.ipynb #69516555
+@dataclass
+class TrainBench:
+    """Tokens/s and peak memory of real training runs through `accelerate launch`, per target config: on 1 and more
+    processes, and the most processes split over simulated machines on localhost."""
+    configs: list[str] = option(tuple(TRAIN_TARGETS), 'targets', choices=list(TRAIN_TARGETS))
+    processes: list[int] = option((1, 2), 'processes per run, on one machine', ge=1)
+    machines: int = option(2, 'also run the most processes split over this many machines on localhost, started '
+                              'together (1: no such run)', ge=1)
+    steps: int = option(6, 'optimizer steps per run', ge=1)
+    warmup_steps: int = option(2, 'first steps left out of tokens/s', ge=0)
+    batch_size: int = option(16, 'sequences per step, over all processes', ge=1)
+    micro_batch_size: int = option(4, 'sequences per forward of a process', ge=1)
+    num_layers: int = option(2, 'drafter layers', ge=1)
+    num_anchors: int = option(64, 'anchors per sequence', ge=1)
+    max_length: int = option(512, 'tokens per sequence at most', ge=1)
+    attention: str = option('sdpa', 'attention backend', choices=['sdpa', 'flex', 'eager'])
+    device: str = option('cpu', 'device of every process', choices=['cpu', 'cuda'])
+    threads: int = option(1, 'OMP_NUM_THREADS of every process', ge=1)
+    seed: int = option(0, 'seed of the targets and the runs', ge=0)
+    out: str = option('bench_out', "directory for train.csv ('' for none)")
+
+def _check_train(o: TrainBench) -> list[str]:
+    "Options that must fit together (each value's own range is checked first; here only values inside it count)."
+    probs = []
+    if bad := [n for n in o.processes if n >= 1 and o.batch_size % n]:
+        probs.append(f"--batch-size = {o.batch_size}: allowed a multiple of every --processes (not of {bad})")
+    if o.warmup_steps >= 0 and o.steps <= o.warmup_steps:
+        probs.append(f"--steps = {o.steps}: allowed > --warmup-steps ({o.warmup_steps}), or nothing is measured")
+    if o.machines >= 1 and max(o.processes) % o.machines:
+        probs.append(f"--machines = {o.machines}: allowed a divisor of the most --processes ({max(o.processes)})")
+    return probs
+
 def _run_args(args, tmp: Path) -> list[str]:
     "The `dflash.train` flags shared by every launch."
     eval_file = tmp / 'eval.jsonl'                                          # a few held-out chats: a short final eval
@@ -641,13 +669,6 @@ def _target_label(path: Path) -> str:
 
 def run_train(args) -> list[dict]:
     "Launch short training runs per target config and process count; print a table; write CSV."
-    bad = [n for n in args.processes if args.batch_size % n]
-    if bad: raise ValueError(f"--batch-size {args.batch_size} is not a multiple of --processes {bad}")
-    if args.steps <= args.warmup_steps:
-        raise ValueError(f"--steps {args.steps} leaves nothing after {args.warmup_steps} warm-up step(s)")
-    if max(args.processes) % args.machines:
-        raise ValueError(f"--machines {args.machines} does not divide the {max(args.processes)} processes "
-                         "of --processes")
     launches = [(n, 1) for n in args.processes] + [(max(args.processes), args.machines)] * (args.machines > 1)
     rows, labels = [], {}
     bar = _bar(total=len(args.configs) * len(launches), desc='train runs')
@@ -661,7 +682,8 @@ def run_train(args) -> list[dict]:
             where = [] if sizes is None else ['--target', str(target), '--data', str(toy_data_dir() / 'train.jsonl')]
             for n, m in launches:
                 out, t0 = tmp / f'run-{name}-{n}-{m}', time.perf_counter()
-                r = launch_train(out, n, *where, *common, device=args.device, threads=args.threads, machines=m)
+                r = launch_train(out, *where, *common, processes=n, machines=m, device=args.device,
+                                 threads=args.threads)
                 wall, metrics = time.perf_counter() - t0, out / 'metrics.csv'
                 finished = metrics.is_file() and max(int(x['step']) for x in logged_steps(metrics)) == args.steps
                 if r.returncode and not finished:
@@ -705,26 +727,8 @@ def _train_report(args, rows, labels):
     with open(os.path.join(args.out, 'train.csv'), 'w', newline='') as f:
         w = csv.DictWriter(f, list(rows[0])); w.writeheader(); w.writerows(rows)
 
-def _add_train(sub):
-    t = sub.add_parser('train', help='tokens/s and peak memory of real training runs (accelerate launch): '
-                                     '1 and 2 processes, 2 machines')
-    t.add_argument('--configs', nargs='+', default=list(TRAIN_TARGETS), choices=list(TRAIN_TARGETS))
-    t.add_argument('--processes', nargs='+', type=COUNT, default=[1, 2], help='processes per run, on one machine')
-    t.add_argument('--machines', type=COUNT, default=2, help='also run the most processes split over this many '
-                   'machines on localhost, started together (1: no such run)')
-    t.add_argument('--steps', type=COUNT, default=6, help='optimizer steps per run')
-    t.add_argument('--warmup-steps', type=NONNEG, default=2, help='first steps left out of tokens/s')
-    t.add_argument('--batch-size', type=COUNT, default=16, help='sequences per step, over all processes')
-    t.add_argument('--micro-batch-size', type=COUNT, default=4)
-    t.add_argument('--num-layers', type=COUNT, default=2, help='drafter layers')
-    t.add_argument('--num-anchors', type=COUNT, default=64)
-    t.add_argument('--max-length', type=COUNT, default=512)
-    t.add_argument('--attention', default='sdpa', choices=['sdpa', 'flex', 'eager'])
-    t.add_argument('--device', default='cpu', choices=['cpu', 'cuda'])
-    t.add_argument('--threads', type=NONNEG, default=1, help='OMP_NUM_THREADS of every process')
-    t.add_argument('--seed', type=NONNEG, default=0)
-    t.add_argument('--out', default='bench_out', help="directory for train.csv ('' for none)")
-    t.set_defaults(run=run_train)
+SUBCOMMANDS['train'] = Subcommand(TrainBench, run_train, 'tokens/s and peak memory of real training runs '
+                                 '(accelerate launch): 1 and 2 processes, 2 machines', _check_train)
 
 # %% ../nbs/13_bench.ipynb #77f2d9a3
 def bench_regenerate(n: int = 32, batch_size: int = 16, max_new_tokens: int = 64, repeats: int = 2, device: str = 'cpu',
@@ -753,6 +757,17 @@ def bench_regenerate(n: int = 32, batch_size: int = 16, max_new_tokens: int = 64
         return rows
     finally: torch.set_num_threads(old)
 
+@dataclass
+class RegenerateBench:
+    "Tokens/s of greedy regeneration by the toy target of held-out toy conversations, batched against one at a time."
+    n: int = option(32, 'held-out toy conversations', ge=1)
+    batch_size: int = option(16, 'conversations generated together', ge=1)
+    max_new_tokens: int = option(64, 'tokens per assistant turn at most', ge=1)
+    repeats: int = option(2, 'interleaved rounds of both modes', ge=1)
+    device: str = option('cpu', 'device of the target', choices=['cpu', 'cuda'])
+    threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
+    out: str = option('bench_out', "directory for regenerate.csv ('' for none)")
+
 def run_regenerate(args) -> list[dict]:
     rows = bench_regenerate(args.n, args.batch_size, args.max_new_tokens, args.repeats, args.device, args.threads)
     med = {m: statistics.median(r['tokens_per_s'] for r in rows if r['mode'] == m)
@@ -768,17 +783,8 @@ def run_regenerate(args) -> list[dict]:
             w = csv.DictWriter(f, list(rows[0])); w.writeheader(); w.writerows(rows)
     return rows
 
-def _add_regenerate(sub):
-    g = sub.add_parser('regenerate', help='tokens/s of regeneration by the toy target, batched against one at a time')
-    g.add_argument('--n', type=COUNT, default=32, help='held-out toy conversations')
-    g.add_argument('--batch-size', type=COUNT, default=16)
-    g.add_argument('--max-new-tokens', type=COUNT, default=64)
-    g.add_argument('--repeats', type=COUNT, default=2)
-    g.add_argument('--device', default='cpu', choices=['cpu', 'cuda'])
-    g.add_argument('--threads', type=NONNEG, default=1, help='torch threads during the run (0: leave as is)')
-    g.add_argument('--out', default='bench_out', help="directory for regenerate.csv ('' for none)")
-    g.set_defaults(run=run_regenerate)
-
+SUBCOMMANDS['regenerate'] = Subcommand(RegenerateBench, run_regenerate, 'tokens/s of regeneration by the toy '
+                                      'target, batched against one at a time')
 
 # %% ../nbs/13_bench.ipynb #9e56f721
 _DATA_LAUNCH = '''import json, sys, time
@@ -802,6 +808,15 @@ def _data_launch(data: Path, num_proc: int, cache: Path) -> dict:
                        env=env, capture_output=True, text=True, timeout=3600)
     if r.returncode: raise RuntimeError(f"data launch failed: {r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+@dataclass
+class DataBench:
+    """Chat data tokenization by `load_chat_data` in fresh processes: conversations/s with 1 and 2 tokenizing
+    processes, a first launch (empty cache) and a second (the cache)."""
+    conversations: int = option(100_000, 'toy conversations', ge=1)
+    processes: list[int] = option((1, 2), 'tokenizing processes (num_proc)', ge=1)
+    seed: int = option(0, 'seed of the toy corpus', ge=0)
+    out: str = option('bench_out', "directory for data.csv ('' for none)")
 
 def run_data(args) -> list[dict]:
     """Tokenize `args.conversations` toy conversations with 1 and 2 tokenizing processes (`num_proc`), each as a first
@@ -829,15 +844,24 @@ def run_data(args) -> list[dict]:
             w = csv.DictWriter(f, fieldnames=list(rows[0])); w.writeheader(); w.writerows(rows)
     return rows
 
-def _add_data(sub):
-    d = sub.add_parser('data', help='chat data tokenization: conversations/s with 1 and 2 processes, '
-                                    'first and second launch')
-    d.add_argument('--conversations', type=COUNT, default=100_000, help='toy conversations')
-    d.add_argument('--processes', type=COUNT, nargs='+', default=[1, 2], help='tokenizing processes, num_proc')
-    d.add_argument('--seed', type=NONNEG, default=0)
-    d.add_argument('--out', default='bench_out', help="directory for data.csv ('' for none)")
-    d.set_defaults(run=run_data)
+SUBCOMMANDS['data'] = Subcommand(DataBench, run_data, 'chat data tokenization: conversations/s with 1 and 2 '
+                                'processes, first and second launch')
 
+# %% ../nbs/13_bench.ipynb #9a7c1e52
+@dataclass
+class GpuBench:
+    """Every check that needs a CUDA device in one bounded run (one H200: at most 8 minutes), written as CSV and JSON
+    to --out; `dflash.gpu_bench` (13a_gpu) runs it."""
+    out: str = option('benchmarks/gpu', 'directory for gpu.json and the CSVs (commit it)')
+    dry_run: bool = option(False, 'print the sections, shapes and time budgets, run nothing')
+    sections: list[str] | None = option(None, 'run only these sections (default: all; --dry-run lists them)')
+
+def _run_gpu(args):
+    from dflash.gpu_bench import run_gpu            # 13a_gpu imports this module: only when the subcommand runs
+    return run_gpu(args)
+
+SUBCOMMANDS['gpu'] = Subcommand(GpuBench, _run_gpu, 'every CUDA check in one bounded run (one H200: <= 8 minutes); '
+                                                 'CSV and JSON to --out')
 
 # %% ../nbs/13_bench.ipynb #6ab0d565
 if __name__ == '__main__' and '__file__' in globals(): main()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, asdict
 from pathlib import Path
 from typing import Callable
 from .config import resolve_local
-from .options import option, parse_options, OptionsError, exit_bad_options, file_sha256
+from .options import option, parse_subcommand, OptionsError, exit_bad_options, file_sha256, json_problem
 
 # %% auto #0
 __all__ = ['ROLES', 'DATA_SUFFIXES', 'TOKENIZE_VERSION', 'CACHE_FORMAT', 'DataOptions', 'CacheOptions', 'layer_ids', 'Subcommand',
@@ -106,17 +106,8 @@ def _usage() -> str:
 
 def parse_command(argv=None) -> tuple[str, object]:
     "(subcommand, its checked options); `--help` prints and exits 0, bad options print every problem and exit 2."
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ('-h', '--help'):
-        print(_usage(), file=sys.stdout if argv else sys.stderr)
-        raise SystemExit(0 if argv else 2)
-    name, sc = argv[0], _SUBCOMMANDS.get(argv[0])
-    try:
-        if sc is None: raise OptionsError([f"{name!r}: unknown command; one of {', '.join(_SUBCOMMANDS)}"],
-                                          'python -m dflash.data')
-        opts, _ = parse_options(sc.options, argv[1:], f'python -m dflash.data {name}', sc.description, check=sc.check)
+    try: return parse_subcommand(_SUBCOMMANDS, argv, 'python -m dflash.data', _usage())
     except OptionsError as e: exit_bad_options(e)
-    return name, opts
 
 # %% ../nbs/08_data.ipynb #2b331094
 if __name__ == '__main__' and '__file__' in globals() and sys.argv[1:2] and \
@@ -133,7 +124,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 from .config import DrafterConfig, default_target_layer_ids, hf_hub_cache
 from .layout import valid_anchors
-from .drafter import atomic_write
+from .runs import write_atomic, write_json
 
 # %% ../nbs/08_data.ipynb #e33fbecc
 class DataError(ValueError):
@@ -578,7 +569,6 @@ def checksum_memo() -> Path:
 
 def weights_sha256(f: Path) -> str:
     "sha256 of a weights file, hashed once per machine: remembered by its path, size and modification time."
-    from dflash.options import json_problem; from dflash.runs import write_json
     st, memo = f.stat(), checksum_memo()
     key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     if known := (json_problem(memo)[0] or {}).get(key): return known
@@ -662,8 +652,6 @@ def cache_bytes_per_token(context_size: int, dtype: torch.dtype = torch.bfloat16
 # %% ../nbs/08_data.ipynb #fcaeae7d
 CACHE_FORMAT = 'dflash-hidden-cache/1'
 
-def _write_json(path: Path, obj): atomic_write(path, lambda p: Path(p).write_text(json.dumps(obj, indent=1) + '\n'))
-
 def data_fingerprint(dataset) -> str:
     "A hash of every sample's token ids and loss mask."
     h = hashlib.sha256()
@@ -700,10 +688,10 @@ def _shard_tensors(features: TargetFeatures, dataset, idx: range, batch_tokens: 
 
 def _write_shard(path: Path, tensors: dict[str, Tensor]) -> dict:
     "Write a shard, then its record (`<shard>.json`: counts, bytes, sha256), both atomically."
-    atomic_write(path, lambda p: save_file(tensors, p, metadata={'format': 'pt'}))
+    write_atomic(path, lambda p: save_file(tensors, p, metadata={'format': 'pt'}))
     rec = {'file': path.name, 'num_samples': len(tensors['sample_ids']), 'num_tokens': len(tensors['input_ids']),
            'bytes': path.stat().st_size, 'sha256': file_sha256(path)}
-    _write_json(path.with_name(path.name + '.json'), rec)
+    write_json(path.with_name(path.name + '.json'), rec)
     return rec
 
 # %% ../nbs/08_data.ipynb #f2e23258
@@ -761,7 +749,7 @@ def write_cache(features: TargetFeatures, dataset, out, shard_size: int = 64, pr
         for k in range(manifest['num_shards']):                          # a shard that fails its checksum is redone
             r = out / (_shard_name(k) + '.json')
             if r.is_file() and _done_shard(out, k, verify=True) is None: r.unlink()
-        _write_json(out / 'manifest.json', {**manifest, 'shards': [r for k in range(manifest['num_shards'])
+        write_json(out / 'manifest.json', {**manifest, 'shards': [r for k in range(manifest['num_shards'])
                                                                      if (r := _done_shard(out, k))]})
     state.wait_for_everyone()
     if not state.is_main_process: _check_resume(out, manifest)           # the same error on every process
@@ -775,7 +763,7 @@ def write_cache(features: TargetFeatures, dataset, out, shard_size: int = 64, pr
         bar.update(len(idx))
         if state.is_main_process:                                        # progress others can see, for resuming
             done = [r for j in range(K) if (r := _done_shard(out, j))]
-            _write_json(out / 'manifest.json', {**manifest, 'shards': done})
+            write_json(out / 'manifest.json', {**manifest, 'shards': done})
     bar.close()
     state.wait_for_everyone()
     if state.is_main_process:
@@ -784,7 +772,7 @@ def write_cache(features: TargetFeatures, dataset, out, shard_size: int = 64, pr
         if missing:
             raise ValueError(f"{out}: shards {missing[:5]} are missing or corrupt after writing; rerun to redo them")
         manifest['complete'] = True
-        _write_json(out / 'manifest.json', manifest)
+        write_json(out / 'manifest.json', manifest)
     state.wait_for_everyone()
     return json.loads((out / 'manifest.json').read_text())
 

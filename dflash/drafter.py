@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_drafter.ipynb #e67332a6
 from __future__ import annotations
-import json, os, tempfile
+import json
 from pathlib import Path
 import torch
 import torch.nn.functional as F
@@ -16,10 +16,11 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedd
 from .config import DrafterConfig, resolve_local
 from .layout import BlockLayout
 from .attention import get_backend
+from .runs import write_atomic
 
 # %% auto #0
 __all__ = ['qwen3_config', 'rotate', 'compute_dtype', 'compute_input', 'RMSNorm', 'DFlashAttention', 'DFlashDecoderLayer',
-           'ContextCache', 'DFlashDrafter', 'one_block_attention', 'check_semantics', 'atomic_write']
+           'ContextCache', 'DFlashDrafter', 'one_block_attention', 'check_semantics']
 
 # %% ../nbs/05_drafter.ipynb #edb55883
 def qwen3_config(cfg: DrafterConfig) -> Qwen3Config:
@@ -228,25 +229,14 @@ def check_semantics(drafter: DFlashDrafter, context: Tensor, layout: BlockLayout
     return worst
 
 # %% ../nbs/05_drafter.ipynb #488d8161
-def atomic_write(path: Path, write):
-    "Write through `write(tmp_path)` to a temporary file beside `path`, then rename it into place."
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.')
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)                      # mkstemp makes it private; a checkpoint is for sharing
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp): os.remove(tmp)
-
 @patch
 def save_pretrained(self: DFlashDrafter, path):
     "Write `config.json` and `model.safetensors` to directory `path`."
     path = Path(path); path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-    atomic_write(path / 'model.safetensors', lambda p: save_file(state, p, metadata={'format': 'pt'}))
+    write_atomic(path / 'model.safetensors', lambda p: save_file(state, p, metadata={'format': 'pt'}))
     conf = {**self.config.to_dict(), 'dtype': str(next(self.parameters()).dtype).removeprefix('torch.')}
-    atomic_write(path / 'config.json', lambda p: Path(p).write_text(json.dumps(conf, indent=2) + '\n'))
+    write_atomic(path / 'config.json', json.dumps(conf, indent=2) + '\n')
 
 # %% ../nbs/05_drafter.ipynb #99df99ef
 def _check_state(expected: dict, found: dict, source: str):

@@ -4,7 +4,7 @@
 
 # %% ../nbs/13a_gpu.ipynb #503000eb
 from __future__ import annotations
-import argparse, contextlib, csv, json, math, os, subprocess, sys, tempfile, time
+import contextlib, csv, json, math, os, subprocess, sys, tempfile, time
 from dataclasses import dataclass
 from pathlib import Path
 import torch
@@ -19,12 +19,12 @@ from .drafter import DFlashDrafter
 from .checkpointing import set_checkpointing
 from .objective import dflash_objective
 from .plan import budgets, recommend_policy, plan_layout
-from .bench import bench_many, free_port, last_error, logged_steps
+from .bench import bench_many, launch_train, last_error, logged_steps
 
 # %% auto #0
 __all__ = ['PLANNER_CASES', 'PEAK_BF16_FLOPS', 'QWEN3_8B', 'MULTI_VARIANTS', 'MULTI_ARGS', 'SECTIONS', 'TOTAL_BUDGET_S',
            'grad_check', 'sdpa_kernels', 'attention_compare', 'planner_check', 'step_flops', 'peak_flops',
-           'qwen3_8b_drafter', 'real_step', 'launch', 'run_summary', 'multi_process', 'Section', 'acceptance',
+           'qwen3_8b_drafter', 'real_step', 'timed_launch', 'run_summary', 'multi_process', 'Section', 'acceptance',
            'machine', 'dry_run', 'run_gpu']
 
 # %% ../nbs/13a_gpu.ipynb #c36b4aa1
@@ -212,22 +212,10 @@ def real_step(device='cuda', cfg: DrafterConfig | None = None, seq_len: int = 80
                 losses=' '.join(f'{l:.4f}' for l in losses))
 
 # %% ../nbs/13a_gpu.ipynb #2f3fad5c
-def launch(out, *train_args: str, processes: int = 1, device: str = 'cuda', accelerate_args=(), timeout: float = 600,
-           threads: int = 2) -> tuple[subprocess.CompletedProcess, float]:
-    "Run `accelerate launch [accelerate_args] -m dflash.train --out OUT *train_args`; (finished process, wall seconds)."
-    plugin = any(a in accelerate_args for a in ('--use_fsdp', '--use_deepspeed'))     # they exclude --multi_gpu
-    dist = ['--cpu'] if device == 'cpu' and processes == 1 else ['--multi_gpu'] if processes > 1 and not plugin else []
-    cmd = [sys.executable, '-m', 'accelerate.commands.launch', *dist, '--num_processes', str(processes),
-           '--num_machines', '1',
-           '--dynamo_backend', 'no', '--main_process_port', free_port(), *accelerate_args,
-           '-m', 'dflash.train', '--out', str(out), *train_args]
-    env = {**os.environ, 'OMP_NUM_THREADS': str(threads), 'PYTHONUNBUFFERED': '1', 'TOKENIZERS_PARALLELISM': 'false'}
-    if device == 'cpu': env['ACCELERATE_USE_CPU'] = 'true'            # else --multi_gpu on a CPU gives lone processes
+def timed_launch(out, *train_args: str, threads: int = 2, **kw) -> tuple[subprocess.CompletedProcess, float]:
+    "`launch_train(out, *train_args, ...)` (`dflash.bench`), 2 threads a process: (finished launch, wall seconds)."
     t0 = time.perf_counter()
-    try: r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        text = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ''
-        r = subprocess.CompletedProcess(cmd, -9, text, f"timed out after {timeout:.0f} s")
+    r = launch_train(out, *train_args, threads=threads, **kw)
     return r, time.perf_counter() - t0
 
 def run_summary(out, r: subprocess.CompletedProcess, wall: float) -> dict:
@@ -252,8 +240,8 @@ def multi_process(device='cuda', variants=MULTI_VARIANTS, train_args=MULTI_ARGS,
     "The same short run per (processes, accelerate flags); loss curves against the first variant's."
     res, tmp = [], Path(tempfile.mkdtemp(prefix='dflash-gpu-'))
     for i, (name, (n, extra)) in enumerate(variants.items()):
-        r, wall = launch(tmp / f'run{i}', *train_args, processes=n, device=device, timeout=timeout,
-                         accelerate_args=['--mixed_precision', precision, *extra])
+        r, wall = timed_launch(tmp / f'run{i}', *train_args, processes=n, device=device, timeout=timeout,
+                               accelerate_args=['--mixed_precision', precision, *extra])
         res.append(dict(variant=name, processes=n, **run_summary(tmp / f'run{i}', r, wall)))
     ref = res[0]['losses']
     for x in res:
@@ -274,7 +262,7 @@ class Section:
 
 def _toy(device) -> list[dict]:
     out = Path(tempfile.mkdtemp(prefix='dflash-toy-')) / 'toy'
-    r, wall = launch(out, device=device, accelerate_args=['--mixed_precision', 'bf16'], timeout=240)
+    r, wall = timed_launch(out, device=device, accelerate_args=['--mixed_precision', 'bf16'], timeout=240)
     row = run_summary(out, r, wall)
     return [{**row, 'losses': ' '.join(f'{v:.4f}' for v in row['losses'])}]
 

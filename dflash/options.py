@@ -13,7 +13,8 @@ from fastcore.basics import patch_to
 
 # %% auto #0
 __all__ = ['OptionsError', 'option', 'flag', 'allowed_text', 'check_value', 'OptionParser', 'build_options', 'parse_options',
-           'exit_bad_options', 'json_problem', 'safetensors_problem', 'model_dir_problems', 'file_sha256']
+           'exit_bad_options', 'parse_subcommand', 'json_problem', 'safetensors_problem', 'model_dir_problems',
+           'file_sha256']
 
 # %% ../nbs/00a_options.ipynb #38d158e5
 class OptionsError(ValueError):
@@ -193,6 +194,21 @@ def exit_bad_options(e: OptionsError):
     "Print `e` and exit with status 2 (a command-line error)."
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2)
+
+# %% ../nbs/00a_options.ipynb #5b0e7c22
+def parse_subcommand(commands: dict, argv=None, prog: str = '', usage: str = '') -> tuple[str, object]:
+    """`prog COMMAND [options]`: (COMMAND, its checked options). `commands[COMMAND]` has `options` (a dataclass),
+    `check` and maybe a `description` (else the dataclass's docstring); no command or `--help`: `usage` printed, exit
+    2 or 0; bad options: one `OptionsError`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ('-h', '--help'):
+        print(usage, file=sys.stdout if argv else sys.stderr)
+        raise SystemExit(0 if argv else 2)
+    name, sc = argv[0], commands.get(argv[0])
+    if sc is None: raise OptionsError([f"{name!r}: unknown command; one of {', '.join(commands)}"], prog)
+    shown = {f.name: ' '.join(map(str, f.default)) for f in fields(sc.options) if isinstance(f.default, tuple)}
+    about = getattr(sc, 'description', '') or sc.options.__doc__
+    return name, parse_options(sc.options, argv[1:], f'{prog} {name}', about, check=sc.check, help_defaults=shown)[0]
 
 # %% ../nbs/00a_options.ipynb #3656bb5a
 def json_problem(path, what: str = 'file') -> tuple[dict | None, str | None]:

@@ -7,12 +7,11 @@ from __future__ import annotations
 import argparse, hashlib, importlib.util, json, os, sys, time
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
-import torch
-from tqdm.auto import tqdm
 from .config import resolve_local
 from .options import file_sha256
-from .data import DataError, DataStats, read_records, to_messages, target_identity, check_target_dir
-from .drafter import atomic_write
+from .runs import write_atomic
+# torch, transformers and dflash.data (which loads torch) load inside the functions that use them: `--help` answers
+# at once
 
 # %% auto #0
 __all__ = ['ENGINES', 'DTYPES', 'ROLES', 'INDEX_FORMAT', 'RegenConfig', 'vllm_unavailable', 'check_options', 'validate',
@@ -48,6 +47,7 @@ def _target_dir(cfg: RegenConfig) -> Path:
 
 def vllm_unavailable() -> str | None:
     "Why `--engine vllm` cannot run here, or None when it can."
+    import torch
     if importlib.util.find_spec('vllm') is None: return 'vLLM is not installed (pip install vllm)'
     if not torch.cuda.is_available(): return 'vLLM needs a CUDA GPU and none is available'
     return None
@@ -87,6 +87,7 @@ ROLES = ('system', 'user', 'assistant')
 
 def load_conversations(path, skip_bad_lines: bool = False) -> tuple[list[tuple[dict, list[dict]]], DataStats]:
     "`(record, messages)` of every usable line, and what was skipped."
+    from dflash.data import DataError, DataStats, read_records, to_messages
     stats, out = DataStats(), []
     for where, rec in read_records(path, skip_bad_lines, stats):
         try:
@@ -151,6 +152,7 @@ def _cache_kw(model, cache) -> dict:
 
 def sample_next(logits, temperature: float = 0., top_p: float = 1., generator=None):
     "Next tokens (n,) from last-position logits (n, V): argmax when greedy, else temperature and nucleus sampling."
+    import torch
     if temperature <= 0: return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, -1)                  # (n, V)
     if top_p < 1:
@@ -166,39 +168,40 @@ class TransformersEngine:
         self.model, self.stop_ids, self.pad_id = model, list(stop_ids), pad_id
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
 
-    @torch.no_grad()
     def __call__(self, prompts: list[list[int]], seed: int = 0) -> list[tuple[list[int], bool]]:
+        import torch
         from transformers import DynamicCache
-        dev = next(self.model.parameters()).device
-        N, P = len(prompts), max(map(len, prompts))
-        ids = torch.full((N, P), self.pad_id, dtype=torch.long)                # (N, P) left-padded
-        mask = torch.zeros(N, P, dtype=torch.long)                              # (N, P) 1 on prompt tokens
-        for n, p in enumerate(prompts): ids[n, P - len(p):], mask[n, P - len(p):] = torch.tensor(p), 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)                                # (N, P) positions, padding at 0
-        gen = torch.Generator(dev).manual_seed(seed) if self.temperature > 0 else None
-        cache, stops = DynamicCache(), torch.tensor(self.stop_ids, device=dev)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                            **_cache_kw(self.model, cache)).logits[:, -1]     # (N, V)
-        live, nxt_pos = torch.arange(N, device=dev), pos[:, -1] + 1    # rows still generating, their next position
-        out, stopped = [[] for _ in range(N)], [False] * N
-        for step in range(self.max_new_tokens):
-            tok = sample_next(logits, self.temperature, self.top_p, gen)        # (n,)
-            done = torch.isin(tok, stops)
-            for r, t, d in zip(live.tolist(), tok.tolist(), done.tolist()):
-                if d: stopped[r] = True
-                else: out[r].append(t)
-            keep = ~done
-            if step == self.max_new_tokens - 1 or not keep.any(): break
-            if not keep.all():                                          # finished rows leave the batch and cache
-                idx = keep.nonzero()[:, 0]
-                cache.batch_select_indices(idx)
-                live, tok, mask, nxt_pos = live[idx], tok[idx], mask[idx], nxt_pos[idx]
-            mask = torch.cat([mask, mask.new_ones(len(live), 1)], 1)            # (n, L + 1)
-            logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=nxt_pos[:, None],
-                                use_cache=True, **_cache_kw(self.model, cache)).logits[:, -1]
-            nxt_pos = nxt_pos + 1
-        return list(zip(out, stopped))
+        with torch.no_grad():
+            dev = next(self.model.parameters()).device
+            N, P = len(prompts), max(map(len, prompts))
+            ids = torch.full((N, P), self.pad_id, dtype=torch.long)                # (N, P) left-padded
+            mask = torch.zeros(N, P, dtype=torch.long)                              # (N, P) 1 on prompt tokens
+            for n, p in enumerate(prompts): ids[n, P - len(p):], mask[n, P - len(p):] = torch.tensor(p), 1
+            ids, mask = ids.to(dev), mask.to(dev)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)                                # (N, P) positions, padding at 0
+            gen = torch.Generator(dev).manual_seed(seed) if self.temperature > 0 else None
+            cache, stops = DynamicCache(), torch.tensor(self.stop_ids, device=dev)
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                                **_cache_kw(self.model, cache)).logits[:, -1]     # (N, V)
+            live, nxt_pos = torch.arange(N, device=dev), pos[:, -1] + 1    # rows still generating, their next position
+            out, stopped = [[] for _ in range(N)], [False] * N
+            for step in range(self.max_new_tokens):
+                tok = sample_next(logits, self.temperature, self.top_p, gen)        # (n,)
+                done = torch.isin(tok, stops)
+                for r, t, d in zip(live.tolist(), tok.tolist(), done.tolist()):
+                    if d: stopped[r] = True
+                    else: out[r].append(t)
+                keep = ~done
+                if step == self.max_new_tokens - 1 or not keep.any(): break
+                if not keep.all():                                          # finished rows leave the batch and cache
+                    idx = keep.nonzero()[:, 0]
+                    cache.batch_select_indices(idx)
+                    live, tok, mask, nxt_pos = live[idx], tok[idx], mask[idx], nxt_pos[idx]
+                mask = torch.cat([mask, mask.new_ones(len(live), 1)], 1)            # (n, L + 1)
+                logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=nxt_pos[:, None],
+                                    use_cache=True, **_cache_kw(self.model, cache)).logits[:, -1]
+                nxt_pos = nxt_pos + 1
+            return list(zip(out, stopped))
 
 # %% ../nbs/08a_regenerate.ipynb #3a74bfe9
 class VLLMEngine:
@@ -249,6 +252,7 @@ def _sha256_file(path) -> str:
 
 def run_header(cfg: RegenConfig) -> dict:
     "What the output is a regeneration of: the first line of the index."
+    from dflash.data import target_identity
     opts = {k: getattr(cfg, k) for k in ('engine', 'batch_size', 'max_new_tokens', 'temperature', 'top_p', 'seed',
                                          'thinking', 'dtype')}
     return {'format': INDEX_FORMAT, 'data': _sha256_file(cfg.data), 'target': target_identity(_target_dir(cfg)),
@@ -288,7 +292,7 @@ def repair(out, header: dict, done: list[dict]):
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, 'ab') as f: f.truncate(done[-1]['bytes'] if done else 0)
     text = ''.join(json.dumps(x) + '\n' for x in [header, *done])
-    atomic_write(idx, lambda p: Path(p).write_text(text))
+    write_atomic(idx, text)
 
 def append_batch(out, entry: dict, records: list[dict]):
     "Append a finished batch's records to `out`, then its line to the index."
@@ -300,6 +304,7 @@ def append_batch(out, entry: dict, records: list[dict]):
 
 # %% ../nbs/08a_regenerate.ipynb #6cbbe86e
 def _dtype(cfg: RegenConfig, device) -> torch.dtype:
+    import torch
     if cfg.dtype: return getattr(torch, cfg.dtype)
     return torch.bfloat16 if device.type == 'cuda' else torch.float32
 
@@ -317,6 +322,7 @@ def make_engine(cfg: RegenConfig, tokenizer, device):
 
 def _state():
     "The process group of an `accelerate launch` (CPU processes too: accelerate needs `cpu=True` to see them)."
+    import torch
     from accelerate import PartialState
     state = PartialState(cpu=not torch.cuda.is_available())
     world = int(os.environ.get('WORLD_SIZE', 1))
@@ -327,7 +333,9 @@ def _state():
 def regenerate(cfg: RegenConfig) -> dict:
     "Regenerate `cfg.data` into `cfg.out` (resuming what is there); returns counts and timings."
     from accelerate.utils import gather_object
+    from tqdm.auto import tqdm
     from transformers import AutoTokenizer
+    from dflash.data import DataError, check_target_dir
     validate(cfg)
     convs, stats = load_conversations(cfg.data, cfg.skip_bad_lines)            # every line checked before loading
     if not convs: raise DataError(f"{cfg.data}: no conversation to regenerate")
@@ -372,22 +380,23 @@ def regenerate(cfg: RegenConfig) -> dict:
     return res
 
 # %% ../nbs/08a_regenerate.ipynb #a80649e7
-@torch.no_grad()
 def greedy_agreement(model, tokenizer, path, n: int | None = None, template_kw: dict | None = None) -> dict:
     "Share of assistant tokens (first `n` conversations of `path`) where the target's greedy next token is right."
+    import torch
     from dflash.data import tokenize_chat
-    dev, hit, total, turns_all, turns_hit = next(model.parameters()).device, 0, 0, 0, 0
-    for i, (_, msgs) in enumerate(load_conversations(path)[0][:n]):
-        ids, mask = tokenize_chat(tokenizer, msgs, f'{path}:{i + 1}', **(template_kw or {}))
-        pred = model(ids[None].to(dev)).logits[0, :-1].argmax(-1).cpu()       # (S-1,) prediction of token t+1
-        m = mask[1:]                                                            # supervised targets
-        ok = (pred == ids[1:]) & m
-        hit += int(ok.sum()); total += int(m.sum())
-        starts = torch.nonzero(m & ~torch.cat([torch.tensor([False]), m[:-1]])).flatten().tolist()
-        for s in starts:                                                        # whole turns the target reproduces
-            e = s
-            while e < len(m) and m[e]: e += 1
-            turns_all += 1; turns_hit += bool(ok[s:e].all())
+    with torch.no_grad():
+        dev, hit, total, turns_all, turns_hit = next(model.parameters()).device, 0, 0, 0, 0
+        for i, (_, msgs) in enumerate(load_conversations(path)[0][:n]):
+            ids, mask = tokenize_chat(tokenizer, msgs, f'{path}:{i + 1}', **(template_kw or {}))
+            pred = model(ids[None].to(dev)).logits[0, :-1].argmax(-1).cpu()       # (S-1,) prediction of token t+1
+            m = mask[1:]                                                            # supervised targets
+            ok = (pred == ids[1:]) & m
+            hit += int(ok.sum()); total += int(m.sum())
+            starts = torch.nonzero(m & ~torch.cat([torch.tensor([False]), m[:-1]])).flatten().tolist()
+            for s in starts:                                                        # whole turns the target reproduces
+                e = s
+                while e < len(m) and m[e]: e += 1
+                turns_all += 1; turns_hit += bool(ok[s:e].all())
     return {'token_agreement': hit / max(total, 1), 'tokens': total, 'turn_agreement': turns_hit / max(turns_all, 1),
             'turns': turns_all}
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json, os, re, shutil, socket, time
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
+from typing import Callable
 from .options import option, model_dir_problems, json_problem, flag
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'FIXED_ON_RESUME', 'TrainConfig', 'launch_problems', 'check_train', 'fsync_path', 'write_atomic',
-           'write_json', 'RunDirError', 'run_files', 'read_run', 'lock_run', 'unlock_run', 'move_aside', 'claim_run',
-           'resume_changes']
+__all__ = ['RUN_FILES', 'FIXED_ON_RESUME', 'TrainConfig', 'launch_problems', 'policy_problem', 'check_train', 'fsync_path',
+           'write_atomic', 'write_json', 'RunDirError', 'run_files', 'read_run', 'lock_run', 'unlock_run', 'move_aside',
+           'claim_run', 'resume_changes']
 
 # %% ../nbs/09b_runs.ipynb #4745fd52
 @dataclass
@@ -87,13 +88,14 @@ def _has_line(path) -> bool:
     "Whether a text file holds a non-blank line (read only as far as the first one)."
     with open(path, 'rb') as f: return any(line.strip() for line in f)
 
-def _policy_problem(text: str) -> str | None:
-    if text in ('auto', 'none', 'all') or (text.isdigit() and int(text) >= 1): return None
+def policy_problem(text: str, name: str = '--checkpointing', words=('auto', 'none', 'all')) -> str | None:
+    "What is wrong with a layer checkpointing policy given as text to option `name`, or None."
+    if text in words or (text.isdigit() and int(text) >= 1): return None
     try: ids = json.loads(text)
     except json.JSONDecodeError: ids = None
     if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         return None
-    return f"--checkpointing = {text!r}: allowed auto, none, all, an integer k >= 1, or a list of layers like [0,2]"
+    return f"{name} = {text!r}: allowed {', '.join(words)}, an integer k >= 1, or a list of layers like [0,2]"
 
 def check_train(c: TrainConfig) -> list[str]:
     "Problems that involve two options or the disk (each option's own range is checked by its field)."
@@ -121,7 +123,7 @@ def check_train(c: TrainConfig) -> list[str]:
                      f"({c.batch_size // world})")
     if c.block_size > c.max_length:
         probs.append(f"--block-size = {c.block_size}: allowed <= max_length ({c.max_length})")
-    if (p := _policy_problem(str(c.checkpointing))): probs.append(p)
+    if (p := policy_problem(str(c.checkpointing))): probs.append(p)
     return probs + launch_problems()
 
 # %% ../nbs/09b_runs.ipynb #99b1472b
@@ -131,14 +133,17 @@ def fsync_path(path):
     try: os.fsync(fd)
     finally: os.close(fd)
 
-def write_atomic(path, data: str | bytes):
-    "Write `data` to `path` whole: a flushed temporary file renamed into place."
+def write_atomic(path, data: str | bytes | Callable):
+    """Write `path` whole or not at all: `data` (text or bytes), or what `data(tmp)` writes to the path `tmp` (a
+    safetensors `save_file`), goes to a temporary file beside it, flushed, then renamed into place."""
     path = Path(path)
     tmp = path.with_name(f'.{path.name}.tmp-{os.getpid()}')
-    with open(tmp, 'wb') as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush(); os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        if callable(data): data(tmp)
+        else: tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    finally: tmp.unlink(missing_ok=True)                   # a failed write leaves the old file and no temporary
     fsync_path(path.parent)
 
 def write_json(path, obj): write_atomic(path, json.dumps(obj, indent=1) + '\n')

@@ -559,6 +559,37 @@ def test_data_every_bad_option_in_one_error(tmp_path, capsys):
     assert err.count('\n  ') == 6, err
 
 
+
+@pytest.mark.parametrize('argv,expect', [
+    (['attention', '--seq-len', '0'], "--seq-len = 0: allowed >= 1"),
+    (['attention', '--layouts', 'diagonal'], "--layouts = ['diagonal']: allowed one of uniform, half, quarter"),
+    (['attention', '--budget', '-1'], "--budget = -1.0: allowed > 0"),
+    (['scaling', '--seq-lens', '1024', '0'], "--seq-lens = [1024, 0]: allowed >= 1"),
+    (['step', '--policies', 'none', 'most'], "--policies = 'most': allowed none, all, an integer k >= 1"),
+    (['step', '--threads', '-1'], "--threads = -1: allowed >= 0"),
+    (['train', '--machines', '0'], "--machines = 0: allowed >= 1"),
+    (['train', '--processes', '2', '--machines', '3'], "--machines = 3: allowed a divisor of the most --processes (2)"),
+    (['train', '--batch-size', '3'], "--batch-size = 3: allowed a multiple of every --processes (not of [2])"),
+    (['train', '--steps', '2', '--warmup-steps', '2'], "--steps = 2: allowed > --warmup-steps (2)"),
+    (['regenerate', '--n', 'many'], "--n = 'many' (command line): not an integer"),
+    (['data', '--processes', '0'], "--processes = [0]: allowed >= 1"),
+    (['gpu', '--dry-run', '--seed', '1'], "--seed: unknown option"),
+    (['atention'], "'atention': unknown command; one of attention, scaling, step, train, regenerate, data, gpu"),
+], ids=['seq-len-0', 'layout', 'budget', 'seq-lens', 'policy', 'threads', 'machines-0', 'machines-split',
+        'batch-split', 'no-measured-step', 'n-text', 'processes-0', 'option-of-another-command', 'unknown-command'])
+def test_bench_bad_option(capsys, argv, expect):
+    "`python -m dflash.bench`: each bad value named with what is allowed, before torch or a model loads."
+    from dflash.bench import main as bench_main
+    refused(capsys, bench_main, argv, expect)
+
+
+def test_bench_every_bad_option_in_one_error(capsys):
+    from dflash.bench import main as bench_main
+    err = refused(capsys, bench_main, ['train', '--machines', '0', '--threads', 'x', '--batch-size', '3'],
+                  '3 bad options', "--threads = 'x' (command line): not an integer", '--machines = 0: allowed >= 1',
+                  '--batch-size = 3: allowed a multiple of every --processes')
+    assert err.count('\n  ') == 3, err
+
 # --- 6. the same errors from real processes, as a shell user sees them ----------------------------------------------
 @pytest.mark.parametrize('module,argv,expect', [
     ('dflash.train', ['--max-steps', '0', '--lr', 'abc'], "2 bad options"),
@@ -567,7 +598,9 @@ def test_data_every_bad_option_in_one_error(tmp_path, capsys):
     ('dflash.data', ['cache', '--target', str(toy_target_dir()), '--data', 'missing.jsonl', '--out', 'c'],
      "--data = 'missing.jsonl': no such file"),
     ('dflash.data', [], "usage: python -m dflash.data {tokenize,cache"),
-], ids=['train', 'plan', 'speculate', 'data', 'data-no-command'])
+    ('dflash.bench', ['train', '--machines', '0', '--steps', '1'], "2 bad options"),
+    ('dflash.bench', [], "usage: python -m dflash.bench {attention,scaling,step,train,regenerate,data,gpu}"),
+], ids=['train', 'plan', 'speculate', 'data', 'data-no-command', 'bench', 'bench-no-command'])
 def test_command_exits_2_with_the_error(tmp_path, module, argv, expect):
     r = subprocess.run([sys.executable, '-m', module, *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and expect in r.stderr and 'Traceback' not in r.stderr, r.stderr

@@ -1,7 +1,8 @@
 "The user's accelerate settings, two machines, any world size: real `accelerate launch` processes on CPU (gloo)."
-import csv, json, os, re, shutil, socket, subprocess, sys
+import csv, json, os, re, shutil, subprocess, sys
 from pathlib import Path
 import pytest
+from dflash.bench import launch_train
 
 # a short run on the shipped toy target; checkpoints at step 2 and 4 so a run can be resumed from the middle
 SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4',
@@ -10,23 +11,8 @@ SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--b
 ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'ACCELERATE_USE_CPU': 'true'}
 
 
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return str(s.getsockname()[1])
-
-
-def command(out, *args, processes=1, accelerate=('--mixed_precision', 'no'), port=None) -> list[str]:
-    "`accelerate launch ... -m dflash.train --out OUT *args` on CPU processes."
-    dist = ['--multi_gpu', '--num_processes', str(processes)] if processes > 1 else ['--cpu', '--num_processes', '1']
-    if '--use_fsdp' in accelerate: dist = ['--num_processes', str(processes)]     # the plugin excludes --multi_gpu
-    if '--num_machines' not in accelerate: dist += ['--num_machines', '1']
-    return [sys.executable, '-m', 'accelerate.commands.launch', *dist, *accelerate, '--dynamo_backend', 'no',
-            '--main_process_port', port or _port(), '-m', 'dflash.train', '--out', str(out), *args]
-
-
 def launch(out, *args, **kw) -> subprocess.CompletedProcess:
-    r = subprocess.run(command(out, *args, **kw), env=ENV, capture_output=True, text=True, timeout=900)
+    r = launch_train(out, *args, timeout=900, **kw)
     assert r.returncode == 0, r.stdout + r.stderr
     return r
 
@@ -65,7 +51,7 @@ def test_one_and_two_processes_agree(runs):
 def test_launch_mixed_precision_wins(runs, tmp_path):
     "`--mixed_precision bf16` on the launch line reaches the trainer: bf16 autocast on CPU, recorded in the summary."
     # sdpa: the eager reference fails under bf16 autocast (its float32 mask fill on bf16 scores overflows)
-    launch(tmp_path / 'bf16', *SMALL, '--attention', 'sdpa', accelerate=('--mixed_precision', 'bf16'))
+    launch(tmp_path / 'bf16', *SMALL, '--attention', 'sdpa', accelerate_args=('--mixed_precision', 'bf16'))
     assert summary(tmp_path / 'bf16')['metrics']['mixed_precision'] == 'bf16'
     assert summary(runs / 'one')['metrics']['mixed_precision'] == 'no'
     bf16, fp32 = losses(tmp_path / 'bf16'), losses(runs / 'one')
@@ -76,14 +62,7 @@ def test_launch_mixed_precision_wins(runs, tmp_path):
 
 def test_two_machines_on_localhost_equal_one_machine(runs, tmp_path):
     "2 machines x 1 process, started together, train the model that 1 machine x 2 processes trains."
-    port = _port()
-    procs = [subprocess.Popen(command(tmp_path / 'nodes', *SMALL, processes=2, port=port,
-                                      accelerate=('--mixed_precision', 'no', '--num_machines', '2', '--machine_rank',
-                                                  str(rank), '--main_process_ip', '127.0.0.1')),
-                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    for p, o in zip(procs, outs): assert p.returncode == 0, o
+    launch(tmp_path / 'nodes', *SMALL, processes=2, machines=2)           # one launch per machine, started together
     rows = list(csv.DictReader(open(tmp_path / 'nodes' / 'metrics.csv')))
     assert [r['processes'] for r in rows] == ['2'] * 4, "one run of 2 processes, each step logged once"
     assert_close(losses(tmp_path / 'nodes'), losses(runs / 'two'))
@@ -127,7 +106,7 @@ def fsdp_run(runs):
     "The 2-process run under FSDP, every layer checkpointed (on CPU, where accelerate's plugin cannot start)."
     out = runs / 'fsdp'
     r = launch(out, *SMALL, '--checkpointing', 'all', '--spec-eval-prompts', '1', '--spec-new-tokens', '16',
-               processes=2, accelerate=FSDP)
+               processes=2, accelerate_args=FSDP)
     return out, r.stdout + r.stderr
 
 
@@ -152,7 +131,7 @@ def test_fsdp_checkpoints_resume_anywhere(runs, fsdp_run, tmp_path, saved, resum
     "A checkpoint holds whole tensors by name: FSDP's resumes on 1 process, and DDP's resumes under FSDP."
     out = _interrupted_copy(runs / saved, tmp_path / 'resumed')
     launch(out, *SMALL, '--resume', processes=2 if resumed == 'fsdp' else resumed,
-           **({'accelerate': FSDP} if resumed == 'fsdp' else {}))
+           **({'accelerate_args': FSDP} if resumed == 'fsdp' else {}))
     assert_close(losses(out), {k: v for k, v in losses(runs / 'two').items() if k > 2})
 
 

@@ -1,6 +1,7 @@
 "The house rules that keep the package easy to change, checked on the exported modules."
-import ast, subprocess, sys
+import ast, subprocess, sys, time
 from pathlib import Path
+import pytest
 
 PKG = Path(__file__).resolve().parents[1] / 'dflash'
 MODULES = sorted(p for p in PKG.glob('*.py') if p.name != '_modidx.py')
@@ -23,3 +24,19 @@ def test_model_modules_do_not_import_matplotlib():
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=PKG.parent)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == 'False'
+
+
+COMMANDS = ['train', 'data', 'plan', 'bench', 'speculate', 'toy', 'regenerate']
+
+
+@pytest.mark.parametrize('command', COMMANDS)
+def test_help_answers_in_under_3_seconds(command):
+    "`python -m dflash.X --help` in a fresh process: under 3 s, with neither torch nor transformers' models loaded."
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, '-X', 'importtime', '-m', f'dflash.{command}', '--help'], capture_output=True,
+                       text=True, cwd=PKG.parent, timeout=60)
+    seconds = time.perf_counter() - t0
+    assert r.returncode == 0 and r.stdout.startswith('usage:'), r.stderr[-2000:]
+    loaded = {line.rsplit('|', 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith('import time:')}
+    assert not {'torch', 'transformers.models', 'datasets', 'matplotlib'} & loaded, sorted(loaded)
+    assert seconds < 3, f"python -m dflash.{command} --help took {seconds:.1f} s"

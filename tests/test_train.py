@@ -1,7 +1,8 @@
 "The training CLI through real `accelerate launch` processes on CPU: 1 vs 2 processes, resume, bad runs."
-import csv, json, os, signal, socket, subprocess, sys, time
+import csv, json, os, signal, subprocess, sys, time
 from pathlib import Path
 import pytest
+from dflash.bench import launch_train
 
 # a small, fast run on the shipped toy target: every option that matters is explicit
 SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4',
@@ -9,21 +10,9 @@ SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--b
          '--eval-samples', '8', '--spec-eval-prompts', '0', '--seed', '3']
 
 
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return str(s.getsockname()[1])
-
-
 def launch(out, *args, processes=1, wait=True, env=None):
-    "Run `accelerate launch -m dflash.train` with `processes` CPU processes (and extra environment `env`)."
-    dist = ['--multi_gpu', '--num_processes', str(processes)] if processes > 1 else ['--cpu', '--num_processes', '1']
-    cmd = [sys.executable, '-m', 'accelerate.commands.launch', *dist, '--num_machines', '1', '--mixed_precision', 'no',
-           '--dynamo_backend', 'no', '--main_process_port', _port(), '-m', 'dflash.train', '--out', str(out), *args]
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', **(env or {})}
-    if not wait: return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                         start_new_session=True)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    "`accelerate launch -m dflash.train` with `processes` CPU processes (and extra environment `env`)."
+    return launch_train(out, *args, processes=processes, wait=wait, env=env, timeout=900)
 
 
 def losses(out) -> dict[int, float]:
