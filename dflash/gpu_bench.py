@@ -22,10 +22,10 @@ from .plan import budgets, recommend_policy, plan_layout
 from .bench import bench_many, launch_train, last_error, logged_steps
 
 # %% auto #0
-__all__ = ['PLANNER_CASES', 'PEAK_BF16_FLOPS', 'QWEN3_8B', 'MULTI_VARIANTS', 'MULTI_ARGS', 'SECTIONS', 'TOTAL_BUDGET_S',
-           'grad_check', 'sdpa_kernels', 'attention_compare', 'planner_check', 'step_flops', 'peak_flops',
-           'qwen3_8b_drafter', 'real_step', 'timed_launch', 'run_summary', 'multi_process', 'Section', 'acceptance',
-           'machine', 'dry_run', 'run_gpu']
+__all__ = ['PLANNER_CASES', 'PEAK_BF16_FLOPS', 'QWEN3_8B', 'FSDP_ARGS', 'MULTI_VARIANTS', 'FSDP_VARIANTS', 'FSDP_RUN',
+           'MULTI_ARGS', 'SECTIONS', 'TOTAL_BUDGET_S', 'grad_check', 'sdpa_kernels', 'attention_compare',
+           'planner_check', 'step_flops', 'peak_flops', 'qwen3_8b_drafter', 'real_step', 'timed_launch', 'run_summary',
+           'multi_process', 'Section', 'acceptance', 'machine', 'dry_run', 'run_gpu']
 
 # %% ../nbs/13a_gpu.ipynb #c36b4aa1
 def _rel(a: Tensor, b: Tensor) -> float:
@@ -231,7 +231,11 @@ def run_summary(out, r: subprocess.CompletedProcess, wall: float) -> dict:
                 losses=[float(x['loss']) for x in rows])
 
 # %% ../nbs/13a_gpu.ipynb #2a3b8fc9
-MULTI_VARIANTS = {'1 process': (1, []), 'DDP, 2 processes': (2, [])}
+FSDP_ARGS = ['--use_fsdp', '--fsdp_version', '2']                  # accelerate's FSDP plugin, as a user turns it on
+MULTI_VARIANTS = {'1 process': (1, []), 'DDP, 2 processes': (2, []), 'FSDP2, 2 processes': (2, FSDP_ARGS)}
+FSDP_VARIANTS = {'1 process': (1, []), 'FSDP2, 1 process': (1, FSDP_ARGS)}
+FSDP_RUN = ['--max-steps', '4', '--batch-size', '8', '--max-length', '256', '--log-every', '1', '--eval-every', '0',
+            '--save-every', '0', '--spec-eval-prompts', '0', '--seed', '3']
 MULTI_ARGS = ['--max-steps', '8', '--batch-size', '8', '--log-every', '1', '--eval-every', '0', '--save-every', '0',
               '--spec-eval-prompts', '0', '--seed', '3']
 
@@ -277,8 +281,10 @@ SECTIONS = [
     Section('step', 'Qwen3-8B-shaped drafter (5 layers, hidden 4096), S=8000, 512 anchors, bf16 autocast, fused AdamW, '
             'checkpointing auto, 1 warm-up + 3 steps: peak against the plan, step time, tokens/s, MFU', 90, 1,
             lambda d: [real_step(d)]),
-    Section('toy', 'the default toy run (accelerate launch -m dflash.train, bf16): wall time and tau', 150, 1, _toy),
-    Section('multi_gpu', 'toy run, 8 steps: 1 process and DDP on 2 GPUs: loss curves equal, tokens/s', 120, 2,
+    Section('toy', 'the default toy run (accelerate launch -m dflash.train, bf16): wall time and tau', 110, 1, _toy),
+    Section('fsdp', "toy run, 4 steps: 1 process, and FSDP2 through accelerate's plugin on 1 GPU: loss curves equal",
+            40, 1, lambda d: multi_process(d, FSDP_VARIANTS, FSDP_RUN)),
+    Section('multi_gpu', 'toy run, 8 steps: 1 process, DDP and FSDP2 on 2 GPUs: loss curves equal, tokens/s', 150, 2,
             lambda d: multi_process(d)),
 ]
 TOTAL_BUDGET_S = 480
@@ -289,6 +295,8 @@ def acceptance(results: dict) -> dict:
     rows = lambda n: results.get(n, {}).get('rows') or []
     att = {r['method']: r for r in rows('attention')}
     plan, step, multi = rows('planner'), rows('step'), rows('multi_gpu')
+    fsdp = [r for r in rows('fsdp') + multi if 'FSDP' in r['variant']]
+    same = lambda rs: all(r['exit'] == 0 and (r['max_rel_loss_diff'] or 0) <= 1e-4 for r in rs)
     both = lambda a, b: {a, b} <= set(att)
     return {'planner within 10% of the CUDA peak, every case':
                 all(abs(r['ratio'] - 1) <= 0.1 for r in plan) if plan else None,
@@ -298,7 +306,8 @@ def acceptance(results: dict) -> dict:
             'flex backward equals eager': all(r['ok'] for r in rows('flex_grad')) if rows('flex_grad') else None,
             'MFU >= 40% on the 8B-shaped step': step[0]['mfu'] >= 0.4 if step and step[0]['mfu'] is not None else None,
             'DDP on 2 GPUs: the losses of 1 process (1e-4)':
-                all(r['exit'] == 0 and (r['max_rel_loss_diff'] or 0) <= 1e-4 for r in multi) if multi else None}
+                same([r for r in multi if 'FSDP' not in r['variant']]) if multi else None,
+            'FSDP2 (accelerate plugin): the losses of 1 process (1e-4)': same(fsdp) if fsdp else None}
 
 def _write(path: Path, text: str):
     tmp = path.with_suffix(path.suffix + '.partial'); tmp.write_text(text); os.replace(tmp, path)

@@ -281,10 +281,9 @@ _PLAN_DTYPE = {'bf16': 'bf16', 'fp16': 'fp16'}                    # accelerate's
 def fsdp_settings(acc: Accelerator) -> dict | None:
     "`fully_shard`'s arguments from the user's FSDP settings (accelerate config or launch flags); None: no FSDP."
     if acc.distributed_type.value != 'FSDP' and not parse_flag_from_env('ACCELERATE_USE_FSDP'): return None
+    if not torch.distributed.is_initialized(): return None        # one process, no process group: nothing to shard
     kw = {'reshard_after_forward': parse_flag_from_env('FSDP_RESHARD_AFTER_FORWARD', True)}
     if parse_flag_from_env('FSDP_OFFLOAD_PARAMS'): kw['offload_policy'] = CPUOffloadPolicy()
-    plugin = getattr(acc.state, 'fsdp_plugin', None)            # accelerate's own (GPU): its mixed precision policy
-    if plugin is not None and plugin.mixed_precision_policy is not None: kw['mp_policy'] = plugin.mixed_precision_policy
     return kw
 
 def shard_drafter(drafter: DFlashDrafter, **settings) -> DFlashDrafter:
