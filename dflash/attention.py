@@ -91,9 +91,9 @@ def _math_bwd(do, q, k, v, bias, out, lse):
 _KERNEL_FNS = {'cpu_flash': (_cpu_fwd, _cpu_bwd), 'efficient': (_eff_fwd, _eff_bwd), 'cudnn': (_eff_fwd, _eff_bwd),
                'math': (_math_fwd, _math_bwd)}
 
-# %% ../nbs/04_attention.ipynb #de41fc62
+# %% ../nbs/04_attention.ipynb #5f22f53e
 def _bias(anch: Tensor, pos: Tensor, B: int, W: int | None, g: int, dtype, pad: int = 1) -> Tensor:
-    "Additive (g·c·B, len(pos) + c·B) mask: 0 where block i's queries see context `pos` < anch[i] or their own block."
+    "Additive (g·c·B, len(pos) + c·B) mask: 0 where block i's queries see context `pos` < anch[i], or own block."
     c, dev = anch.shape[0], anch.device
     k = torch.arange(B, device=dev)[:, None]                               # (B, 1) query offset
     a = anch[:, None, None]                                                # (c, 1, 1)
@@ -110,12 +110,13 @@ def _bias(anch: Tensor, pos: Tensor, B: int, W: int | None, g: int, dtype, pad: 
     bias[..., P:].masked_fill_(~own.reshape(c, B, c * B), float('-inf'))
     return bias.flatten(0, 2)
 
-# %% ../nbs/04_attention.ipynb #8702074d
+# %% ../nbs/04_attention.ipynb #c5164cf9
 class _Work:
     "One chunk: its token rows, the shared unmasked context and the masked rest; built on the host from the plan."
     def __init__(self, n: int, blocks: list[int], anchors: list[int], lo: int, hi: int, B: int, W, device):
         self.n, self.rows, self.B, self.W = n, len(blocks) * B, B, W
-        if blocks == list(range(blocks[0], blocks[0] + len(blocks))): self.tok = slice(blocks[0] * B, (blocks[-1] + 1) * B)
+        if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+            self.tok = slice(blocks[0] * B, (blocks[-1] + 1) * B)             # consecutive blocks: a view
         else: self.tok = torch.tensor([i * B + k for i in blocks for k in range(B)], device=device)
         s, e = (int(x) for x in shared_keys(anchors[0], anchors[-1], lo, B, W))
         if e <= s: s = e = lo                                              # nothing shared: one masked call
@@ -137,7 +138,7 @@ class _Work:
         pad = 16 if kernel in ('efficient', 'cudnn') else 1
         yield k, v, None if self.unmasked else _bias(self.anch, self.pos, self.B, self.W, g, dtype, pad)
 
-# %% ../nbs/04_attention.ipynb #88821980
+# %% ../nbs/04_attention.ipynb #bab2d9e4
 class _Chunks(torch.autograd.Function):
     "Block attention over planned chunks; saves only the inputs, the output and the log-sum-exp of each query row."
     @staticmethod

@@ -29,7 +29,7 @@ def probe_kernel(device='cpu', dtype=torch.float32, head_dim: int = 64, mask: bo
     name = _KERNELS.get(SDPBackend(torch._fused_sdp_choice(q, k, k, m)), 'math')
     return 'cpu_flash' if name == 'flash' and device.type == 'cpu' else name
 
-# %% ../nbs/03_planner.ipynb #c60f4442
+# %% ../nbs/03_planner.ipynb #07e067ca
 def shared_keys(a_first, a_last, lo, B: int, W: int | None):
     "Context keys [s, e) that every query of a chunk with anchors a_first..a_last sees: no mask; empty when e <= s."
     return (lo if W is None else np.maximum(lo, a_last + B - W)), a_first
@@ -38,9 +38,9 @@ def shared_keys(a_first, a_last, lo, B: int, W: int | None):
 def _es(dtype) -> int: return torch.empty((), dtype=dtype).element_size()
 
 def chunk_bytes(rows: int, keys: int, n_heads: int, n_kv_heads: int, head_dim: int, dtype,
-                kernel: str = 'cpu_flash', masked_keys: int | None = None) -> int:
+                kernel: str = 'cpu_flash', masked_keys: int | None = None, fold_copies: bool = True) -> int:
     """Transient bytes of one chunk (`rows` block tokens, `keys` keys, `masked_keys` of them under a mask: all when
-    not given) at its worst moment."""
+    not given) at its worst moment. `fold_copies=False`: the chunk is a whole row, so folding its queries is a view."""
     es, g, D, Hq, Hkv = _es(dtype), n_heads // n_kv_heads, head_dim, n_heads, n_kv_heads
     eff = kernel in ('efficient', 'cudnn')
     M = keys if masked_keys is None else masked_keys
@@ -51,8 +51,9 @@ def chunk_bytes(rows: int, keys: int, n_heads: int, n_kv_heads: int, head_dim: i
     kv = 2 * Hkv * M * D * es                                            # K/V copy of the masked part (KV heads only)
     mask = g * rows * (-(-M // 16) * 16 if eff else M) * es + rows * M   # additive mask; the bool one while built
     merge = 0 if es == 4 else 2 * Hq * rows * D * 4 * split              # fp32 copies of both outputs to merge
-    fwd = (2 + split) * qo + (1 + split) * lse + kv + mask + merge       # folded q, each part's output and lse
-    bwd = 3 * qo + lse + np.maximum(qo + 2 * Hkv * U * D * es,           # folded q, out, grad out; shared part's grads
+    f = int(fold_copies)
+    fwd = (f + 1 + split) * qo + (1 + split) * lse + kv + mask + merge   # folded q, each part's output and lse
+    bwd = 3 * f * qo + lse + np.maximum(qo + 2 * Hkv * U * D * es,           # folded q, out, grad out; shared part's grads
                                     (1 + split) * qo + 2 * kv + mask)    # or grad q so far + masked part and its grads
     if eff: bwd = bwd + Hq * rows * D * 4 + Hq * rows * 4                # fp32 grad-q accumulator, delta
     if kernel == 'math':
@@ -96,8 +97,10 @@ class ChunkPlan:
         return c.keys(self.block_size) - max(0, int(e) - int(s))
 
     def chunk_bytes(self, c: Chunk) -> int:
+        whole = c.rows(self.block_size) == self.num_blocks * self.block_size   # all blocks of the row, in order
         return chunk_bytes(c.rows(self.block_size), c.keys(self.block_size), self.n_heads, self.n_kv_heads,
-                           self.head_dim, self.dtype, self.kernel, self.masked_keys(c))
+                           self.head_dim, self.dtype, self.kernel, self.masked_keys(c),
+                           fold_copies=not (whole and self.order[c.row] == list(range(self.num_blocks))))
 
     def __repr__(self):
         return (f"ChunkPlan({len(self.chunks)} chunks over {len(self.order)} rows, kernel {self.kernel}: "
