@@ -21,12 +21,16 @@ _KERNELS = {SDPBackend.FLASH_ATTENTION: 'flash', SDPBackend.EFFICIENT_ATTENTION:
 
 def probe_kernel(device='cpu', dtype=torch.float32, head_dim: int = 64, mask: bool = True) -> str:
     """Name of the SDPA kernel PyTorch picks for folded-GQA block attention on `device`:
-    'cpu_flash', 'efficient', 'flash', 'cudnn' or 'math'."""
+    'cpu_flash', 'efficient', 'flash', 'cudnn' or 'math'. A fake step (fake tensors, or meta ones) gets the kernel
+    a real CPU step would run: the probe itself runs on real tensors."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     device = torch.device(device)
-    q = torch.zeros(1, 2, 64, head_dim, device=device, dtype=dtype)      # (1, Hkv, g·rows, D)
-    k = torch.zeros(1, 2, 96, head_dim, device=device, dtype=dtype)      # (1, Hkv, L, D)
-    m = torch.ones(64, 96, dtype=torch.bool, device=device) if mask else None
-    name = _KERNELS.get(SDPBackend(torch._fused_sdp_choice(q, k, k, m)), 'math')
+    if device.type == 'meta': device = torch.device('cpu')
+    with unset_fake_temporarily():
+        q = torch.zeros(1, 2, 64, head_dim, device=device, dtype=dtype)  # (1, Hkv, g·rows, D)
+        k = torch.zeros(1, 2, 96, head_dim, device=device, dtype=dtype)  # (1, Hkv, L, D)
+        m = torch.ones(64, 96, dtype=torch.bool, device=device) if mask else None
+        name = _KERNELS.get(SDPBackend(torch._fused_sdp_choice(q, k, k, m)), 'math')
     return 'cpu_flash' if name == 'flash' and device.type == 'cpu' else name
 
 # %% ../nbs/03_planner.ipynb #07e067ca
