@@ -146,7 +146,9 @@ class _Chunks(torch.autograd.Function):
         N, Hq, T, D = q.shape
         Hkv = k_ctx.shape[1]; g = Hq // Hkv
         fwd = _KERNEL_FNS[kernel][0]
-        out, lses = q.new_zeros(N, Hq, T, D), []                           # padded blocks stay zero
+        # (N, Hq, T, D) stored token-major, as flash kernels store theirs: the layer's `out.transpose(1, 2)` before
+        # o_proj is then a view, so the tensor o_proj keeps for backward is this one, not a second copy
+        out, lses = q.new_zeros(N, T, Hq, D).transpose(1, 2), []           # padded blocks stay zero
         for w in work:
             R = w.rows * g
             qf = q[w.n, :, w.tok].reshape(1, Hkv, R, D)                    # GQA folded: (1, Hkv, g·rows, D)
