@@ -190,10 +190,19 @@ class _Chunks(torch.autograd.Function):
         return None, None, dq, dkc, dvc, dkb, dvb
 
 # %% ../nbs/04_attention.ipynb #8865d15e
+def _autocast(*ts: Tensor) -> tuple[Tensor, ...]:
+    "The inputs as `F.scaled_dot_product_attention` gets them under autocast: all in the autocast dtype."
+    dev = ts[0].device.type
+    if dev in ('cpu', 'cuda') and torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return tuple(t.to(dt) for t in ts)
+    return ts
+
 def sdpa_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window: int | None = None,
                    plan: ChunkPlan | None = None, budget_bytes=None, kernel: str = 'auto',
                    chunk_cost: int = 2**19) -> Tensor:
     "Block attention by planned chunks: shared context unmasked, the rest masked, merged by log-sum-exp; GQA folded."
+    q, k_ctx, v_ctx, k_blk, v_blk = _autocast(q, k_ctx, v_ctx, k_blk, v_blk)   # the kernels are called directly
     N, Hq, T, D = q.shape
     if plan is None:
         plan = plan_chunks(layout, Hq, k_ctx.shape[1], D, q.dtype, budget_bytes, kernel, sliding_window, q.device,
@@ -208,6 +217,7 @@ def _sdpa(budget_bytes=None, kernel: str = 'auto', chunk_cost: int = 2**19) -> A
     "sdpa backend: plans once per (layout, window, shapes) and reuses the plan across layers."
     cache = {}
     def attend(q, k_ctx, v_ctx, k_blk, v_blk, layout, sliding_window=None):
+        q, k_ctx, v_ctx, k_blk, v_blk = _autocast(q, k_ctx, v_ctx, k_blk, v_blk)      # planned in the dtype that runs
         key = (sliding_window, tuple(q.shape), k_ctx.shape[1], q.dtype, q.device)
         hit = cache.get(key)
         if hit is None or hit[0]() is not layout:
