@@ -49,90 +49,175 @@ def _eager() -> AttentionFn: return eager_attention
 
 # %% ../nbs/04_attention.ipynb #d9c92aba
 import weakref
-from torch.utils.checkpoint import checkpoint
-from .planner import ChunkPlan, plan_chunks
+from .planner import ChunkPlan, plan_chunks, shared_keys
 
-class _JoinCopy(torch.autograd.Function):
-    "`torch.cat` along dim 1 whose backward hands each input its own gradient tensor, not a view of the joint one."
-    # a view would keep the chunk's whole key gradient alive until the row's last chunk is done
-    @staticmethod
-    def forward(ctx, *xs):
-        ctx.sizes = [x.shape[1] for x in xs]
-        return torch.cat(xs, 1)
+def _cpu_fwd(q, k, v, bias):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)
 
-    @staticmethod
-    def backward(ctx, g): return tuple(p.clone() for p in g.split(ctx.sizes, 1))
+def _cpu_bwd(do, q, k, v, bias, out, lse):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, out, lse, 0.0, False,
+                                                                                attn_mask=bias)
 
-def _block_mask(anch: Tensor, n_ctx: int, B: int, W: int | None, g: int) -> Tensor:
-    "Bool (g·c·B, n_ctx + c·B) mask of a chunk; `anch` (c,) are its anchors relative to the first context key."
+def _bias4(bias, k): return None if bias is None else bias[None, None].expand(1, k.shape[1], *bias.shape)
+
+def _eff_fwd(q, k, v, bias):
+    o, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, _bias4(bias, k), True)
+    return o, lse                                                          # lse rows padded to a multiple of 32
+
+def _eff_bwd(do, q, k, v, bias, out, lse):
+    z = torch.zeros((), dtype=torch.long)                                  # philox seed and offset: no dropout
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        do, q, k, v, _bias4(bias, k), out, lse, z, z, 0.0, [True, True, True, False])
+    return dq, dk, dv
+
+def _math_fwd(q, k, v, bias):
+    s = q.float() @ k.float().transpose(-1, -2) * q.shape[-1] ** -0.5    # (1, Hkv, R, L): the score matrix
+    if bias is not None: s += bias
+    lse = s.logsumexp(-1)
+    return (s.sub_(lse[..., None]).exp_() @ v.float()).to(q.dtype), lse
+
+def _math_bwd(do, q, k, v, bias, out, lse):
+    sc, f = q.shape[-1] ** -0.5, lambda x: x.float()
+    p = f(q) @ f(k).transpose(-1, -2) * sc
+    if bias is not None: p += bias
+    p.sub_(lse[..., None]).exp_()                                          # probabilities of the whole softmax
+    dv = p.transpose(-1, -2) @ f(do)
+    ds = (f(do) @ f(v).transpose(-1, -2)).sub_((f(do) * f(out)).sum(-1, keepdim=True)).mul_(p).mul_(sc)
+    return (ds @ f(k)).to(q.dtype), (ds.transpose(-1, -2) @ f(q)).to(q.dtype), dv.to(q.dtype)
+
+# kernel (as the planner names it) -> (forward, backward); forward (q, k, v, bias) -> (out, lse fp32);
+# backward (grad out, q, k, v, bias, out, lse) -> (grad q, grad k, grad v). q (1, Hkv, R, D), k/v (1, Hkv, L, D),
+# bias: additive (R, L) of q's dtype, or None for no mask
+_KERNEL_FNS = {'cpu_flash': (_cpu_fwd, _cpu_bwd), 'efficient': (_eff_fwd, _eff_bwd), 'cudnn': (_eff_fwd, _eff_bwd),
+               'math': (_math_fwd, _math_bwd)}
+
+# %% ../nbs/04_attention.ipynb #5f22f53e
+def _bias(anch: Tensor, pos: Tensor, B: int, W: int | None, g: int, dtype, pad: int = 1) -> Tensor:
+    "Additive (g·c·B, len(pos) + c·B) mask: 0 where block i's queries see context `pos` < anch[i], or own block."
     c, dev = anch.shape[0], anch.device
     k = torch.arange(B, device=dev)[:, None]                               # (B, 1) query offset
-    j = torch.arange(n_ctx, device=dev)                                    # (Lc,) context key
     a = anch[:, None, None]                                                # (c, 1, 1)
-    ctx = j < a                                                            # (c, 1, Lc)
+    ctx = pos < a                                                          # (c, 1, P)
     kk = torch.arange(B, device=dev)
     blk = torch.ones(B, B, dtype=torch.bool, device=dev)                   # (B, B) query k -> key k'
     if W is not None:
-        ctx = ctx & (j >= a + k - (W - 1))                                 # (c, B, Lc)
+        ctx = ctx & (pos >= a + k - (W - 1))                               # (c, B, P)
         blk = (kk <= k) & (k - kk < W)
     own = torch.eye(c, dtype=torch.bool, device=dev)[:, None, :, None] & blk[None, :, None, :]  # (c, B, c, B)
-    mask = torch.cat([ctx.expand(c, B, n_ctx), own.reshape(c, B, c * B)], -1)                   # (c, B, L)
-    return mask.reshape(c * B, -1).repeat(g, 1)                            # rows: (head in group, block, offset)
+    P, L = pos.shape[0], pos.shape[0] + c * B
+    bias = torch.zeros(g, c, B, -(-L // pad) * pad, dtype=dtype, device=dev)[..., :L]   # rows: (head, block, offset)
+    bias[..., :P].masked_fill_(~ctx, float('-inf'))
+    bias[..., P:].masked_fill_(~own.reshape(c, B, c * B), float('-inf'))
+    return bias.flatten(0, 2)
 
-def _chunk_attention(q_c: Tensor, anch: Tensor, W: int | None, n: int, *kv: Tensor) -> Tensor:
-    "One chunk: q_c (Hq, rows, D); kv: n key pieces then n value pieces (Hkv, len, D), block tokens last."
-    Hq, rows, D = q_c.shape
-    Hkv = kv[0].shape[0]; g = Hq // Hkv
-    k, v = _JoinCopy.apply(*kv[:n])[None], _JoinCopy.apply(*kv[n:])[None]   # (1, Hkv, L, D)
-    qf = q_c.reshape(1, Hkv, g * rows, D)                                  # (1, Hkv, g·rows, D): GQA folded
-    mask = _block_mask(anch, k.shape[2] - rows, rows // anch.shape[0], W, g)
-    return F.scaled_dot_product_attention(qf, k, v, attn_mask=mask).view(Hq, rows, D)
+# %% ../nbs/04_attention.ipynb #c5164cf9
+class _Work:
+    "One chunk: its token rows, the shared unmasked context and the masked rest; built on the host from the plan."
+    def __init__(self, n: int, blocks: list[int], anchors: list[int], lo: int, hi: int, B: int, W, device):
+        self.n, self.rows, self.B, self.W = n, len(blocks) * B, B, W
+        if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+            self.tok = slice(blocks[0] * B, (blocks[-1] + 1) * B)             # consecutive blocks: a view
+        else: self.tok = torch.tensor([i * B + k for i in blocks for k in range(B)], device=device)
+        s, e = (int(x) for x in shared_keys(anchors[0], anchors[-1], lo, B, W))
+        if e <= s: s = e = lo                                              # nothing shared: one masked call
+        self.shared = slice(s, e)
+        self.rest = [r for r in (slice(lo, s), slice(e, hi)) if r.stop > r.start]
+        self.pos = torch.tensor([p for r in self.rest for p in range(r.start, r.stop)], dtype=torch.long, device=device)
+        self.anch = torch.tensor(anchors, device=device)
+        self.unmasked = W is None and not self.rest and len(blocks) == 1   # one full-layer block: rest = its tokens
+        self.dst = ([[('ctx', self.shared, e - s)]] if e > s else []) + \
+                   [[('ctx', r, r.stop - r.start) for r in self.rest] + [('blk', self.tok, self.rows)]]
+
+    def parts(self, k_ctx, v_ctx, k_blk, v_blk, g: int, dtype, kernel: str):
+        "(k, v, additive mask or None) of each part: the shared context (a view), then the rest (a small copy)."
+        n = self.n
+        if self.shared.stop > self.shared.start:
+            yield k_ctx[n, :, self.shared][None], v_ctx[n, :, self.shared][None], None
+        k = torch.cat([k_ctx[n, :, r] for r in self.rest] + [k_blk[n, :, self.tok]], 1)[None]   # (1, Hkv, M, D)
+        v = torch.cat([v_ctx[n, :, r] for r in self.rest] + [v_blk[n, :, self.tok]], 1)[None]
+        pad = 16 if kernel in ('efficient', 'cudnn') else 1
+        yield k, v, None if self.unmasked else _bias(self.anch, self.pos, self.B, self.W, g, dtype, pad)
+
+# %% ../nbs/04_attention.ipynb #bab2d9e4
+class _Chunks(torch.autograd.Function):
+    "Block attention over planned chunks; saves only the inputs, the output and the log-sum-exp of each query row."
+    @staticmethod
+    def forward(ctx, work: list[_Work], kernel: str, q, k_ctx, v_ctx, k_blk, v_blk):
+        N, Hq, T, D = q.shape
+        Hkv = k_ctx.shape[1]; g = Hq // Hkv
+        fwd = _KERNEL_FNS[kernel][0]
+        # (N, Hq, T, D) stored token-major, as flash kernels store theirs: the layer's `out.transpose(1, 2)` before
+        # o_proj is then a view, so the tensor o_proj keeps for backward is this one, not a second copy
+        out, lses = q.new_zeros(N, T, Hq, D).transpose(1, 2), []           # padded blocks stay zero
+        for w in work:
+            R = w.rows * g
+            qf = q[w.n, :, w.tok].reshape(1, Hkv, R, D)                    # GQA folded: (1, Hkv, g·rows, D)
+            o = lse = None
+            for k, v, bias in w.parts(k_ctx, v_ctx, k_blk, v_blk, g, q.dtype, kernel):
+                o2, l2 = fwd(qf, k, v, bias)
+                if o is None: o, lse = o2, l2; continue
+                m = torch.logaddexp(lse, l2)                               # the two parts merged exactly
+                o = o.float().mul_((lse - m)[..., :R, None].exp()).addcmul_(o2.float(), (l2 - m)[..., :R, None].exp())
+                lse = m
+            out[w.n, :, w.tok] = o.reshape(Hq, w.rows, D)
+            lses.append(lse)
+        ctx.work, ctx.kernel = work, kernel
+        ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, out, *lses)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k_ctx, v_ctx, k_blk, v_blk, out, *lses = ctx.saved_tensors
+        N, Hq, T, D = q.shape
+        Hkv = k_ctx.shape[1]; g = Hq // Hkv
+        bwd = _KERNEL_FNS[ctx.kernel][1]
+        dq, dkc, dvc, dkb, dvb = (torch.zeros_like(x) for x in (q, k_ctx, v_ctx, k_blk, v_blk))
+        for w, lse in zip(ctx.work, lses):
+            n = w.n
+            qf, dof, of = (x[n, :, w.tok].reshape(1, Hkv, w.rows * g, D).contiguous() for x in (q, dout, out))
+            dqf = None
+            for (k, v, bias), dst in zip(w.parts(k_ctx, v_ctx, k_blk, v_blk, g, q.dtype, ctx.kernel), w.dst):
+                a, dk, dv = bwd(dof, qf, k, v, bias, of, lse)             # the whole softmax's out and lse: exact
+                del k, v, bias
+                dqf = a if dqf is None else dqf.add_(a)
+                o = 0
+                for kind, sl, ln in dst:                                   # back to the segments the keys came from
+                    tk, tv = (dkc, dvc) if kind == 'ctx' else (dkb, dvb)
+                    tk[n, :, sl] += dk[0, :, o:o + ln]; tv[n, :, sl] += dv[0, :, o:o + ln]
+                    o += ln
+                del a, dk, dv
+            dq[n, :, w.tok] += dqf.reshape(Hq, w.rows, D)
+        return None, None, dq, dkc, dvc, dkb, dvb
 
 # %% ../nbs/04_attention.ipynb #8865d15e
+def _autocast(*ts: Tensor) -> tuple[Tensor, ...]:
+    "The inputs as `F.scaled_dot_product_attention` gets them under autocast: all in the autocast dtype."
+    dev = ts[0].device.type
+    if dev in ('cpu', 'cuda') and torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return tuple(t.to(dt) for t in ts)
+    return ts
+
 def sdpa_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window: int | None = None,
                    plan: ChunkPlan | None = None, budget_bytes=None, kernel: str = 'auto',
                    chunk_cost: int = 2**19) -> Tensor:
-    "Block attention by planned chunks of shared-prefix SDPA, GQA folded into queries, each chunk checkpointed."
+    "Block attention by planned chunks: shared context unmasked, the rest masked, merged by log-sum-exp; GQA folded."
+    q, k_ctx, v_ctx, k_blk, v_blk = _autocast(q, k_ctx, v_ctx, k_blk, v_blk)   # the kernels are called directly
     N, Hq, T, D = q.shape
-    Hkv, S, B = k_ctx.shape[1], k_ctx.shape[2], layout.block_size
     if plan is None:
-        plan = plan_chunks(layout, Hq, Hkv, D, q.dtype, budget_bytes, kernel, sliding_window, q.device, chunk_cost)
-    ckpt = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_ctx, v_ctx, k_blk, v_blk))
-    run = (lambda f, *a: checkpoint(f, *a, use_reentrant=False)) if ckpt else (lambda f, *a: f(*a))
-    split_rows = (lambda x: [x.squeeze(0)]) if N == 1 else (lambda x: x.unbind(0))  # views, one backward node each
-    qs, kcs, vcs, kbs, vbs = map(split_rows, (q, k_ctx, v_ctx, k_blk, v_blk))
-    rows = []
-    for n in range(N):
-        chunks, order = plan.row_chunks(n), plan.order[n]
-        m = len(order)
-        qn, kn, vn = qs[n], kbs[n], vbs[n]                                 # (H, T, D)
-        in_order = order == list(range(m))                                 # kept blocks first, sorted: no gather
-        if not in_order:
-            tok = torch.tensor([i * B + k for i in order for k in range(B)], device=q.device)
-            qn, kn, vn = (x.index_select(1, tok) for x in (qn, kn, vn))
-        sizes = [c.rows(B) for c in chunks] + ([T - m * B] if in_order and T > m * B else [])
-        qp, kp, vp = (x.split(sizes, 1) for x in (qn, kn, vn))             # the chunks' block tokens
-        cuts = sorted({0, S} | {c.lo for c in chunks} | {c.hi for c in chunks})
-        lens = [b - a for a, b in zip(cuts, cuts[1:])]
-        kseg, vseg = dict(zip(cuts, kcs[n].split(lens, 1))), dict(zip(cuts, vcs[n].split(lens, 1)))
-        outs = []
-        for i, c in enumerate(chunks):
-            segs = [x for x in cuts if c.lo <= x < c.hi]
-            ks, vs = [kseg[x] for x in segs] + [kp[i]], [vseg[x] for x in segs] + [vp[i]]
-            anch = torch.tensor([a - c.lo for a in plan.anchors[n][c.start:c.stop]], device=q.device)
-            outs.append(run(_chunk_attention, qp[i], anch, sliding_window, len(ks), *ks, *vs))  # (Hq, rows, D)
-        if in_order:
-            if T > m * B: outs.append(q.new_zeros(Hq, T - m * B, D))          # padded blocks
-            rows.append(torch.cat(outs, 1))
-        else:
-            rows.append(q.new_zeros(Hq, T, D).index_copy(1, tok, torch.cat(outs, 1)) if outs else q.new_zeros(Hq, T, D))
-    return rows[0][None] if N == 1 else torch.stack(rows)                  # (N, Hq, T, D)
+        plan = plan_chunks(layout, Hq, k_ctx.shape[1], D, q.dtype, budget_bytes, kernel, sliding_window, q.device,
+                           chunk_cost)
+    B, W = plan.block_size, plan.sliding_window
+    work = [_Work(c.row, plan.order[c.row][c.start:c.stop], plan.anchors[c.row][c.start:c.stop], c.lo, c.hi, B, W,
+                  q.device) for c in plan.chunks]
+    return _Chunks.apply(work, plan.kernel, q, k_ctx, v_ctx, k_blk, v_blk)   # (N, Hq, T, D)
 
 @register_backend('sdpa')
 def _sdpa(budget_bytes=None, kernel: str = 'auto', chunk_cost: int = 2**19) -> AttentionFn:
     "sdpa backend: plans once per (layout, window, shapes) and reuses the plan across layers."
     cache = {}
     def attend(q, k_ctx, v_ctx, k_blk, v_blk, layout, sliding_window=None):
+        q, k_ctx, v_ctx, k_blk, v_blk = _autocast(q, k_ctx, v_ctx, k_blk, v_blk)      # planned in the dtype that runs
         key = (sliding_window, tuple(q.shape), k_ctx.shape[1], q.dtype, q.device)
         hit = cache.get(key)
         if hit is None or hit[0]() is not layout:

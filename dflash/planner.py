@@ -12,8 +12,8 @@ from .layout import BlockLayout
 from .memory import fmt_bytes
 
 # %% auto #0
-__all__ = ['probe_kernel', 'chunk_bytes', 'Chunk', 'ChunkPlan', 'free_bytes', 'plan_chunks', 'plot_plan', 'plt_subplots',
-           'explorer']
+__all__ = ['probe_kernel', 'shared_keys', 'chunk_bytes', 'Chunk', 'ChunkPlan', 'free_bytes', 'plan_chunks', 'plot_plan',
+           'plt_subplots', 'explorer']
 
 # %% ../nbs/03_planner.ipynb #cee92ae6
 _KERNELS = {SDPBackend.FLASH_ATTENTION: 'flash', SDPBackend.EFFICIENT_ATTENTION: 'efficient',
@@ -21,33 +21,49 @@ _KERNELS = {SDPBackend.FLASH_ATTENTION: 'flash', SDPBackend.EFFICIENT_ATTENTION:
 
 def probe_kernel(device='cpu', dtype=torch.float32, head_dim: int = 64, mask: bool = True) -> str:
     """Name of the SDPA kernel PyTorch picks for folded-GQA block attention on `device`:
-    'cpu_flash', 'efficient', 'flash', 'cudnn' or 'math'."""
+    'cpu_flash', 'efficient', 'flash', 'cudnn' or 'math'. A fake step (fake tensors, or meta ones) gets the kernel
+    a real CPU step would run: the probe itself runs on real tensors."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     device = torch.device(device)
-    q = torch.zeros(1, 2, 64, head_dim, device=device, dtype=dtype)      # (1, Hkv, g·rows, D)
-    k = torch.zeros(1, 2, 96, head_dim, device=device, dtype=dtype)      # (1, Hkv, L, D)
-    m = torch.ones(64, 96, dtype=torch.bool, device=device) if mask else None
-    name = _KERNELS.get(SDPBackend(torch._fused_sdp_choice(q, k, k, m)), 'math')
+    if device.type == 'meta': device = torch.device('cpu')
+    with unset_fake_temporarily():
+        q = torch.zeros(1, 2, 64, head_dim, device=device, dtype=dtype)  # (1, Hkv, g·rows, D)
+        k = torch.zeros(1, 2, 96, head_dim, device=device, dtype=dtype)  # (1, Hkv, L, D)
+        m = torch.ones(64, 96, dtype=torch.bool, device=device) if mask else None
+        name = _KERNELS.get(SDPBackend(torch._fused_sdp_choice(q, k, k, m)), 'math')
     return 'cpu_flash' if name == 'flash' and device.type == 'cpu' else name
+
+# %% ../nbs/03_planner.ipynb #07e067ca
+def shared_keys(a_first, a_last, lo, B: int, W: int | None):
+    "Context keys [s, e) that every query of a chunk with anchors a_first..a_last sees: no mask; empty when e <= s."
+    return (lo if W is None else np.maximum(lo, a_last + B - W)), a_first
 
 # %% ../nbs/03_planner.ipynb #f36d03c5
 def _es(dtype) -> int: return torch.empty((), dtype=dtype).element_size()
 
 def chunk_bytes(rows: int, keys: int, n_heads: int, n_kv_heads: int, head_dim: int, dtype,
-                kernel: str = 'cpu_flash') -> int:
-    "Transient bytes of one checkpointed chunk (`rows` block tokens, `keys` keys) at its worst moment."
+                kernel: str = 'cpu_flash', masked_keys: int | None = None, fold_copies: bool = True) -> int:
+    """Transient bytes of one chunk (`rows` block tokens, `keys` keys, `masked_keys` of them under a mask: all when
+    not given) at its worst moment. `fold_copies=False`: the chunk is a whole row, so folding its queries is a view."""
     es, g, D, Hq, Hkv = _es(dtype), n_heads // n_kv_heads, head_dim, n_heads, n_kv_heads
-    L = -(-keys // 16) * 16 if kernel == 'efficient' else keys           # mem-efficient pads the bias
-    kv = 2 * Hkv * keys * D * es                                         # K/V copy of the chunk (KV heads only)
+    eff = kernel in ('efficient', 'cudnn')
+    M = keys if masked_keys is None else masked_keys
+    U = keys - M                                                         # shared context: a view, no mask
+    split = (np.asarray(U) > 0).astype(np.int64)                         # a second kernel call
     qo = Hq * rows * D * es                                              # one query-sized tensor
-    lse = Hq * (-(-rows // 32) * 32 if kernel == 'efficient' else rows) * 4
-    mask_bool, mask_add = g * rows * keys, g * rows * L * es
-    rec = kv + 2 * qo + lse + mask_bool + mask_add               # replayed forward: q fold, out, lse, both masks
-    bwd = 2 * kv + 4 * qo + lse + mask_add                               # + grad out copy, grad q, grad k, grad v
-    if kernel == 'efficient': bwd += Hq * rows * D * 4 + Hq * rows * 4   # fp32 grad-q accumulator, delta
+    lse = Hkv * (-(-(g * rows) // 32) * 32 if eff else g * rows) * 4
+    kv = 2 * Hkv * M * D * es                                            # K/V copy of the masked part (KV heads only)
+    mask = g * rows * (-(-M // 16) * 16 if eff else M) * es + rows * M   # additive mask; the bool one while built
+    merge = 0 if es == 4 else 2 * Hq * rows * D * 4 * split              # fp32 copies of both outputs to merge
+    f = int(fold_copies)
+    fwd = (f + 1 + split) * qo + (1 + split) * lse + kv + mask + merge   # folded q, each part's output and lse
+    bwd = 3 * f * qo + lse + np.maximum(qo + 2 * Hkv * U * D * es,           # folded q, out, grad out; shared part's grads
+                                    (1 + split) * qo + 2 * kv + mask)    # or grad q so far + masked part and its grads
+    if eff: bwd = bwd + Hq * rows * D * 4 + Hq * rows * 4                # fp32 grad-q accumulator, delta
     if kernel == 'math':
-        scores = Hq * rows * keys * es
-        rec += 2 * scores; bwd += 3 * scores                             # scores, probs; probs saved + 2 grads
-    worst = np.maximum(rec, bwd)                                         # works on arrays of chunks too
+        scores = Hq * rows * np.maximum(U, M) * 4                        # fp32 scores of the bigger part
+        fwd = fwd + 2 * scores; bwd = bwd + 2 * scores
+    worst = np.maximum(fwd, bwd)                                         # works on arrays of chunks too
     return int(worst) if np.ndim(worst) == 0 else worst
 
 # %% ../nbs/03_planner.ipynb #81d17776
@@ -72,15 +88,23 @@ class ChunkPlan:
     needed_work: int = 0         # pairs if every block ran alone
     dense_work: int = 0          # pairs of one dense mask over all blocks
     fixed_bytes: int = 0         # output, its gradient and the input gradients
-    bound_bytes: int = 0         # fixed + worst chunk or assembly: what the budget constrains
+    bound_bytes: int = 0         # fixed + worst chunk: what the budget constrains
     peak_bytes: int = 0          # predicted peak, forward + backward, above the inputs
     timeline: dict = field(default_factory=dict)
 
     def row_chunks(self, n: int) -> list[Chunk]: return [c for c in self.chunks if c.row == n]
 
+    def masked_keys(self, c: Chunk) -> int:
+        "Keys of chunk `c` under a mask: all but the context every one of its queries sees."
+        a = self.anchors[c.row]
+        s, e = shared_keys(a[c.start], a[c.stop - 1], c.lo, self.block_size, self.sliding_window)
+        return c.keys(self.block_size) - max(0, int(e) - int(s))
+
     def chunk_bytes(self, c: Chunk) -> int:
+        whole = c.rows(self.block_size) == self.num_blocks * self.block_size   # all blocks of the row, in order
         return chunk_bytes(c.rows(self.block_size), c.keys(self.block_size), self.n_heads, self.n_kv_heads,
-                           self.head_dim, self.dtype, self.kernel)
+                           self.head_dim, self.dtype, self.kernel, self.masked_keys(c),
+                           fold_copies=not (whole and self.order[c.row] == list(range(self.num_blocks))))
 
     def __repr__(self):
         return (f"ChunkPlan({len(self.chunks)} chunks over {len(self.order)} rows, kernel {self.kernel}: "
@@ -96,38 +120,11 @@ def _sizes(p: ChunkPlan, N: int) -> dict:
     return dict(es=es, q_row=q, ctx_row=ctx, blk_row=blk, out=N * q, grads=N * (q + 2 * ctx + 2 * blk))
 
 def _simulate(p: ChunkPlan) -> dict:
-    "Walk the allocations of a forward+backward in the backend's order; return the predicted peaks."
-    N, B, D, Hq, Hkv = len(p.order), p.block_size, p.head_dim, p.n_heads, p.n_kv_heads
-    z = _sizes(p, N); es = z['es']
-    rows = [p.row_chunks(n) for n in range(N)]
-    # forward: chunk outputs pile up, each row is joined by one cat, rows are stacked (N>1)
-    live = peak_f = 0
-    for n in range(N):
-        piece = 0
-        for c in rows[n]:
-            peak_f = max(peak_f, live + piece + p.chunk_bytes(c))
-            piece += Hq * c.rows(B) * D * es
-        peak_f = max(peak_f, live + piece + z['q_row']); live += z['q_row']
-    if N > 1: peak_f = max(peak_f, 2 * live)
-    # backward: output and upstream gradient live throughout; the engine visits chunks in reverse
-    live = peak_b = 2 * z['out']
-    for n in reversed(range(N)):
-        q_acc = blk_acc = ctx_acc = 0; cov_lo = p.seq_len + 1           # context keys [cov_lo, ...) have a gradient
-        for c in reversed(rows[n]):
-            peak_b = max(peak_b, live + q_acc + blk_acc + ctx_acc + p.chunk_bytes(c))
-            q_acc += Hq * c.rows(B) * D * es                             # gradient of the chunk's q piece
-            blk_acc += 2 * Hkv * c.rows(B) * D * es                      # of its block keys and values
-            new = max(0, min(c.hi, cov_lo) - c.lo); cov_lo = min(cov_lo, c.lo)
-            ctx_acc += 2 * Hkv * new * D * es                            # of context segments seen first here
-        # end of row: each of k_ctx, v_ctx, k_blk, v_blk, q is joined into one row gradient
-        acc = q_acc + blk_acc + ctx_acc
-        for pieces, whole in ((ctx_acc / 2, z['ctx_row']), (ctx_acc / 2, z['ctx_row']), (blk_acc / 2, z['blk_row']),
-                              (blk_acc / 2, z['blk_row']), (q_acc, z['q_row'])):
-            peak_b = max(peak_b, live + acc + whole); acc += whole - pieces
-        live += acc
-    if N > 1: peak_b = max(peak_b, live + z['out'])                       # stacking the q gradients of all rows
-    return dict(forward=int(peak_f), backward=int(peak_b), peak=int(max(peak_f, peak_b)),
-                fixed=2 * z['out'] + z['grads'])
+    """Predicted peaks: forward holds the output and one chunk's temporaries; backward the output, its gradient,
+    the five input gradients and one chunk's temporaries."""
+    z = _sizes(p, len(p.order))
+    fixed, worst = 2 * z['out'] + z['grads'], max([p.chunk_bytes(c) for c in p.chunks], default=0)
+    return dict(forward=int(z['out'] + worst), backward=int(fixed + worst), peak=int(fixed + worst), fixed=fixed)
 
 # %% ../nbs/03_planner.ipynb #891ca08a
 def free_bytes(device) -> int:
@@ -145,8 +142,11 @@ def _row_tables(a: np.ndarray, B: int, Hq: int, W, chunk_cost: int, cost_bytes) 
     lo = np.zeros(m, dtype=np.int64) if W is None else np.maximum(0, a - (W - 1))
     rows = np.maximum(j - i, 0) * B
     keys = a[None, :] - lo[:, None] + rows
+    s, e = shared_keys(a[:, None], a[None, :], lo[:, None], B, W)      # chunk [i, j): anchors a[i] .. a[j-1]
+    masked = keys - np.maximum(e - s, 0)
     valid = j > i
-    return np.where(valid, cost_bytes(rows, keys), np.inf), np.where(valid, Hq * rows * keys + chunk_cost, np.inf)
+    return (np.where(valid, cost_bytes(rows, keys, masked), np.inf),
+            np.where(valid, Hq * rows * keys + chunk_cost, np.inf))
 
 def _row_dp(nbytes: np.ndarray, cost: np.ndarray, cap) -> tuple[list[tuple[int, int]], float]:
     "Cheapest [start, stop) cuts with chunk bytes <= cap, and their cost."
@@ -196,11 +196,13 @@ def plan_chunks(layout: BlockLayout, n_heads: int, n_kv_heads: int, head_dim: in
     srt = [[anchors[n][i] for i in o] for n, o in enumerate(order)]
     p = ChunkPlan([], order, srt, S, B, A, n_heads, n_kv_heads, head_dim, dtype, kernel, sliding_window, 0)
     fixed = _simulate(p)['fixed']
-    z = _sizes(p, len(order))
-    assembly = max(z['q_row'], z['out'] if len(order) > 1 else 0)
-    def cost_bytes(rows, keys): return chunk_bytes(rows, keys, n_heads, n_kv_heads, head_dim, dtype, kernel)
-    smallest = max([cost_bytes(B, a - (0 if sliding_window is None else max(0, a - sliding_window + 1)) + B)
-                    for r in srt for a in r] + [assembly])
+    def cost_bytes(rows, keys, masked=None):
+        return chunk_bytes(rows, keys, n_heads, n_kv_heads, head_dim, dtype, kernel, masked)
+    def one_block(a):
+        lo = 0 if sliding_window is None else max(0, a - sliding_window + 1)
+        s, e = shared_keys(a, a, lo, B, sliding_window)
+        return cost_bytes(B, a - lo + B, a - lo + B - max(0, int(e) - int(s)))
+    smallest = max([one_block(a) for r in srt for a in r], default=0)
     if budget_bytes is None: budget_bytes = 2**62
     if isinstance(budget_bytes, float) and budget_bytes <= 1: budget_bytes = int(budget_bytes * free_bytes(device))
     budget_bytes = int(budget_bytes)
@@ -208,7 +210,7 @@ def plan_chunks(layout: BlockLayout, n_heads: int, n_kv_heads: int, head_dim: in
         raise ValueError(f"budget {budget_bytes} bytes ({fmt_bytes(budget_bytes)}) is below the smallest "
                          f"feasible plan: "
                          f"{fixed + smallest} bytes ({fmt_bytes(fixed + smallest)}) = output, gradients "
-                         f"{fmt_bytes(fixed)} + one block's temporaries or one row's gradient join "
+                         f"{fmt_bytes(fixed)} + one block's temporaries "
                          f"{fmt_bytes(smallest)}")
     cap = budget_bytes - fixed
     rows = [(n, np.asarray(a, dtype=np.int64)) for n, a in enumerate(srt) if a]
@@ -226,7 +228,7 @@ def plan_chunks(layout: BlockLayout, n_heads: int, n_kv_heads: int, head_dim: in
     p.dense_work = len(order) * n_heads * A * B * (S + A * B)
     sim = _simulate(p)
     p.fixed_bytes, p.peak_bytes, p.timeline = fixed, sim['peak'], sim
-    p.bound_bytes = fixed + max([p.chunk_bytes(c) for c in p.chunks] + [assembly])
+    p.bound_bytes = fixed + max([p.chunk_bytes(c) for c in p.chunks], default=0)
     return p
 
 # %% ../nbs/03_planner.ipynb #c8937bef
