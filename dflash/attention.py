@@ -39,10 +39,12 @@ def eager_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_
     k = torch.cat([k_ctx, k_blk], dim=2).repeat_interleave(g, dim=1)      # (N, Hq, S + A·B, D)
     v = torch.cat([v_ctx, v_blk], dim=2).repeat_interleave(g, dim=1)
     mask = layout.dense_mask(sliding_window)[:, None]                     # (N, 1, A·B, S + A·B)
-    scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
-    probs = scores.softmax(-1) * mask                                     # rows with no key -> 0
-    return (probs @ v.float()).to(q.dtype)                                # (N, Hq, A·B, D)
+    with torch.autocast(q.device.type, enabled=False):                   # float32, also under mixed precision
+        scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+        probs = scores.softmax(-1) * mask                                 # rows with no key -> 0
+        out = probs @ v.float()                                           # (N, Hq, A·B, D)
+    return out.to(torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else q.dtype)
 
 @register_backend('eager')
 def _eager() -> AttentionFn: return eager_attention
