@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_data.ipynb #233c65cd
 from __future__ import annotations
-import hashlib, json, os, re, shutil, sys, tempfile, time
+import hashlib, json, os, re, shutil, sys, tempfile
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 from typing import Callable

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from transformers import Qwen3Config
 from .config import DrafterConfig
-from .memory import measure, fmt_bytes, MemoryTracker
+from .memory import measure, MemoryTracker
 from .planner import plan_chunks, probe_kernel
 from .testing import random_layout, random_qkv
 from .attention import get_backend, eager_attention, sdpa_attention

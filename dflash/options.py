@@ -4,8 +4,8 @@
 
 # %% ../nbs/00a_options.ipynb #36b3f8d0
 from __future__ import annotations
-import argparse, copy, hashlib, json, math, os, struct, sys, types, typing
-from dataclasses import dataclass, field, fields
+import argparse, copy, hashlib, json, math, struct, sys, types, typing
+from dataclasses import field, fields
 from pathlib import Path
 import yaml
 from transformers.hf_argparser import HfArgumentParser, string_to_bool

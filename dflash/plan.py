@@ -36,7 +36,7 @@ __all__ = ['DTYPES', 'POLICIES', 'TARGET_PRESETS', 'GPU_SIZES', 'PlanOptions', '
            'online_advice', 'main', 'target_drafter_config', 'memory_parts', 'fit_figure', 'fit_widget']
 
 # %% ../nbs/07a_plan.ipynb #500a9cad
-import argparse, json, re, sys, time
+import json, re, sys, time
 from dataclasses import dataclass
 from pathlib import Path
 import torch

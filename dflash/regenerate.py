@@ -5,7 +5,7 @@
 # %% ../nbs/08a_regenerate.ipynb #99d95e82
 from __future__ import annotations
 import argparse, hashlib, importlib.util, json, os, sys, time
-from dataclasses import dataclass, asdict, fields
+from dataclasses import dataclass
 from pathlib import Path
 from .config import resolve_local
 from .options import file_sha256

@@ -4,8 +4,8 @@
 
 # %% ../nbs/09b_runs.ipynb #6b350687
 from __future__ import annotations
-import json, os, re, shutil, socket, time
-from dataclasses import dataclass, asdict, fields
+import json, os, socket, time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 from .options import option, model_dir_problems, json_problem, flag

@@ -4,7 +4,7 @@
 
 # %% ../nbs/09a_speculate.ipynb #3aa57e83
 from __future__ import annotations
-import inspect, json, sys, time
+import inspect, json, time
 from pathlib import Path
 from dataclasses import dataclass, field
 from .config import DrafterConfig

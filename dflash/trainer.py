@@ -4,14 +4,14 @@
 
 # %% ../nbs/10_trainer.ipynb #132bd6a8
 from __future__ import annotations
-import csv, json, os, re, resource, shutil, signal, time
+import csv, os, re, resource, shutil, signal, time
 from contextlib import nullcontext
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torch.distributed.fsdp import FSDPModule, CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from fastcore.basics import patch
