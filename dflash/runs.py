@@ -61,7 +61,8 @@ class TrainConfig:
     spec_new_tokens: int = option(64, "tokens generated per prompt in that evaluation", ge=1)
 
 # %% ../nbs/09b_runs.ipynb #b7d1c0a2
-def _env_flag(env, key: str) -> bool: return env.get(key, 'false').lower() in ('1', 'true', 'yes', 'y', 'on', 't')
+_TRUE, _FALSE = ('1', 'true', 'yes', 'y', 'on', 't'), ('0', 'false', 'no', 'n', 'off', 'f')
+def _env_flag(env, key: str) -> bool: return env.get(key, 'false').lower() in _TRUE
 
 def launch_problems(env=None) -> list[str]:
     "What in accelerate's launch settings (its config or flags, as the launcher passes them) dflash.train cannot use."
@@ -77,6 +78,9 @@ def launch_problems(env=None) -> list[str]:
         if names:
             probs.append(f"fsdp_transformer_layer_cls_to_wrap {' '.join(sorted(names))}: not a layer of the drafter; "
                          "dflash.train shards it per DFlashDecoderLayer itself, so leave this setting out")
+        for key in ('FSDP_RESHARD_AFTER_FORWARD', 'FSDP_OFFLOAD_PARAMS'):
+            if (v := env.get(key)) is not None and v.lower() not in _TRUE + _FALSE:
+                probs.append(f"{key.lower()} {v}: FSDP2 takes true or false")
         if _env_flag(env, 'FSDP_ACTIVATION_CHECKPOINTING'):
             probs.append("fsdp_activation_checkpointing: dflash.train checkpoints its layers itself; turn it off "
                          "and choose with --checkpointing (auto by default)")
