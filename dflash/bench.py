@@ -47,7 +47,8 @@ def _heavy():
     from dflash.drafter import DFlashDrafter
     from dflash.checkpointing import set_checkpointing, parse_policy, checkpointed_layers
     from dflash.objective import dflash_objective
-    from dflash.toy import toy_config, toy_target_dir, toy_data_dir
+    from dflash.toy import toy_config
+    from dflash.files import toy_target_dir, toy_data_dir
     from dflash.regenerate import TransformersEngine, end_of_turn_ids, load_conversations, regenerate_batch
     from dflash.toy import load_toy_target, make_corpus
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, asdict
 from pathlib import Path
 from typing import Callable
 from .config import resolve_local
-from .options import option, parse_subcommand, OptionsError, exit_bad_options, file_sha256, json_problem
+from .options import option, parse_subcommand, OptionsError, exit_bad_options
+from .files import file_sha256, json_problem
 
 # %% auto #0
 __all__ = ['ROLES', 'DATA_SUFFIXES', 'TOKENIZE_VERSION', 'CACHE_FORMAT', 'DataOptions', 'CacheOptions', 'layer_ids', 'Subcommand',
@@ -124,7 +125,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 from .config import DrafterConfig, default_target_layer_ids, hf_hub_cache
 from .layout import valid_anchors
-from .runs import write_atomic, write_json
+from .files import write_atomic, write_json
 
 # %% ../nbs/08_data.ipynb #e33fbecc
 class DataError(ValueError):

@@ -16,7 +16,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedd
 from .config import DrafterConfig, resolve_local
 from .layout import BlockLayout
 from .attention import get_backend
-from .runs import write_atomic
+from .files import write_atomic
 
 # %% auto #0
 __all__ = ['qwen3_config', 'rotate', 'compute_dtype', 'compute_input', 'RMSNorm', 'DFlashAttention', 'DFlashDecoderLayer',

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_options.ipynb #36b3f8d0
 from __future__ import annotations
-import argparse, copy, hashlib, json, math, struct, sys, types, typing
+import argparse, copy, math, sys, types, typing
 from dataclasses import field, fields
 from pathlib import Path
 import yaml
@@ -13,8 +13,7 @@ from fastcore.basics import patch_to
 
 # %% auto #0
 __all__ = ['OptionsError', 'option', 'flag', 'allowed_text', 'check_value', 'OptionParser', 'build_options', 'parse_options',
-           'exit_bad_options', 'parse_subcommand', 'json_problem', 'safetensors_problem', 'model_dir_problems',
-           'file_sha256']
+           'exit_bad_options', 'parse_subcommand']
 
 # %% ../nbs/00a_options.ipynb #38d158e5
 class OptionsError(ValueError):
@@ -209,53 +208,3 @@ def parse_subcommand(commands: dict, argv=None, prog: str = '', usage: str = '')
     shown = {f.name: ' '.join(map(str, f.default)) for f in fields(sc.options) if isinstance(f.default, tuple)}
     about = getattr(sc, 'description', '') or sc.options.__doc__
     return name, parse_options(sc.options, argv[1:], f'{prog} {name}', about, check=sc.check, help_defaults=shown)[0]
-
-# %% ../nbs/00a_options.ipynb #3656bb5a
-def json_problem(path, what: str = 'file') -> tuple[dict | None, str | None]:
-    "(the JSON object in `path`, None) or (None, what is wrong with it, naming the file and the line)."
-    path = Path(path)
-    if not path.is_file(): return None, f"{path}: no such {what}"
-    try: d = json.loads(path.read_bytes().decode('utf-8'))
-    except UnicodeDecodeError as e: return None, f"{path}: not UTF-8 text ({e})"
-    except json.JSONDecodeError as e:
-        return None, f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
-    if not isinstance(d, dict): return None, f"{path}: expected a JSON object, got {type(d).__name__}"
-    return d, None
-
-def safetensors_problem(path) -> str | None:
-    "What is wrong with a safetensors file's header or size (truncated, garbage), or None."
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, 'rb') as f:
-        if size < 8: return f"{path}: not a safetensors file ({size} bytes)"
-        n = struct.unpack('<Q', f.read(8))[0]
-        if n > size - 8: return f"{path}: not a safetensors file or truncated (header of {n} bytes, file of {size})"
-        try: header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError): return f"{path}: not a safetensors file (header is not JSON)"
-    if not isinstance(header, dict): return f"{path}: not a safetensors file (header is not a mapping)"
-    ends = [t['data_offsets'][1] for k, t in header.items() if k != '__metadata__' and isinstance(t, dict)
-            and isinstance(t.get('data_offsets'), list) and len(t['data_offsets']) == 2]
-    if len(ends) != len(header) - ('__metadata__' in header):
-        return f"{path}: not a safetensors file (bad tensor entries)"
-    need = 8 + n + max(ends, default=0)
-    if need > size: return f"{path}: truncated ({size} bytes, its header needs {need})"
-    return None
-
-def model_dir_problems(path, name: str) -> list[str]:
-    "What is wrong with a transformers model directory, read without loading it: config.json and safetensors headers."
-    p = Path(path)
-    if not p.is_dir(): return [f"{name} = {str(path)!r}: no such directory"]
-    d, bad = json_problem(p / 'config.json', 'config.json')
-    probs = [f"{name}: {bad}"] if bad else []
-    if d is not None and 'model_type' not in d: probs.append(f"{name}: {p / 'config.json'}: no 'model_type' field")
-    weights = sorted(p.glob('*.safetensors'))
-    if not weights: probs.append(f"{name}: {p}: no *.safetensors weights")
-    probs += [f"{name}: {b}" for w in weights if (b := safetensors_problem(w))]
-    return probs
-
-def file_sha256(path, chunk: int = 1 << 22) -> str:
-    "The SHA-256 of a file's bytes, read in chunks."
-    h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        while b := f.read(chunk): h.update(b)
-    return h.hexdigest()

@@ -267,7 +267,8 @@ def _target_config(path):
     if 'model_type' not in d: raise ValueError(f"--target-config {path}: no 'model_type', not a transformers config")
     return AutoConfig.for_model(**d)
 
-from .options import parse_options, OptionsError, exit_bad_options, json_problem
+from .options import parse_options, OptionsError, exit_bad_options
+from .files import json_problem
 from .checkpointing import checkpointed_layers
 
 def _check_plan(o: PlanOptions) -> list[str]:

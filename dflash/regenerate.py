@@ -8,8 +8,8 @@ import argparse, hashlib, importlib.util, json, os, sys, time
 from dataclasses import dataclass
 from pathlib import Path
 from .config import resolve_local
-from .options import file_sha256
-from .runs import write_atomic
+from .files import file_sha256, toy_target_dir
+from .files import write_atomic
 # torch, transformers and dflash.data (which loads torch) load inside the functions that use them: `--help` answers
 # at once
 
@@ -42,7 +42,6 @@ DTYPES = ('float32', 'float64', 'bfloat16', 'float16')
 
 def _target_dir(cfg: RegenConfig) -> Path:
     if cfg.target is not None: return resolve_local(cfg.target)                # a hub id: the local cache only
-    from dflash.toy import toy_target_dir                       # the package's default target (lazily: toy comes later)
     return toy_target_dir()
 
 def vllm_unavailable() -> str | None:

@@ -7,13 +7,12 @@ from __future__ import annotations
 import json, os, socket, time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-from .options import option, model_dir_problems, json_problem, flag
+from .options import option, flag
+from .files import model_dir_problems, json_problem
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'FIXED_ON_RESUME', 'TrainConfig', 'launch_problems', 'policy_problem', 'check_train', 'fsync_path',
-           'write_atomic', 'write_json', 'RunDirError', 'run_files', 'read_run', 'lock_run', 'unlock_run', 'move_aside',
-           'claim_run', 'resume_changes']
+__all__ = ['RUN_FILES', 'FIXED_ON_RESUME', 'TrainConfig', 'launch_problems', 'policy_problem', 'check_train', 'RunDirError',
+           'run_files', 'read_run', 'lock_run', 'unlock_run', 'move_aside', 'claim_run', 'resume_changes']
 
 # %% ../nbs/09b_runs.ipynb #4745fd52
 @dataclass
@@ -129,28 +128,6 @@ def check_train(c: TrainConfig) -> list[str]:
         probs.append(f"--block-size = {c.block_size}: allowed <= max_length ({c.max_length})")
     if (p := policy_problem(str(c.checkpointing))): probs.append(p)
     return probs + launch_problems()
-
-# %% ../nbs/09b_runs.ipynb #99b1472b
-def fsync_path(path):
-    "Flush a file, or a directory's entries, to the disk."
-    fd = os.open(path, os.O_RDONLY)
-    try: os.fsync(fd)
-    finally: os.close(fd)
-
-def write_atomic(path, data: str | bytes | Callable):
-    """Write `path` whole or not at all: `data` (text or bytes), or what `data(tmp)` writes to the path `tmp` (a
-    safetensors `save_file`), goes to a temporary file beside it, flushed, then renamed into place."""
-    path = Path(path)
-    tmp = path.with_name(f'.{path.name}.tmp-{os.getpid()}')
-    try:
-        if callable(data): data(tmp)
-        else: tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-        fsync_path(tmp)
-        os.replace(tmp, path)
-    finally: tmp.unlink(missing_ok=True)                   # a failed write leaves the old file and no temporary
-    fsync_path(path.parent)
-
-def write_json(path, obj): write_atomic(path, json.dumps(obj, indent=1) + '\n')
 
 # %% ../nbs/09b_runs.ipynb #0da2b238
 RUN_FILES = ('run.json', 'checkpoints', 'metrics.csv', 'eval.csv', 'drafter', 'summary.json')

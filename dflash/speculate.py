@@ -8,8 +8,8 @@ import inspect, json, time
 from pathlib import Path
 from dataclasses import dataclass, field
 from .config import DrafterConfig
-from .options import option, parse_options, OptionsError, exit_bad_options, json_problem, model_dir_problems, \
-    safetensors_problem
+from .options import option, parse_options, OptionsError, exit_bad_options
+from .files import json_problem, model_dir_problems, safetensors_problem
 
 # %% auto #0
 __all__ = ['SpeculateOptions', 'parse_speculate', 'check_compatible', 'SpecResult', 'speculative_generate', 'greedy_generate',

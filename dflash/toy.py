@@ -4,8 +4,9 @@
 
 # %% ../nbs/09_toy.ipynb #bcc3f0b5
 from __future__ import annotations
-import importlib.resources, json, math, random, time
+import json, math, random, time
 from pathlib import Path
+from .files import assets_dir, toy_target_dir
 from fastcore.script import call_parse
 # torch, tokenizers and transformers load inside the functions that use them: `--help` answers at once
 
@@ -14,8 +15,8 @@ __all__ = ['WORDS', 'DAYS', 'MONTHS', 'SYSTEM_PROMPTS', 'BRIEF_PROMPT', 'WORD_TA
            'task_add', 'task_sub', 'task_mul', 'task_compare', 'task_spell', 'task_count', 'task_reverse', 'task_upper',
            'task_ends', 'task_next_terms', 'task_count_range', 'task_sort', 'task_number_list', 'task_day',
            'task_month', 'conversation', 'make_corpus', 'write_jsonl', 'load_jsonl', 'toy_splits', 'train_tokenizer',
-           'encode_chat', 'embedding_rows', 'toy_config', 'assistant_accuracy', 'train_target', 'assets_dir',
-           'toy_target_dir', 'toy_data_dir', 'load_toy_target', 'build', 'regenerate_corpus', 'main']
+           'encode_chat', 'embedding_rows', 'toy_config', 'assistant_accuracy', 'train_target', 'load_toy_target',
+           'build', 'regenerate_corpus', 'main']
 
 # %% ../nbs/09_toy.ipynb #94365d82
 WORDS = ('apple banana cherry grape lemon mango melon peach pear plum berry bread butter cheese honey pepper salt '
@@ -311,18 +312,6 @@ def train_target(model, tok, convs, steps: int, batch_size: int = 32, lr: float 
     return log
 
 # %% ../nbs/09_toy.ipynb #7b58bc0c
-def assets_dir() -> Path:
-    "The package's `assets` folder."
-    return Path(importlib.resources.files('dflash')) / 'assets'
-
-def toy_target_dir() -> Path:
-    "The shipped toy target: a transformers model folder (safetensors, config, tokenizer)."
-    return assets_dir() / 'toy-target'
-
-def toy_data_dir() -> Path:
-    "The shipped toy corpus: `train.jsonl` and `eval.jsonl`."
-    return assets_dir() / 'toy-data'
-
 def load_toy_target(path=None, dtype='float32'):
     "(model, tokenizer) of the shipped toy target (or of the target folder `path`), in eval mode."
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -9,8 +9,8 @@ from dataclasses import asdict
 from pathlib import Path
 import yaml
 from .options import OptionParser, OptionsError, build_options, exit_bad_options
-from .runs import (TrainConfig, check_train, read_run, resume_changes, claim_run, unlock_run, write_json,
-                         write_atomic, RunDirError)
+from .runs import TrainConfig, check_train, read_run, resume_changes, claim_run, unlock_run, RunDirError
+from .files import write_json, write_atomic, toy_data_dir
 
 # %% auto #0
 __all__ = ['PROG', 'DESCRIPTION', 'configure', 'parse_config', 'toy_profile', 'spec_tau', 'main', 'draw_curves',
@@ -53,7 +53,6 @@ def toy_profile(resolve: bool = True) -> dict:
 def spec_tau(trainer) -> dict | None:
     "Speculative-decoding acceptance on the held-out prompts (main process; None when not measurable)."
     from dflash.speculate import eval_prompts, acceptance_eval
-    from dflash.toy import toy_data_dir
     c, p = trainer.cfg, trainer.parts
     eval_path = c.eval_data or (str(toy_data_dir() / 'eval.jsonl') if c.target is None else None)
     if p.features is None or not eval_path or not c.spec_eval_prompts: return None

@@ -29,9 +29,8 @@ from .plan import budgets, recommend_policy, step_memory, online_target_bytes, o
 from .planner import free_bytes
 from .objective import dflash_objective, ObjectiveSums
 from .data import ChatDataset, CacheDataset, TargetFeatures, collate, target_identity
-from .toy import toy_target_dir, toy_data_dir
-from .options import json_problem, file_sha256
-from .runs import TrainConfig, write_atomic, write_json, fsync_path, launch_problems
+from .files import json_problem, file_sha256, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir
+from .runs import TrainConfig, launch_problems
 
 # %% auto #0
 __all__ = ['complete_checkpoints', 'frozen_head_weights', 'RunParts', 'load_parts', 'epoch_order', 'step_samples',

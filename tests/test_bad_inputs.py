@@ -5,7 +5,7 @@ import hashlib, json, os, pickle, shutil, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
 from safetensors.torch import load_file
-from dflash.toy import toy_target_dir, toy_data_dir, assets_dir
+from dflash.files import toy_target_dir, toy_data_dir, assets_dir
 from dflash.train import main as train_main
 from dflash.plan import main as plan_main
 from dflash.speculate import main as speculate_main

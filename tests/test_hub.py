@@ -6,7 +6,7 @@ import pytest, torch
 from dflash.config import resolve_local
 from dflash.data import TargetFeatures, load_chat_data, main, CacheDataset
 from dflash.drafter import DFlashDrafter
-from dflash.toy import toy_target_dir
+from dflash.files import toy_target_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

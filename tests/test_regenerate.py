@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest, torch
 from dflash.regenerate import (RegenConfig, TransformersEngine, cut_at_stop, end_of_turn_ids, index_path,
                                load_conversations, prompt_ids, regenerate, regenerate_batch, validate, vllm_unavailable)
-from dflash.toy import load_toy_target, toy_data_dir
+from dflash.toy import load_toy_target
+from dflash.files import toy_data_dir
 
 ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1'}
 
