@@ -51,7 +51,7 @@ def _eager() -> AttentionFn: return eager_attention
 
 # %% ../nbs/04_attention.ipynb #d9c92aba
 import weakref
-from .planner import ChunkPlan, plan_chunks, shared_keys
+from .chunking import ChunkPlan, plan_chunks, shared_keys
 
 def _cpu_fwd(q, k, v, bias):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)

@@ -45,7 +45,7 @@ def _heavy():
     from dflash.attention import get_backend
     from dflash.testing import random_qkv
     from dflash.drafter import DFlashDrafter
-    from dflash.checkpointing import set_checkpointing, parse_policy, checkpointed_layers
+    from dflash.recompute import set_checkpointing, parse_policy, checkpointed_layers
     from dflash.objective import dflash_objective
     from dflash.toy import toy_config
     from dflash.files import toy_target_dir, toy_data_dir
@@ -791,7 +791,7 @@ SUBCOMMANDS['regenerate'] = Subcommand(RegenerateBench, run_regenerate, 'tokens/
 _DATA_LAUNCH = '''import json, sys, time
 t0 = time.perf_counter()
 from transformers import AutoTokenizer
-from dflash.data import load_chat_data
+from dflash.chat import load_chat_data
 import datasets, accelerate                                    # imports before the clock
 tok = AutoTokenizer.from_pretrained(sys.argv[2])
 t1 = time.perf_counter()

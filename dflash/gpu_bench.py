@@ -12,11 +12,11 @@ from torch import Tensor
 from transformers import Qwen3Config
 from .config import DrafterConfig
 from .memory import measure, MemoryTracker
-from .planner import plan_chunks, probe_kernel
+from .chunking import plan_chunks, probe_kernel
 from .testing import random_layout, random_qkv
 from .attention import get_backend, eager_attention, sdpa_attention
 from .drafter import DFlashDrafter
-from .checkpointing import set_checkpointing
+from .recompute import set_checkpointing
 from .objective import dflash_objective
 from .plan import budgets, recommend_policy, plan_layout
 from .bench import bench_many, launch_train, last_error, logged_steps

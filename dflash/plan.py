@@ -44,7 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .config import DrafterConfig
 from .layout import BlockLayout
 from .drafter import DFlashDrafter
-from .checkpointing import set_checkpointing, parse_policy
+from .recompute import set_checkpointing, parse_policy
 from .objective import dflash_objective, objective_bytes_per_row
 from .memory import MemoryTracker, fmt_bytes
 
@@ -269,7 +269,7 @@ def _target_config(path):
 
 from .options import parse_options, OptionsError, exit_bad_options
 from .files import json_problem
-from .checkpointing import checkpointed_layers
+from .recompute import checkpointed_layers
 
 def _check_plan(o: PlanOptions) -> list[str]:
     "Problems of the plan's options beyond each one's range: the config file, the memory size, the policies."

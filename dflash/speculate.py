@@ -64,7 +64,8 @@ from torch import Tensor
 from tqdm import tqdm
 from transformers import DynamicCache, GenerationConfig
 from .drafter import DFlashDrafter, ContextCache
-from .data import read_jsonl, to_messages, target_features
+from .chat import read_jsonl, to_messages
+from .features import target_features
 
 # %% ../nbs/09a_speculate.ipynb #5491609a
 def check_compatible(drafter_config: DrafterConfig, target_config, block_size: int | None = None,

@@ -185,7 +185,7 @@ def write_jsonl(path, convs):
 
 def load_jsonl(path) -> list[dict]:
     "The records of a JSONL file, through `dflash.data`'s reader (which names a malformed line)."
-    from dflash.data import read_jsonl
+    from dflash.chat import read_jsonl
     return [rec for _, rec in read_jsonl(path)]
 
 def toy_splits(n_target: int, n_train: int, n_eval: int, seed: int = 0):

@@ -24,11 +24,12 @@ from transformers import AutoConfig, AutoTokenizer, get_cosine_schedule_with_war
 from .config import DrafterConfig, resolve_local
 from .layout import BlockLayout
 from .drafter import DFlashDrafter
-from .checkpointing import set_checkpointing, parse_policy
+from .recompute import set_checkpointing, parse_policy
 from .plan import budgets, recommend_policy, step_memory, online_target_bytes, online_advice
-from .planner import free_bytes
+from .chunking import free_bytes
 from .objective import dflash_objective, ObjectiveSums
-from .data import ChatDataset, CacheDataset, TargetFeatures, collate, target_identity
+from .chat import ChatDataset
+from .features import CacheDataset, TargetFeatures, collate, target_identity
 from .files import json_problem, file_sha256, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir
 from .runs import TrainConfig, launch_problems
 
@@ -66,7 +67,7 @@ class RunParts:
 
 def load_parts(cfg: TrainConfig, device) -> RunParts:
     "Resolve the target and data of `cfg` (defaults: the toy) and build the datasets."
-    from dflash.data import load_chat_data
+    from dflash.chat import load_chat_data
     toy = cfg.target is None
     target = resolve_local(cfg.target) if not toy else toy_target_dir()
     data = cfg.data or (toy_data_dir() / 'train.jsonl' if toy else None)

@@ -10,7 +10,8 @@ from dflash.train import main as train_main
 from dflash.plan import main as plan_main
 from dflash.speculate import main as speculate_main
 from dflash.options import OptionsError
-from dflash.data import DataError, read_jsonl, main as data_main
+from dflash.chat import DataError, read_jsonl
+from dflash.data import main as data_main
 
 SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4', '--lr', '3e-3',
          '--attention', 'eager', '--log-every', '1', '--spec-eval-prompts', '0', '--seed', '3',

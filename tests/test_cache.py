@@ -4,8 +4,10 @@ from pathlib import Path
 import numpy as np
 import pytest, torch
 from conftest import chat_sentence
-import dflash.data as data
-from dflash.data import CacheDataset, ChatDataset, TargetFeatures, collate, main, write_cache
+import dflash.features as features
+from dflash.features import CacheDataset, TargetFeatures, collate, write_cache
+from dflash.chat import ChatDataset
+from dflash.data import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,12 +78,12 @@ def test_failed_writer_resumes_without_redoing_shards(tmp_path, chat_targets, mo
     t = TargetFeatures(chat_targets['llama'], num_draft_layers=2)
     ds = ChatDataset.from_jsonl(_jsonl(tmp_path / 'd.jsonl', 7, seed=2), t.tokenizer)
     write_cache(t, ds, tmp_path / 'whole', shard_size=2, progress=False)
-    real, calls = data._write_shard, []
+    real, calls = features._write_shard, []
     def failing(path, tensors):
         calls.append(path.name)
         if len(calls) == 3: raise KeyboardInterrupt                               # dies while writing the third shard
         return real(path, tensors)
-    monkeypatch.setattr(data, '_write_shard', failing)
+    monkeypatch.setattr(features, '_write_shard', failing)
     with pytest.raises(KeyboardInterrupt): write_cache(t, ds, tmp_path / 'cache', shard_size=2, progress=False)
     calls.clear()
     write_cache(t, ds, tmp_path / 'cache', shard_size=2, progress=False)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest, torch
 import dflash
 from conftest import END_OF_TURN, chat_sentence
-from dflash.data import (ChatDataset, DataError, DataStats, TargetFeatures, TemplateError, collate,
-                         read_jsonl, to_messages, tokenize_chat, tokenize_conversation)
+from dflash.chat import ChatDataset, DataError, DataStats, TemplateError, read_jsonl, to_messages, tokenize_chat, tokenize_conversation
+from dflash.features import TargetFeatures, collate
 from dflash.layout import BlockLayout
 
 
@@ -224,7 +224,7 @@ TOY = Path(dflash.__file__).resolve().parent / 'assets' / 'toy-target'
 
 @pytest.mark.skipif(not (TOY / 'config.json').is_file(), reason='the toy target is not built')
 def test_shipped_toy_target(tmp_path):
-    from dflash.data import CacheDataset, write_cache
+    from dflash.features import CacheDataset, write_cache
     t = TargetFeatures(TOY, num_draft_layers=1)
     rng = np.random.default_rng(8)
     convs = [_conversation(rng, system=False, turns=2) for _ in range(2)]

@@ -4,7 +4,9 @@ from pathlib import Path
 import numpy as np
 import pytest, torch
 from dflash.config import resolve_local
-from dflash.data import TargetFeatures, load_chat_data, main, CacheDataset
+from dflash.features import TargetFeatures, CacheDataset
+from dflash.chat import load_chat_data
+from dflash.data import main
 from dflash.drafter import DFlashDrafter
 from dflash.files import toy_target_dir
 

@@ -4,7 +4,8 @@ import pytest, torch
 from dflash.drafter import DFlashDrafter
 from dflash.layout import BlockLayout
 from dflash.objective import dflash_objective
-from dflash.data import ChatDataset, TargetFeatures, collate
+from dflash.chat import ChatDataset
+from dflash.features import TargetFeatures, collate
 from dflash.speculate import eval_prompts, speculative_generate, greedy_generate, acceptance_eval
 from dflash.toy import load_toy_target
 from dflash.files import assets_dir, toy_data_dir, toy_target_dir
