@@ -10,9 +10,7 @@ import csv
 import json
 import math
 import os
-import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,7 +30,8 @@ def _heavy():
     global BlockLayout, measure, fmt_bytes, get_backend, random_qkv, DFlashDrafter
     global set_checkpointing, parse_policy, checkpointed_layers, dflash_objective, toy_config
     global toy_target_dir, toy_data_dir, TransformersEngine, end_of_turn_ids, load_conversations
-    global regenerate_batch, load_toy_target, make_corpus
+    global regenerate_batch, load_toy_target, make_corpus, METHODS, bench_many, physical_floor, launch_commands
+    global launch_train, last_error, logged_steps, throughput, free_port, pinned_threads, sync_device, run_gpu
     import torch
     import torch.nn.functional as F
     from torch import Tensor
@@ -49,48 +48,19 @@ def _heavy():
     from dflash.objective import dflash_objective
     from dflash.toy import toy_config
     from dflash.files import toy_target_dir, toy_data_dir
+    from dflash.harness import METHODS, bench_many, physical_floor, launch_commands, launch_train, last_error, logged_steps, throughput, free_port, pinned_threads, sync_device
     from dflash.regenerate import TransformersEngine, end_of_turn_ids, load_conversations, regenerate_batch
     from dflash.toy import load_toy_target, make_corpus
+    from dflash.gpu_bench import run_gpu
 
 if not (__name__ == '__main__' and '__file__' in globals()): _heavy()
 
 # %% auto #0
-__all__ = ['METHODS', 'LAYOUTS', 'SUBCOMMANDS', 'PROG', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'dense_attention', 'gather_attention',
-           'bench_layout', 'bench_many', 'physical_floor', 'Subcommand', 'AttentionBench', 'run_attention',
-           'parse_bench', 'main', 'fit_exponent', 'ScalingBench', 'run_scaling', 'StepCase', 'reference_attention',
-           'step_case', 'drafter_step', 'reference_step', 'bench_steps', 'StepBench', 'run_step', 'make_target',
-           'free_port', 'launch_commands', 'launch_train', 'last_error', 'logged_steps', 'throughput', 'TrainBench',
-           'run_train', 'bench_regenerate', 'RegenerateBench', 'run_regenerate', 'DataBench', 'run_data', 'GpuBench']
-
-# %% ../nbs/13_bench.ipynb #e0bdccab
-def dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window=None) -> Tensor:
-    "Baseline: one SDPA call with the dense boolean mask over all blocks."
-    k, v = torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2)    # (N, Hkv, S + A·B, D)
-    mask = layout.dense_mask(sliding_window)[:, None]                    # (N, 1, A·B, S + A·B)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    return out * layout.keep.repeat_interleave(layout.block_size, 1)[:, None, :, None]   # padded rows: zeros
-
-def gather_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window=None) -> Tensor:
-    "Baseline: per block, one SDPA call over its own prefix and block; KV heads shared by `enable_gqa`, not expanded."
-    if sliding_window is not None: raise ValueError("the gather baseline covers full-attention layers only")
-    N, Hq, T, D = q.shape
-    B = layout.block_size
-    anchors, keep = layout.anchors.tolist(), layout.keep.tolist()
-    rows = []
-    for n in range(N):
-        outs = []
-        for i, a in enumerate(anchors[n]):
-            blk = slice(i * B, (i + 1) * B)
-            if not keep[n][i]: outs.append(q.new_zeros(Hq, B, D)); continue
-            k = torch.cat([k_ctx[n, :, :a], k_blk[n, :, blk]], 1)           # (Hkv, a + B, D)
-            v = torch.cat([v_ctx[n, :, :a], v_blk[n, :, blk]], 1)
-            outs.append(F.scaled_dot_product_attention(q[n, :, blk][None], k[None], v[None], enable_gqa=True)[0])
-        rows.append(torch.cat(outs, 1))
-    return torch.stack(rows)
-
-METHODS = {'dense': lambda **o: dense_attention, 'gather': lambda **o: gather_attention,
-           'sdpa': lambda **o: get_backend('sdpa', **o), 'flex': lambda **o: get_backend('flex', **o),
-           'eager': lambda **o: get_backend('eager')}
+__all__ = ['LAYOUTS', 'SUBCOMMANDS', 'PROG', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'bench_layout', 'Subcommand', 'AttentionBench',
+           'run_attention', 'parse_bench', 'main', 'fit_exponent', 'ScalingBench', 'run_scaling', 'StepCase',
+           'reference_attention', 'step_case', 'drafter_step', 'reference_step', 'bench_steps', 'StepBench', 'run_step',
+           'make_target', 'TrainBench', 'run_train', 'bench_regenerate', 'RegenerateBench', 'run_regenerate',
+           'DataBench', 'run_data', 'GpuBench']
 
 # %% ../nbs/13_bench.ipynb #abd4fc41
 LAYOUTS = {'uniform': None, 'half': 0.5, 'quarter': 0.75}   # chat-like: supervision starts at this share of the row
@@ -108,44 +78,6 @@ def bench_layout(kind: str, N: int, S: int, n_anchors: int, B: int = 16, seed: i
     else:
         lm = torch.zeros(N, S, dtype=torch.bool); lm[:, int(S * LAYOUTS[kind]):] = True
     return BlockLayout.from_batch(ids, lm, mask_token_id, B, n_anchors, seed=seed)
-
-# %% ../nbs/13_bench.ipynb #c39b82eb
-@contextlib.contextmanager
-def _threads(n: int | None):
-    old = torch.get_num_threads()
-    if n: torch.set_num_threads(n)
-    try: yield
-    finally: torch.set_num_threads(old)
-
-def _sync(device):
-    if torch.device(device).type == 'cuda': torch.cuda.synchronize(device)
-
-def _step(fn, qkv, layout, sliding_window) -> tuple[float, float]:
-    "(wall, CPU) seconds of one forward+backward; a fresh layout object, so the sdpa backend plans inside the step."
-    dev = qkv[0].device
-    for t in qkv: t.grad = None
-    _sync(dev); t0, c0 = time.perf_counter(), time.process_time()
-    out = fn(*qkv, dataclasses.replace(layout), sliding_window)
-    out.backward(torch.ones_like(out))
-    _sync(dev)
-    return time.perf_counter() - t0, time.process_time() - c0
-
-def bench_many(fns: dict, qkv, layout, sliding_window=None, repeats: int = 3) -> dict:
-    """Per method: median wall and CPU seconds of fwd+bwd over `repeats` interleaved rounds (after a warm-up), peak
-    bytes."""
-    # rounds interleave the methods, so a burst of load elsewhere on the machine hits all of them alike
-    wall, cpu = {k: [] for k in fns}, {k: [] for k in fns}
-    for r in range(repeats + 1):
-        for k, fn in fns.items():
-            w, c = _step(fn, qkv, layout, sliding_window)
-            if r: wall[k].append(w); cpu[k].append(c)
-    for t in qkv: t.grad = None
-    return {k: dict(time_s=statistics.median(wall[k]), cpu_s=statistics.median(cpu[k]),
-                    peak_bytes=measure(fn, *qkv, layout, sliding_window).peak) for k, fn in fns.items()}
-
-def physical_floor(qkv) -> int:
-    "Bytes of q, k, v, the output (q-sized) and their gradients."
-    return 2 * (sum(t.numel() * t.element_size() for t in qkv) + qkv[0].numel() * qkv[0].element_size())
 
 # %% ../nbs/13_bench.ipynb #a1c0b7e1
 @dataclass
@@ -177,7 +109,7 @@ class AttentionBench:
                                         "backend's)", gt=0)
     layouts: list[str] = option(tuple(LAYOUTS), 'uniform anchors, or chat-like: supervision in the last half / '
                                                 'quarter', choices=list(LAYOUTS))
-    methods: list[str] = option(('dense', 'gather', 'sdpa', 'flex'), 'methods measured', choices=sorted(METHODS))
+    methods: list[str] = option(('dense', 'gather', 'sdpa', 'flex'), 'methods measured', choices=['dense', 'eager', 'flex', 'gather', 'sdpa'])
     repeats: int = option(3, 'interleaved rounds after the warm-up; the median is reported', ge=1)
     threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
     seed: int = option(0, 'seed of the layouts and inputs', ge=0)
@@ -198,7 +130,7 @@ def run_attention(args) -> list[dict]:
                          generator=torch.Generator().manual_seed(args.seed))
         qkv = tuple(t.to(args.device).requires_grad_() for t in qkv)
         floor, inputs = physical_floor(qkv), sum(t.numel() * t.element_size() for t in qkv)
-        with _threads(args.threads):
+        with pinned_threads(args.threads):
             res = bench_many(fns, qkv, layout, args.sliding_window, args.repeats)
             threads = torch.get_num_threads()
         got = []
@@ -312,7 +244,7 @@ def run_scaling(args) -> dict:
             lay = bench_layout(args.layout, 1, S, A, 16, seed=args.seed)
             qkv = tuple(t.requires_grad_() for t in random_qkv(lay, args.heads, args.kv_heads, args.head_dim, dtype,
                                                                 generator=torch.Generator().manual_seed(args.seed)))
-            with _threads(args.threads): r = bench_many({'sdpa': fn}, qkv, lay, repeats=args.repeats)['sdpa']
+            with pinned_threads(args.threads): r = bench_many({'sdpa': fn}, qkv, lay, repeats=args.repeats)['sdpa']
             pts.append(dict(axis=axis, seq_len=S, anchors=lay.num_blocks, **r))
             print(f"{axis:8} S={S:6d} anchors={lay.num_blocks:5d}  wall {r['time_s']:7.3f}s  cpu {r['cpu_s']:7.3f}s  "
                   f"peak {fmt_bytes(r['peak_bytes']):>11}", flush=True)
@@ -394,10 +326,10 @@ def reference_step(case: StepCase, layout: BlockLayout, context: Tensor | None =
 def _timed_step(step, case: StepCase, kind: str, seed: int) -> tuple[float, float, float]:
     "(wall s, CPU s, loss) of one forward+backward, the layout (and so the plan) made inside."
     for d in (case.drafter, case.reference): d.zero_grad(set_to_none=True)
-    _sync(case.context.device); t0, c0 = time.perf_counter(), time.process_time()
+    sync_device(case.context.device); t0, c0 = time.perf_counter(), time.process_time()
     loss = step(case, case.layout(kind, seed))
     loss.backward()
-    _sync(case.context.device)
+    sync_device(case.context.device)
     return time.perf_counter() - t0, time.process_time() - c0, loss.item()
 
 def bench_steps(case: StepCase, policies: list, kind: str = 'uniform', repeats: int = 3) -> dict:
@@ -451,7 +383,7 @@ def _check_step(o: StepBench) -> list[str]:
 def run_step(args) -> list[dict]:
     "Measure the reference step and dflash's step per checkpointing policy, per config and layout; table, CSV, plot."
     dtype, rows, headers = getattr(torch, args.dtype), [], []
-    with _threads(args.threads):
+    with pinned_threads(args.threads):
         threads = torch.get_num_threads()
         bar = _bar(total=len(args.configs) * len(args.layouts), desc='step cases')
         for name in args.configs:
@@ -534,91 +466,6 @@ def make_target(path, seed: int = 0, **sizes) -> Path:
     finally:
         if bars: hf_logging.enable_progress_bar()
     return path
-
-# %% ../nbs/13_bench.ipynb #ee9ae346
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return str(s.getsockname()[1])
-
-def launch_commands(out, *train_args: str, processes: int = 1, machines: int = 1, device: str = 'cpu',
-                    accelerate_args=('--mixed_precision', 'no'), port: str | None = None) -> list[list[str]]:
-    """One `accelerate launch [accelerate_args] -m dflash.train --out OUT *train_args` per machine: `processes` in all,
-    `machines` of them on localhost."""
-    if processes % machines: raise ValueError(f"{processes} processes do not split over {machines} machines")
-    plugin = any(a in accelerate_args for a in ('--use_fsdp', '--use_deepspeed'))     # they exclude --multi_gpu
-    dist = ['--cpu'] if device == 'cpu' and processes == 1 else ['--multi_gpu'] if processes > 1 and not plugin else []
-    port = port or free_port()
-    nodes = [['--num_machines', '1']] if machines == 1 else [
-        ['--num_machines', str(machines), '--machine_rank', str(r), '--main_process_ip', '127.0.0.1']
-        for r in range(machines)]
-    return [[sys.executable, '-m', 'accelerate.commands.launch', *dist, '--num_processes', str(processes), *node,
-             *accelerate_args, '--dynamo_backend', 'no', '--main_process_port', port, '-m', 'dflash.train',
-             '--out', str(out), *train_args] for node in nodes]
-
-def launch_train(out, *train_args: str, processes: int = 1, machines: int = 1, device: str = 'cpu',
-                 accelerate_args=('--mixed_precision', 'no'), threads: int = 1, env: dict | None = None,
-                 timeout: float = 3600, wait: bool = True):
-    """Run `launch_commands(...)`, `threads` threads per process, `env` added to the environment: the finished launch
-    (several machines: started together, outputs joined, failures last; past `timeout`: exit -9). `wait=False`: the
-    running launch of one machine, in a session of its own (so its process group can be killed)."""
-    cmds = launch_commands(out, *train_args, processes=processes, machines=machines, device=device,
-                           accelerate_args=accelerate_args)
-    env = {**os.environ, 'OMP_NUM_THREADS': str(threads), 'PYTHONUNBUFFERED': '1', 'TOKENIZERS_PARALLELISM': 'false',
-           **({'ACCELERATE_USE_CPU': 'true'} if device == 'cpu' else {}), **(env or {})}  # cpu: else lone processes
-    if not wait:
-        if machines > 1: raise ValueError("wait=False starts one machine's launch")
-        return subprocess.Popen(cmds[0], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-    if machines == 1:
-        try: return subprocess.run(cmds[0], env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            text = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ''
-            return subprocess.CompletedProcess(cmds[0], -9, text, f"timed out after {timeout:.0f} s")
-    logs = [tempfile.TemporaryFile('w+') for _ in cmds]                # files, not pipes: no launch blocks on output
-    procs = [subprocess.Popen(c, env=env, stdout=f, stderr=subprocess.STDOUT, text=True) for c, f in zip(cmds, logs)]
-    deadline, stopped = time.monotonic() + timeout, None
-    try:
-        while any(p.poll() is None for p in procs):       # one machine failed: the others would wait for it forever
-            if stopped is None and (any(p.returncode for p in procs) or time.monotonic() > deadline):
-                stopped = time.monotonic()
-                for p in procs: p.terminate()
-            if stopped is not None and time.monotonic() > stopped + 30:
-                for p in procs: p.kill()
-            time.sleep(0.5)
-    finally:
-        for p in procs:
-            if p.poll() is None: p.kill()
-    texts = []
-    for r, (p, f) in enumerate(zip(procs, logs)):
-        f.seek(0); texts.append((p.returncode != 0, f"[machine {r}, exit {p.returncode}]\n" + f.read())); f.close()
-    code = next((p.returncode for p in procs if p.returncode), 0)
-    return subprocess.CompletedProcess(cmds[0], code, '\n'.join(t for _, t in sorted(texts)), '')   # failures last
-
-def last_error(output: str) -> str:
-    "The error a run died of: the last 'XError: message' line a rank printed (else any process), else the last line."
-    lines = [l.strip() for l in output.splitlines() if l.strip()]
-    error = re.compile(r'^(\[rank\d+\]: )?([\w.]*(Error|Exception): .*)$')
-    found = [(bool(m[1]), m[2]) for l in lines if (m := error.match(l))]
-    ranked = [e for by_rank, e in found if by_rank]
-    return (ranked or [e for _, e in found] or lines or [''])[-1]
-
-def logged_steps(metrics_csv) -> list[dict]:
-    "The rows of a run's metrics.csv; a step logged twice means its processes did not form one run."
-    rows = list(csv.DictReader(open(metrics_csv)))
-    steps = [int(r['step']) for r in rows]
-    if len(set(steps)) < len(steps):
-        raise ValueError(f"{metrics_csv}: steps logged more than once; every process acted as the main process, "
-                         "so the processes did not form one distributed run")
-    return rows
-
-def throughput(metrics_csv, warmup_steps: int = 1) -> dict:
-    "Median tokens/s over the steps after `warmup_steps`, and the largest peak memory (MB), from a run's metrics.csv."
-    rows = logged_steps(metrics_csv)
-    steady = [float(r['tokens_per_s']) for r in rows if int(r['step']) > warmup_steps]
-    if not steady: raise ValueError(f"{metrics_csv}: no step after the {warmup_steps} warm-up step(s); run more steps")
-    return dict(steps=len(steady), tokens_per_s=statistics.median(steady),
-                peak_mem_mb=max(float(r['peak_mem_mb']) for r in rows))
 
 # %% ../nbs/13_bench.ipynb #69516555
 @dataclass
@@ -746,11 +593,11 @@ def bench_regenerate(n: int = 32, batch_size: int = 16, max_new_tokens: int = 64
         rows, bar = [], _bar(total=2 * repeats, desc='regeneration rounds')
         for r in range(repeats):
             for mode, bs in (('batched', batch_size), ('one at a time', 1)):
-                _sync(torch.device(device)); t0, tokens, turns = time.perf_counter(), 0, 0
+                sync_device(torch.device(device)); t0, tokens, turns = time.perf_counter(), 0, 0
                 for i in range(0, len(convs), bs):
                     info = regenerate_batch(engine, tok, convs[i:i + bs])[1]
                     tokens += info['tokens']; turns += info['turns']
-                _sync(torch.device(device)); dt = time.perf_counter() - t0
+                sync_device(torch.device(device)); dt = time.perf_counter() - t0
                 rows.append(dict(mode=mode, batch_size=bs, repeat=r, conversations=len(convs), turns=turns,
                                  tokens=tokens, seconds=round(dt, 3), tokens_per_s=round(tokens / dt, 1)))
                 bar.update()
@@ -852,16 +699,12 @@ SUBCOMMANDS['data'] = Subcommand(DataBench, run_data, 'chat data tokenization: c
 @dataclass
 class GpuBench:
     """Every check that needs a CUDA device in one bounded run (one H200: at most 8 minutes), written as CSV and JSON
-    to --out; `dflash.gpu_bench` (13a_gpu) runs it."""
+    to --out; `dflash.gpu_bench` (12a_gpu) runs it."""
     out: str = option('benchmarks/gpu', 'directory for gpu.json and the CSVs (commit it)')
     dry_run: bool = option(False, 'print the sections, shapes and time budgets, run nothing')
     sections: list[str] | None = option(None, 'run only these sections (default: all; --dry-run lists them)')
 
-def _run_gpu(args):
-    from dflash.gpu_bench import run_gpu            # 13a_gpu imports this module: only when the subcommand runs
-    return run_gpu(args)
-
-SUBCOMMANDS['gpu'] = Subcommand(GpuBench, _run_gpu, 'every CUDA check in one bounded run (one H200: <= 8 minutes); '
+SUBCOMMANDS['gpu'] = Subcommand(GpuBench, lambda args: run_gpu(args), 'every CUDA check in one bounded run (one H200: <= 8 minutes); '
                                                  'CSV and JSON to --out')
 
 # %% ../nbs/13_bench.ipynb #6ab0d565

@@ -2,7 +2,7 @@
 import csv, json, os, re, shutil, subprocess, sys
 from pathlib import Path
 import pytest
-from dflash.bench import launch_train
+from dflash.harness import launch_train
 
 # a short run on the shipped toy target; checkpoints at step 2 and 4 so a run can be resumed from the middle
 SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4',

@@ -2,7 +2,7 @@
 import csv, json, os, signal, subprocess, sys, time
 from pathlib import Path
 import pytest
-from dflash.bench import launch_train
+from dflash.harness import launch_train
 
 # a small, fast run on the shipped toy target: every option that matters is explicit
 SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4',
