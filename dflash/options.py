@@ -4,16 +4,16 @@
 
 # %% ../nbs/00a_options.ipynb #36b3f8d0
 from __future__ import annotations
-import argparse, copy, math, sys, types, typing
-from dataclasses import field, fields
+import argparse, math, sys, typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Callable
 import yaml
-from transformers.hf_argparser import HfArgumentParser, string_to_bool
 from fastcore.basics import patch_to
 
 # %% auto #0
 __all__ = ['OptionsError', 'option', 'flag', 'allowed_text', 'check_value', 'OptionParser', 'build_options', 'parse_options',
-           'exit_bad_options', 'parse_subcommand']
+           'exit_bad_options', 'Command', 'usage_text', 'parse_subcommand']
 
 # %% ../nbs/00a_options.ipynb #38d158e5
 class OptionsError(ValueError):
@@ -59,12 +59,33 @@ def check_value(name: str, value, allowed: dict) -> str | None:
             return f"{flag(name)} = {v!r}: {what}"
     return None
 
+# %% ../nbs/00a_options.ipynb #1cb72ef8
+def _to_bool(text: str) -> bool:
+    "The words a bool flag takes (any case): yes/true/t/y/1 or no/false/f/n/0."
+    t = text.lower()
+    if t in ('yes', 'true', 't', 'y', '1'): return True
+    if t in ('no', 'false', 'f', 'n', '0'): return False
+    raise ValueError(f"not true or false: {text!r}")
+
+def _optional(tp) -> bool: return type(None) in typing.get_args(tp)
+
+def _argument(tp, default) -> dict:
+    "argparse's `type`, `nargs` and `const` for an option of type `tp` (`X`, `X | None`, `list[X]`, `list[X] | None`)."
+    args = [a for a in typing.get_args(tp) if a is not type(None)] if _optional(tp) else [tp]
+    base = args[0] if len(args) == 1 else None
+    if typing.get_origin(base) is list and typing.get_args(base)[0] in (int, float, str):
+        return dict(type=typing.get_args(base)[0], nargs='+')
+    if base is bool and (default is None and _optional(tp)): return dict(type=_to_bool)  # unset by default: a word
+    if base is bool: return dict(type=_to_bool, nargs='?', const=True)                    # `--flag` alone: true
+    if base in (int, float, str): return dict(type=base)
+    raise TypeError(f"an option's type is int, float, bool, str or a list of one (or None), not {tp}")
+
 # %% ../nbs/00a_options.ipynb #3e2929eb
 _BAD = object()                      # a value that did not convert (its problem is recorded)
 
 def _converter(conv, name: str, parser, optional: bool = False):
     "Wrap an argparse `type` so a failure is recorded, not raised; an optional option also takes `none`."
-    kind = {int: 'an integer', float: 'a number', string_to_bool: 'true or false'}.get(conv, 'a valid value')
+    kind = {int: 'an integer', float: 'a number', _to_bool: 'true or false'}.get(conv, 'a valid value')
     def convert(text):
         if optional and text.lower() in ('none', 'null'): return None
         try: return conv(text)
@@ -73,43 +94,55 @@ def _converter(conv, name: str, parser, optional: bool = False):
             return _BAD
     return convert
 
-def _optional(tp) -> bool: return type(None) in typing.get_args(tp)
+# %% ../nbs/00a_options.ipynb #b86ab2df
+def _help(f, default) -> str:
+    "The `--help` line of field `f`: its help, ` [what it allows]` and ` (default: X)`."
+    rule = allowed_text(f.metadata.get('allowed', {}))
+    shown = ' '.join(map(str, default)) if isinstance(default, tuple) else default
+    return (f"{f.metadata.get('help', '')}{f' [{rule}]' if rule else ''}"
+            f"{'' if default is None else f' (default: {shown})'}").replace('%', '%%')   # argparse formats % itself
+
+def _add_field(parser, f, default):
+    "The flag of field `f` on `parser` (and `--no-NAME` for a bool that defaults to true), shown with dashes."
+    tp = parser.hints[f.name]
+    kw = _argument(tp, f.default)
+    conv = _converter(kw.pop('type'), f.name, parser, _optional(tp) and kw.get('nargs') != '+')
+    metavar = 'N' if kw.get('nargs') == '+' else None                        # None: argparse's, MAX_STEPS
+    parser.actions[f.name] = parser.add_argument(flag(f.name), dest=f.name, type=conv, default=argparse.SUPPRESS,
+                                                 help=_help(f, default), metavar=metavar, **kw)
+    parser.spellings['--' + f.name] = flag(f.name)
+    if f.default is True and kw.get('const') is True:
+        parser.add_argument('--no_' + f.name, flag('no_' + f.name), action='store_false', dest=f.name,
+                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 # %% ../nbs/00a_options.ipynb #e49ab8fd
-class OptionParser(HfArgumentParser):
-    "`HfArgumentParser` over dataclass `cls` that collects every bad value and reads `--config` YAML."
+class OptionParser(argparse.ArgumentParser):
+    "An `argparse` parser with a flag per field of dataclass `cls`; it collects every bad value, reads `--config` YAML."
     def __init__(self, cls, prog: str = '', description: str = '', help_defaults: dict | None = None,
                  config: bool = True):
+        super().__init__(prog=prog, description=description, allow_abbrev=False)
         self.cls, self.problems, self.source = cls, [], 'command line'
-        self.hints, self.fields = typing.get_type_hints(cls), {f.name: f for f in fields(cls)}
-        super().__init__(cls, prog=prog, description=description, formatter_class=argparse.HelpFormatter,
-                         allow_abbrev=False)
+        self.hints, self.fields = typing.get_type_hints(cls), {f.name: f for f in fields(cls) if f.init}
+        self.actions, self.spellings = {}, {}          # name -> its argparse action; --max_steps -> --max-steps
+        for f in self.fields.values(): _add_field(self, f, (help_defaults or {}).get(f.name, f.default))
         if config: self.add_argument('--config', metavar='YAML', default=argparse.SUPPRESS,
                                      help='YAML file of options (names with underscores); flags override it')
-        self.actions = {}
-        for a in self._actions:
-            if a.dest not in self.fields: continue
-            f, d = self.fields[a.dest], (help_defaults or {}).get(a.dest, self.fields[a.dest].default)
-            if a.option_strings[0].startswith('--no'): a.help = argparse.SUPPRESS     # the complement of a bool flag
-            else:
-                rule = allowed_text(f.metadata.get('allowed', {}))
-                shown = '' if d is None else f" (default: {d})"          # None: the help text says what happens
-                a.help = (f"{a.help}{f' [{rule}]' if rule else ''}{shown}").replace('%', '%%')
-                a.option_strings = [s for s in a.option_strings if '_' not in s]   # --max_steps still parses
-                if a.nargs == '+': a.metavar = 'N'
-                self.actions[a.dest] = a
-            a.default, a.choices = argparse.SUPPRESS, None
-            if a.type is not None:                                    # `none` unsets an optional single value
-                a.type = _converter(a.type, a.dest, self, _optional(self.hints[a.dest]) and a.nargs != '+')
-
-    @staticmethod
-    def _parse_dataclass_field(parser, f):
-        "Hand transformers a copy of the field whose metadata holds only what argparse takes."
-        f = copy.copy(f)
-        f.metadata = types.MappingProxyType({'help': f.metadata.get('help', '')})
-        HfArgumentParser._parse_dataclass_field(parser, f)
 
     def error(self, message): raise OptionsError([*self.problems, message], self.prog)
+
+# %% ../nbs/00a_options.ipynb #5f6ae12f
+def _dashed(arg: str, spellings: dict) -> str:
+    "`--max_steps` or `--max_steps=3` as `--max-steps...`; any other argument as it is."
+    name, eq, value = arg.partition('=')
+    return spellings.get(name, name) + eq + value
+
+@patch_to(OptionParser)
+def parse_known_args(self, args=None, namespace=None):
+    "argparse's `parse_known_args`, with `--max_steps` (and `--max_steps=3`) read as `--max-steps`."
+    args = sys.argv[1:] if args is None else list(args)
+    n = args.index('--') if '--' in args else len(args)
+    dashed = [_dashed(a, self.spellings) for a in args[:n]]
+    return super(OptionParser, self).parse_known_args(dashed + args[n:], namespace)
 
 # %% ../nbs/00a_options.ipynb #43b26c9b
 def _text(v) -> str: return ('true' if v else 'false') if isinstance(v, bool) else str(v)
@@ -194,17 +227,33 @@ def exit_bad_options(e: OptionsError):
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2)
 
+# %% ../nbs/00a_options.ipynb #bb14f0d1
+@dataclass(frozen=True)
+class Command:
+    "A command line: its options dataclass, the checks across options, and one line on what it does."
+    options: type                        # the options dataclass (its docstring: the command's description)
+    run: Callable                        # options -> result
+    help: str                            # one line in a command list
+    check: Callable | None = None        # options -> list of problems beyond each value's own range
+    description: str = ''                # longer text for --help (default: the options' docstring)
+
+# %% ../nbs/00a_options.ipynb #3eddbb83
+def usage_text(prog: str, about: str, commands: dict) -> str:
+    "`prog`'s list of subcommands: usage line, `about`, one line each (a `Command`'s `help`, or a str)."
+    helps = {n: c if isinstance(c, str) else c.help for n, c in commands.items()}
+    w = max([12, *(len(n) + 2 for n in helps)])
+    return (f"usage: {prog} {{{','.join(helps)}}} [options]\n\n{about}; `{prog} COMMAND --help` lists a command's "
+            f"options\n\ncommands:\n" + ''.join(f"  {n:<{w}}{h}\n" for n, h in helps.items()))
+
 # %% ../nbs/00a_options.ipynb #5b0e7c22
-def parse_subcommand(commands: dict, argv=None, prog: str = '', usage: str = '') -> tuple[str, object]:
-    """`prog COMMAND [options]`: (COMMAND, its checked options). `commands[COMMAND]` has `options` (a dataclass),
-    `check` and maybe a `description` (else the dataclass's docstring); no command or `--help`: `usage` printed, exit
-    2 or 0; bad options: one `OptionsError`."""
+def parse_subcommand(commands: dict[str, Command], argv=None, prog: str = '', usage: str = '') -> tuple[str, object]:
+    """`prog COMMAND [options]`: (COMMAND, its checked options). No command or `--help`: `usage` printed, exit 2 or 0;
+    bad options: one `OptionsError`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ('-h', '--help'):
         print(usage, file=sys.stdout if argv else sys.stderr)
         raise SystemExit(0 if argv else 2)
     name, sc = argv[0], commands.get(argv[0])
     if sc is None: raise OptionsError([f"{name!r}: unknown command; one of {', '.join(commands)}"], prog)
-    shown = {f.name: ' '.join(map(str, f.default)) for f in fields(sc.options) if isinstance(f.default, tuple)}
     about = getattr(sc, 'description', '') or sc.options.__doc__
-    return name, parse_options(sc.options, argv[1:], f'{prog} {name}', about, check=sc.check, help_defaults=shown)[0]
+    return name, parse_options(sc.options, argv[1:], f'{prog} {name}', about, check=sc.check)[0]
