@@ -4,8 +4,6 @@
 
 # %% ../nbs/13_bench.ipynb #50e35e72
 from __future__ import annotations
-import contextlib
-import dataclasses
 import csv
 import json
 import math
@@ -18,78 +16,32 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 from tqdm import tqdm
-from .options import option, parse_subcommand, OptionsError, exit_bad_options
+from .options import Command, option, parse_subcommand, usage_text, OptionsError, exit_bad_options
 from .runs import policy_problem
 
-def _heavy():
-    """torch, transformers and the dflash modules built on them, into this module's globals: at once when the module
-    is imported, and only when a subcommand runs under `python -m dflash.bench` (so `--help` answers at once)."""
-    global torch, F, Tensor, AutoTokenizer, Qwen3ForCausalLM, repeat_kv, hf_logging, DrafterConfig
-    global BlockLayout, measure, fmt_bytes, get_backend, random_qkv, DFlashDrafter
-    global set_checkpointing, parse_policy, checkpointed_layers, dflash_objective, toy_config
-    global toy_target_dir, toy_data_dir, TransformersEngine, end_of_turn_ids, load_conversations
-    global regenerate_batch, load_toy_target, make_corpus, METHODS, bench_many, physical_floor, launch_commands
-    global launch_train, last_error, logged_steps, throughput, free_port, pinned_threads, sync_device, run_gpu
-    import torch
-    import torch.nn.functional as F
-    from torch import Tensor
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
-    from transformers.models.qwen3.modeling_qwen3 import repeat_kv
-    from transformers.utils import logging as hf_logging
-    from dflash.config import DrafterConfig
-    from dflash.layout import BlockLayout
-    from dflash.memory import measure, fmt_bytes
-    from dflash.attention import get_backend
-    from dflash.testing import random_qkv
-    from dflash.drafter import DFlashDrafter
-    from dflash.recompute import set_checkpointing, parse_policy, checkpointed_layers
-    from dflash.objective import dflash_objective
-    from dflash.toy import toy_config
-    from dflash.files import toy_target_dir, toy_data_dir
-    from dflash.harness import METHODS, bench_many, physical_floor, launch_commands, launch_train, last_error, logged_steps, throughput, free_port, pinned_threads, sync_device
-    from dflash.regenerate import TransformersEngine, end_of_turn_ids, load_conversations, regenerate_batch
-    from dflash.toy import load_toy_target, make_corpus
-    from dflash.gpu_bench import run_gpu
-
-if not (__name__ == '__main__' and '__file__' in globals()): _heavy()
-
 # %% auto #0
-__all__ = ['LAYOUTS', 'SUBCOMMANDS', 'PROG', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'bench_layout', 'Subcommand', 'AttentionBench',
-           'run_attention', 'parse_bench', 'main', 'fit_exponent', 'ScalingBench', 'run_scaling', 'StepCase',
-           'reference_attention', 'step_case', 'drafter_step', 'reference_step', 'bench_steps', 'StepBench', 'run_step',
-           'make_target', 'TrainBench', 'run_train', 'bench_regenerate', 'RegenerateBench', 'run_regenerate',
-           'DataBench', 'run_data', 'GpuBench']
+__all__ = ['LAYOUTS', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'COMMANDS', 'PROG', 'AttentionBench', 'ScalingBench', 'StepBench',
+           'TrainBench', 'RegenerateBench', 'DataBench', 'GpuBench', 'parse_bench', 'main', 'bench_layout',
+           'run_attention', 'fit_exponent', 'run_scaling', 'StepCase', 'reference_attention', 'step_case',
+           'drafter_step', 'reference_step', 'bench_steps', 'run_step', 'make_target', 'run_train', 'bench_regenerate',
+           'run_regenerate', 'run_data']
 
-# %% ../nbs/13_bench.ipynb #abd4fc41
+# %% ../nbs/13_bench.ipynb #be0c0002
 LAYOUTS = {'uniform': None, 'half': 0.5, 'quarter': 0.75}   # chat-like: supervision starts at this share of the row
 
-def bench_layout(kind: str, N: int, S: int, n_anchors: int, B: int = 16, seed: int = 0,
-                 mask_token_id: int = 1) -> BlockLayout:
-    """A random layout: `uniform` supervises 80% of tokens anywhere; `half`/`quarter` (chat-like) only the last
-    half/quarter."""
-    if kind not in LAYOUTS: raise ValueError(f"layout {kind!r}: use one of {list(LAYOUTS)}")
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, 50, (N, S), generator=g)
-    if LAYOUTS[kind] is None:
-        lm = torch.rand(N, S, generator=g) > 0.2
-        lm[:, 1:3] = True                                                # every row has a valid anchor
-    else:
-        lm = torch.zeros(N, S, dtype=torch.bool); lm[:, int(S * LAYOUTS[kind]):] = True
-    return BlockLayout.from_batch(ids, lm, mask_token_id, B, n_anchors, seed=seed)
+STEP_CONFIGS = {   # drafter sizes of the `step` benchmark; head_dim = hidden // heads
+    'small':  dict(hidden=256, heads=4, kv_heads=2, layers=2, intermediate=768, vocab=8192, seq_len=1024, anchors=512),
+    'medium': dict(hidden=512, heads=8, kv_heads=2, layers=2, intermediate=1536, vocab=8192, seq_len=2048, anchors=512),
+}
 
-# %% ../nbs/13_bench.ipynb #a1c0b7e1
-@dataclass
-class Subcommand:
-    "A `python -m dflash.bench` subcommand: its options dataclass (whose docstring describes it), what runs it."
-    options: type
-    run: Callable
-    help: str                                      # one line in the command's list
-    check: Callable | None = None                  # options -> problems beyond each value's range
+TRAIN_TARGETS = {   # targets of the `train` benchmark: None is the shipped toy; else sizes for `toy_config`
+    'toy': None,
+    'medium': dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                   intermediate_size=1536),
+}
 
-SUBCOMMANDS: dict[str, Subcommand] = {}            # each benchmark's cell adds its own
-
+# %% ../nbs/13_bench.ipynb #be0c0003
 @dataclass
 class AttentionBench:
     """Block attention backends against the naive baselines, forward+backward, on one scenario: time and peak memory
@@ -114,6 +66,179 @@ class AttentionBench:
     threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
     seed: int = option(0, 'seed of the layouts and inputs', ge=0)
     out: str = option('bench_out', "directory for attention.csv and attention.png ('' for none)")
+
+@dataclass
+class ScalingBench:
+    """Growth of the sdpa backend's time and peak memory in sequence length (at --anchors) and in anchors (at
+    --seq-len): forward+backward per point and the fitted exponents."""
+    seq_lens: list[int] = option((1024, 2048, 4096, 8192, 16384), 'sequence lengths of the first sweep', ge=1)
+    anchors: int = option(256, 'anchors of the sequence-length sweep', ge=1)
+    anchor_counts: list[int] = option((64, 128, 256, 512, 1024), 'anchor counts of the second sweep', ge=1)
+    seq_len: int = option(8192, 'sequence length of the anchor sweep', ge=1)
+    layout: str = option('half', 'layout of every point', choices=list(LAYOUTS))
+    heads: int = option(8, 'query heads', ge=1)
+    kv_heads: int = option(2, 'key/value heads', ge=1)
+    head_dim: int = option(64, 'head dim D', ge=1)
+    dtype: str = option('float32', 'dtype of q, k and v', choices=['float32', 'bfloat16'])
+    repeats: int = option(1, 'interleaved rounds per point after the warm-up', ge=1)
+    threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
+    seed: int = option(0, 'seed of the layouts and inputs', ge=0)
+
+@dataclass
+class StepBench:
+    """A drafter training step against the field's reference step, per checkpointing policy, config and layout:
+    time and peak memory as ratios to the reference's, losses asserted equal."""
+    configs: list[str] = option(('medium',), 'drafter sizes', choices=list(STEP_CONFIGS))
+    layouts: list[str] = option(tuple(LAYOUTS), 'uniform anchors, or chat-like', choices=list(LAYOUTS))
+    policies: list[str] = option(('none', 'all'), 'checkpointing policies: none, all, k (every k-th layer) or a '
+                                                  'list of layers like [0,2]')
+    seq_len: int | None = option(None, "sequence length of every config (default: each config's)", ge=1)
+    anchors: int | None = option(None, "anchors of every config (default: each config's)", ge=1)
+    block_size: int = option(16, 'block size B', ge=1)
+    device: str = option('cpu', 'torch device')
+    dtype: str = option('float32', 'dtype of the drafter and its inputs', choices=['float32', 'bfloat16', 'float16'])
+    repeats: int = option(3, 'interleaved rounds after the warm-up; the median is reported', ge=1)
+    threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
+    seed: int = option(0, 'seed of the models and layouts', ge=0)
+    out: str = option('bench_out', "directory for step.csv and step.png ('' for none)")
+
+def _check_step(o: StepBench) -> list[str]:
+    return [p for t in o.policies if (p := policy_problem(t, '--policies', ('none', 'all')))]
+
+@dataclass
+class TrainBench:
+    """Tokens/s and peak memory of real training runs through `accelerate launch`, per target config: on 1 and more
+    processes, and the most processes split over simulated machines on localhost."""
+    configs: list[str] = option(tuple(TRAIN_TARGETS), 'targets', choices=list(TRAIN_TARGETS))
+    processes: list[int] = option((1, 2), 'processes per run, on one machine', ge=1)
+    machines: int = option(2, 'also run the most processes split over this many machines on localhost, started '
+                              'together (1: no such run)', ge=1)
+    steps: int = option(6, 'optimizer steps per run', ge=1)
+    warmup_steps: int = option(2, 'first steps left out of tokens/s', ge=0)
+    batch_size: int = option(16, 'sequences per step, over all processes', ge=1)
+    micro_batch_size: int = option(4, 'sequences per forward of a process', ge=1)
+    num_layers: int = option(2, 'drafter layers', ge=1)
+    num_anchors: int = option(64, 'anchors per sequence', ge=1)
+    max_length: int = option(512, 'tokens per sequence at most', ge=1)
+    attention: str = option('sdpa', 'attention backend', choices=['sdpa', 'flex', 'eager'])
+    device: str = option('cpu', 'device of every process', choices=['cpu', 'cuda'])
+    threads: int = option(1, 'OMP_NUM_THREADS of every process', ge=1)
+    seed: int = option(0, 'seed of the targets and the runs', ge=0)
+    out: str = option('bench_out', "directory for train.csv ('' for none)")
+
+def _check_train(o: TrainBench) -> list[str]:
+    "Options that must fit together (each value's own range is checked first; here only values inside it count)."
+    probs = []
+    if bad := [n for n in o.processes if n >= 1 and o.batch_size % n]:
+        probs.append(f"--batch-size = {o.batch_size}: allowed a multiple of every --processes (not of {bad})")
+    if o.warmup_steps >= 0 and o.steps <= o.warmup_steps:
+        probs.append(f"--steps = {o.steps}: allowed > --warmup-steps ({o.warmup_steps}), or nothing is measured")
+    if o.machines >= 1 and max(o.processes) % o.machines:
+        probs.append(f"--machines = {o.machines}: allowed a divisor of the most --processes ({max(o.processes)})")
+    return probs
+
+@dataclass
+class RegenerateBench:
+    "Tokens/s of greedy regeneration by the toy target of held-out toy conversations, batched against one at a time."
+    n: int = option(32, 'held-out toy conversations', ge=1)
+    batch_size: int = option(16, 'conversations generated together', ge=1)
+    max_new_tokens: int = option(64, 'tokens per assistant turn at most', ge=1)
+    repeats: int = option(2, 'interleaved rounds of both modes', ge=1)
+    device: str = option('cpu', 'device of the target', choices=['cpu', 'cuda'])
+    threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
+    out: str = option('bench_out', "directory for regenerate.csv ('' for none)")
+
+@dataclass
+class DataBench:
+    """Chat data tokenization by `load_chat_data` in fresh processes: conversations/s with 1 and 2 tokenizing
+    processes, a first launch (empty cache) and a second (the cache)."""
+    conversations: int = option(100_000, 'toy conversations', ge=1)
+    processes: list[int] = option((1, 2), 'tokenizing processes (num_proc)', ge=1)
+    seed: int = option(0, 'seed of the toy corpus', ge=0)
+    out: str = option('bench_out', "directory for data.csv ('' for none)")
+
+@dataclass
+class GpuBench:
+    """Every check that needs a CUDA device in one bounded run (one H200: at most 8 minutes), written as CSV and JSON
+    to --out; `dflash.gpu_bench` (12a_gpu) runs it."""
+    out: str = option('benchmarks/gpu', 'directory for gpu.json and the CSVs (commit it)')
+    dry_run: bool = option(False, 'print the sections, shapes and time budgets, run nothing')
+    sections: list[str] | None = option(None, 'run only these sections (default: all; --dry-run lists them)')
+
+# %% ../nbs/13_bench.ipynb #be0c0004
+COMMANDS = {   # the functions they run are looked up when they run, after the imports below
+    'attention': Command(AttentionBench, lambda o: run_attention(o),
+                         'block attention backends against naive baselines, forward+backward'),
+    'scaling': Command(ScalingBench, lambda o: run_scaling(o),
+                       'growth of sdpa time and memory in sequence length and anchors (fitted exponents)'),
+    'step': Command(StepBench, lambda o: run_step(o),
+                    "a drafter training step against the field's reference step, per checkpointing policy",
+                    _check_step),
+    'train': Command(TrainBench, lambda o: run_train(o),
+                     'tokens/s and peak memory of real training runs (accelerate launch): 1 and 2 processes, '
+                     '2 machines', _check_train),
+    'regenerate': Command(RegenerateBench, lambda o: run_regenerate(o),
+                          'tokens/s of regeneration by the toy target, batched against one at a time'),
+    'data': Command(DataBench, lambda o: run_data(o),
+                    'chat data tokenization: conversations/s with 1 and 2 processes, first and second launch'),
+    'gpu': Command(GpuBench, lambda o: run_gpu(o),
+                   'every CUDA check in one bounded run (one H200: <= 8 minutes); CSV and JSON to --out'),
+}
+PROG = 'python -m dflash.bench'
+
+def parse_bench(argv=None) -> tuple[str, object]:
+    "(the subcommand, its checked options); `--help` prints and exits 0; bad options raise one `OptionsError`."
+    usage = usage_text(PROG, 'dflash benchmarks: time and peak memory as ratios in one run', COMMANDS)
+    return parse_subcommand(COMMANDS, argv, PROG, usage)
+
+def main(argv=None):
+    "Run a benchmark: its options checked first (exit 2), then the benchmark."
+    try: name, opts = parse_bench(argv)
+    except OptionsError as e: exit_bad_options(e)
+    return COMMANDS[name].run(opts)
+
+# %% ../nbs/13_bench.ipynb #be0c0005
+if __name__ == '__main__' and '__file__' in globals():         # help and bad options before torch loads
+    try: parse_bench()
+    except OptionsError as e: exit_bad_options(e)
+
+# %% ../nbs/13_bench.ipynb #be0c0006
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AutoTokenizer, Qwen3ForCausalLM
+from transformers.models.qwen3.modeling_qwen3 import repeat_kv
+from transformers.utils import logging as hf_logging
+from .config import DrafterConfig
+from .layout import BlockLayout
+from .memory import measure, fmt_bytes
+from .attention import get_backend
+from .testing import random_qkv
+from .drafter import DFlashDrafter
+from .recompute import set_checkpointing, parse_policy
+from .objective import dflash_objective
+from .toy import toy_config
+from .files import toy_target_dir, toy_data_dir
+from .harness import (METHODS, bench_many, physical_floor, launch_train, last_error, logged_steps, throughput,
+                            pinned_threads, sync_device)
+from .regenerate import TransformersEngine, end_of_turn_ids, load_conversations, regenerate_batch
+from .toy import load_toy_target, make_corpus
+from .gpu_bench import run_gpu
+
+# %% ../nbs/13_bench.ipynb #abd4fc41
+def bench_layout(kind: str, N: int, S: int, n_anchors: int, B: int = 16, seed: int = 0,
+                 mask_token_id: int = 1) -> BlockLayout:
+    """A random layout: `uniform` supervises 80% of tokens anywhere; `half`/`quarter` (chat-like) only the last
+    half/quarter."""
+    if kind not in LAYOUTS: raise ValueError(f"layout {kind!r}: use one of {list(LAYOUTS)}")
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 50, (N, S), generator=g)
+    if LAYOUTS[kind] is None:
+        lm = torch.rand(N, S, generator=g) > 0.2
+        lm[:, 1:3] = True                                                # every row has a valid anchor
+    else:
+        lm = torch.zeros(N, S, dtype=torch.bool); lm[:, int(S * LAYOUTS[kind]):] = True
+    return BlockLayout.from_batch(ids, lm, mask_token_id, B, n_anchors, seed=seed)
 
 # %% ../nbs/13_bench.ipynb #8550ddab
 def run_attention(args) -> list[dict]:
@@ -184,30 +309,10 @@ def _plot(rows, floor, path):
     fig.tight_layout(); fig.savefig(path, dpi=100)
     if 'inline' not in matplotlib.get_backend(): plt.close(fig)
 
-SUBCOMMANDS['attention'] = Subcommand(AttentionBench, run_attention, 'block attention backends against naive '
-                                     'baselines, forward+backward')
-
 # %% ../nbs/13_bench.ipynb #8aa8f751
 def _bar(cases=None, desc: str = '', total: int | None = None):
     "A progress bar over a subcommand's cases, on stderr, shown only in a terminal (not in logs or notebooks)."
     return tqdm(cases, desc=desc, total=total, file=sys.stderr, disable=None, leave=False)
-
-PROG = 'python -m dflash.bench'
-
-def _usage() -> str:
-    return (f"usage: {PROG} {{{','.join(SUBCOMMANDS)}}} [options]\n\ndflash benchmarks: time and peak memory as "
-            f"ratios in one run; `{PROG} COMMAND --help` lists a command's options\n\ncommands:\n"
-            + ''.join(f"  {n:<12}{s.help}\n" for n, s in SUBCOMMANDS.items()))
-
-def parse_bench(argv=None) -> tuple[str, object]:
-    "(the subcommand, its checked options); `--help` prints and exits 0; bad options raise one `OptionsError`."
-    return parse_subcommand(SUBCOMMANDS, argv, PROG, _usage())
-
-def main(argv=None):
-    try: name, opts = parse_bench(argv)
-    except OptionsError as e: exit_bad_options(e)
-    _heavy()                                        # a subcommand runs: now torch and the models
-    return SUBCOMMANDS[name].run(opts)
 
 # %% ../nbs/13_bench.ipynb #52a954f9
 def fit_exponent(xs, ys) -> float:
@@ -215,23 +320,6 @@ def fit_exponent(xs, ys) -> float:
     lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
     mx, my = statistics.fmean(lx), statistics.fmean(ly)
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
-
-@dataclass
-class ScalingBench:
-    """Growth of the sdpa backend's time and peak memory in sequence length (at --anchors) and in anchors (at
-    --seq-len): forward+backward per point and the fitted exponents."""
-    seq_lens: list[int] = option((1024, 2048, 4096, 8192, 16384), 'sequence lengths of the first sweep', ge=1)
-    anchors: int = option(256, 'anchors of the sequence-length sweep', ge=1)
-    anchor_counts: list[int] = option((64, 128, 256, 512, 1024), 'anchor counts of the second sweep', ge=1)
-    seq_len: int = option(8192, 'sequence length of the anchor sweep', ge=1)
-    layout: str = option('half', 'layout of every point', choices=list(LAYOUTS))
-    heads: int = option(8, 'query heads', ge=1)
-    kv_heads: int = option(2, 'key/value heads', ge=1)
-    head_dim: int = option(64, 'head dim D', ge=1)
-    dtype: str = option('float32', 'dtype of q, k and v', choices=['float32', 'bfloat16'])
-    repeats: int = option(1, 'interleaved rounds per point after the warm-up', ge=1)
-    threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
-    seed: int = option(0, 'seed of the layouts and inputs', ge=0)
 
 def run_scaling(args) -> dict:
     """sdpa fwd+bwd time and peak over sequence lengths (at `--anchors`) and anchor counts (at `--seq-len`); fitted
@@ -255,15 +343,7 @@ def run_scaling(args) -> dict:
               f"of peak {out[axis]['peak_exponent']:.2f}")
     return out
 
-SUBCOMMANDS['scaling'] = Subcommand(ScalingBench, run_scaling, 'growth of sdpa time and memory in sequence length '
-                                   'and anchors (fitted exponents)')
-
 # %% ../nbs/13_bench.ipynb #6db602f4
-STEP_CONFIGS = {   # drafter sizes of the `step` benchmark; head_dim = hidden // heads
-    'small':  dict(hidden=256, heads=4, kv_heads=2, layers=2, intermediate=768, vocab=8192, seq_len=1024, anchors=512),
-    'medium': dict(hidden=512, heads=8, kv_heads=2, layers=2, intermediate=1536, vocab=8192, seq_len=2048, anchors=512),
-}
-
 @dataclass
 class StepCase:
     "One drafter training step's inputs: dflash's drafter, the reference drafter (same weights), the target's tensors."
@@ -359,27 +439,6 @@ def bench_steps(case: StepCase, policies: list, kind: str = 'uniform', repeats: 
             for k, x in res.items()}
 
 # %% ../nbs/13_bench.ipynb #5530c012
-@dataclass
-class StepBench:
-    """A drafter training step against the field's reference step, per checkpointing policy, config and layout:
-    time and peak memory as ratios to the reference's, losses asserted equal."""
-    configs: list[str] = option(('medium',), 'drafter sizes', choices=list(STEP_CONFIGS))
-    layouts: list[str] = option(tuple(LAYOUTS), 'uniform anchors, or chat-like', choices=list(LAYOUTS))
-    policies: list[str] = option(('none', 'all'), 'checkpointing policies: none, all, k (every k-th layer) or a '
-                                                  'list of layers like [0,2]')
-    seq_len: int | None = option(None, "sequence length of every config (default: each config's)", ge=1)
-    anchors: int | None = option(None, "anchors of every config (default: each config's)", ge=1)
-    block_size: int = option(16, 'block size B', ge=1)
-    device: str = option('cpu', 'torch device')
-    dtype: str = option('float32', 'dtype of the drafter and its inputs', choices=['float32', 'bfloat16', 'float16'])
-    repeats: int = option(3, 'interleaved rounds after the warm-up; the median is reported', ge=1)
-    threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
-    seed: int = option(0, 'seed of the models and layouts', ge=0)
-    out: str = option('bench_out', "directory for step.csv and step.png ('' for none)")
-
-def _check_step(o: StepBench) -> list[str]:
-    return [p for t in o.policies if (p := policy_problem(t, '--policies', ('none', 'all')))]
-
 def run_step(args) -> list[dict]:
     "Measure the reference step and dflash's step per checkpointing policy, per config and layout; table, CSV, plot."
     dtype, rows, headers = getattr(torch, args.dtype), [], []
@@ -443,16 +502,7 @@ def _step_plot(rows, path):
     ax.legend(fontsize=7); fig.tight_layout(); fig.savefig(path, dpi=100)
     if 'inline' not in matplotlib.get_backend(): plt.close(fig)
 
-SUBCOMMANDS['step'] = Subcommand(StepBench, run_step, "a drafter training step against the field's reference step, "
-                                 'per checkpointing policy', _check_step)
-
 # %% ../nbs/13_bench.ipynb #e20b7bec
-TRAIN_TARGETS = {   # targets of the `train` benchmark: None is the shipped toy; else sizes for `toy_config`
-    'toy': None,
-    'medium': dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                   intermediate_size=1536),
-}
-
 def make_target(path, seed: int = 0, **sizes) -> Path:
     "A randomly initialised Qwen3 target of `sizes` (see `toy_config`) with the toy tokenizer, saved to `path`."
     path = Path(path); path.mkdir(parents=True, exist_ok=True)
@@ -468,38 +518,6 @@ def make_target(path, seed: int = 0, **sizes) -> Path:
     return path
 
 # %% ../nbs/13_bench.ipynb #69516555
-@dataclass
-class TrainBench:
-    """Tokens/s and peak memory of real training runs through `accelerate launch`, per target config: on 1 and more
-    processes, and the most processes split over simulated machines on localhost."""
-    configs: list[str] = option(tuple(TRAIN_TARGETS), 'targets', choices=list(TRAIN_TARGETS))
-    processes: list[int] = option((1, 2), 'processes per run, on one machine', ge=1)
-    machines: int = option(2, 'also run the most processes split over this many machines on localhost, started '
-                              'together (1: no such run)', ge=1)
-    steps: int = option(6, 'optimizer steps per run', ge=1)
-    warmup_steps: int = option(2, 'first steps left out of tokens/s', ge=0)
-    batch_size: int = option(16, 'sequences per step, over all processes', ge=1)
-    micro_batch_size: int = option(4, 'sequences per forward of a process', ge=1)
-    num_layers: int = option(2, 'drafter layers', ge=1)
-    num_anchors: int = option(64, 'anchors per sequence', ge=1)
-    max_length: int = option(512, 'tokens per sequence at most', ge=1)
-    attention: str = option('sdpa', 'attention backend', choices=['sdpa', 'flex', 'eager'])
-    device: str = option('cpu', 'device of every process', choices=['cpu', 'cuda'])
-    threads: int = option(1, 'OMP_NUM_THREADS of every process', ge=1)
-    seed: int = option(0, 'seed of the targets and the runs', ge=0)
-    out: str = option('bench_out', "directory for train.csv ('' for none)")
-
-def _check_train(o: TrainBench) -> list[str]:
-    "Options that must fit together (each value's own range is checked first; here only values inside it count)."
-    probs = []
-    if bad := [n for n in o.processes if n >= 1 and o.batch_size % n]:
-        probs.append(f"--batch-size = {o.batch_size}: allowed a multiple of every --processes (not of {bad})")
-    if o.warmup_steps >= 0 and o.steps <= o.warmup_steps:
-        probs.append(f"--steps = {o.steps}: allowed > --warmup-steps ({o.warmup_steps}), or nothing is measured")
-    if o.machines >= 1 and max(o.processes) % o.machines:
-        probs.append(f"--machines = {o.machines}: allowed a divisor of the most --processes ({max(o.processes)})")
-    return probs
-
 def _run_args(args, tmp: Path) -> list[str]:
     "The `dflash.train` flags shared by every launch."
     eval_file = tmp / 'eval.jsonl'                                          # a few held-out chats: a short final eval
@@ -575,9 +593,6 @@ def _train_report(args, rows, labels):
     with open(os.path.join(args.out, 'train.csv'), 'w', newline='') as f:
         w = csv.DictWriter(f, list(rows[0])); w.writeheader(); w.writerows(rows)
 
-SUBCOMMANDS['train'] = Subcommand(TrainBench, run_train, 'tokens/s and peak memory of real training runs '
-                                 '(accelerate launch): 1 and 2 processes, 2 machines', _check_train)
-
 # %% ../nbs/13_bench.ipynb #77f2d9a3
 def bench_regenerate(n: int = 32, batch_size: int = 16, max_new_tokens: int = 64, repeats: int = 2, device: str = 'cpu',
                      threads: int = 1) -> list[dict]:
@@ -605,17 +620,6 @@ def bench_regenerate(n: int = 32, batch_size: int = 16, max_new_tokens: int = 64
         return rows
     finally: torch.set_num_threads(old)
 
-@dataclass
-class RegenerateBench:
-    "Tokens/s of greedy regeneration by the toy target of held-out toy conversations, batched against one at a time."
-    n: int = option(32, 'held-out toy conversations', ge=1)
-    batch_size: int = option(16, 'conversations generated together', ge=1)
-    max_new_tokens: int = option(64, 'tokens per assistant turn at most', ge=1)
-    repeats: int = option(2, 'interleaved rounds of both modes', ge=1)
-    device: str = option('cpu', 'device of the target', choices=['cpu', 'cuda'])
-    threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
-    out: str = option('bench_out', "directory for regenerate.csv ('' for none)")
-
 def run_regenerate(args) -> list[dict]:
     rows = bench_regenerate(args.n, args.batch_size, args.max_new_tokens, args.repeats, args.device, args.threads)
     med = {m: statistics.median(r['tokens_per_s'] for r in rows if r['mode'] == m)
@@ -630,9 +634,6 @@ def run_regenerate(args) -> list[dict]:
         with open(os.path.join(args.out, 'regenerate.csv'), 'w', newline='') as f:
             w = csv.DictWriter(f, list(rows[0])); w.writeheader(); w.writerows(rows)
     return rows
-
-SUBCOMMANDS['regenerate'] = Subcommand(RegenerateBench, run_regenerate, 'tokens/s of regeneration by the toy '
-                                      'target, batched against one at a time')
 
 # %% ../nbs/13_bench.ipynb #9e56f721
 _DATA_LAUNCH = '''import json, sys, time
@@ -656,15 +657,6 @@ def _data_launch(data: Path, num_proc: int, cache: Path) -> dict:
                        env=env, capture_output=True, text=True, timeout=3600)
     if r.returncode: raise RuntimeError(f"data launch failed: {r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
-
-@dataclass
-class DataBench:
-    """Chat data tokenization by `load_chat_data` in fresh processes: conversations/s with 1 and 2 tokenizing
-    processes, a first launch (empty cache) and a second (the cache)."""
-    conversations: int = option(100_000, 'toy conversations', ge=1)
-    processes: list[int] = option((1, 2), 'tokenizing processes (num_proc)', ge=1)
-    seed: int = option(0, 'seed of the toy corpus', ge=0)
-    out: str = option('bench_out', "directory for data.csv ('' for none)")
 
 def run_data(args) -> list[dict]:
     """Tokenize `args.conversations` toy conversations with 1 and 2 tokenizing processes (`num_proc`), each as a first
@@ -691,21 +683,6 @@ def run_data(args) -> list[dict]:
         with open(Path(args.out) / 'data.csv', 'w', newline='') as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0])); w.writeheader(); w.writerows(rows)
     return rows
-
-SUBCOMMANDS['data'] = Subcommand(DataBench, run_data, 'chat data tokenization: conversations/s with 1 and 2 '
-                                'processes, first and second launch')
-
-# %% ../nbs/13_bench.ipynb #9a7c1e52
-@dataclass
-class GpuBench:
-    """Every check that needs a CUDA device in one bounded run (one H200: at most 8 minutes), written as CSV and JSON
-    to --out; `dflash.gpu_bench` (12a_gpu) runs it."""
-    out: str = option('benchmarks/gpu', 'directory for gpu.json and the CSVs (commit it)')
-    dry_run: bool = option(False, 'print the sections, shapes and time budgets, run nothing')
-    sections: list[str] | None = option(None, 'run only these sections (default: all; --dry-run lists them)')
-
-SUBCOMMANDS['gpu'] = Subcommand(GpuBench, lambda args: run_gpu(args), 'every CUDA check in one bounded run (one H200: <= 8 minutes); '
-                                                 'CSV and JSON to --out')
 
 # %% ../nbs/13_bench.ipynb #6ab0d565
 if __name__ == '__main__' and '__file__' in globals(): main()

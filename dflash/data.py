@@ -7,13 +7,14 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 from .config import resolve_local
-from .options import option, parse_subcommand, OptionsError, exit_bad_options
+from .options import Command, option, parse_subcommand, usage_text, OptionsError, exit_bad_options
+from .regenerate import REGENERATE
 
 
 # %% auto #0
-__all__ = ['DataOptions', 'CacheOptions', 'layer_ids', 'Subcommand', 'parse_command', 'tokenize_command', 'cache_command', 'main']
+__all__ = ['COMMANDS', 'PROG', 'DataOptions', 'CacheOptions', 'layer_ids', 'parse_command', 'tokenize_command', 'cache_command',
+           'main']
 
 # %% ../nbs/08c_data.ipynb #762db414
 @dataclass
@@ -72,42 +73,25 @@ def _check_cache(o: CacheOptions) -> list[str]:
     return probs
 
 # %% ../nbs/08c_data.ipynb #072afdab
-@dataclass
-class Subcommand:
-    "A `python -m dflash.data` subcommand: options dataclass, the function running it (or its name here), help."
-    options: type
-    run: Callable | str                      # a function of the options, or the name of one in this module
-    help: str
-    description: str = ''
-    check: Callable | None = None            # options -> problems beyond each value's range
-
-_SUBCOMMANDS: dict[str, Subcommand] = {
-    'tokenize': Subcommand(DataOptions, 'tokenize_command', 'check, count and tokenize chat data once; later commands '
-        'reuse the result', 'Read, check and tokenize chat data for a target (cached by fingerprint, so `cache` and '
-        '`dflash.train` with the same data, tokenizer and --max-length reuse it), and print the counts table. Bad data '
-        'fails here, before any model loads.', _check_data),
-    'cache': Subcommand(CacheOptions, 'cache_command', "write the target's hidden states over chat data to an offline "
-        "cache", "Write the target's hidden states over chat data to safetensors shards with a manifest; rerun with "
-        "the same arguments to resume an interrupted run. Under `accelerate launch` the processes share the shards.",
-        _check_cache)}
-
-_ELSEWHERE = {'regenerate': 'rewrite the assistant turns with the target itself (dflash.regenerate, a later module)'}
-
-def _usage() -> str:
-    helps = {**{n: s.help for n, s in _SUBCOMMANDS.items()}, **_ELSEWHERE}
-    return (f"usage: python -m dflash.data {{{','.join(helps)}}} [options]\n\ndflash data tools; "
-            "`python -m dflash.data COMMAND --help` lists a command's options\n\ncommands:\n"
-            + ''.join(f"  {n:<12}{h}\n" for n, h in helps.items()))
+COMMANDS = {
+    'tokenize': Command(DataOptions, lambda o: tokenize_command(o), 'check, count and tokenize chat data once; later '
+        'commands reuse the result', _check_data, 'Read, check and tokenize chat data for a target (cached by '
+        'fingerprint, so `cache` and `dflash.train` with the same data, tokenizer and --max-length reuse it), and print '
+        'the counts table. Bad data fails here, before any model loads.'),
+    'cache': Command(CacheOptions, lambda o: cache_command(o), "write the target's hidden states over chat data to an "
+        "offline cache", _check_cache, "Write the target's hidden states over chat data to safetensors shards with a "
+        "manifest; rerun with the same arguments to resume an interrupted run. Under `accelerate launch` the processes "
+        "share the shards."),
+    'regenerate': REGENERATE}
+PROG = 'python -m dflash.data'
 
 def parse_command(argv=None) -> tuple[str, object]:
     "(subcommand, its checked options); `--help` prints and exits 0, bad options print every problem and exit 2."
-    try: return parse_subcommand(_SUBCOMMANDS, argv, 'python -m dflash.data', _usage())
+    try: return parse_subcommand(COMMANDS, argv, PROG, usage_text(PROG, 'dflash data tools', COMMANDS))
     except OptionsError as e: exit_bad_options(e)
 
 # %% ../nbs/08c_data.ipynb #2b331094
-if __name__ == '__main__' and '__file__' in globals() and sys.argv[1:2] and \
-        sys.argv[1] in (*_SUBCOMMANDS, '-h', '--help'):
-    parse_command()             # a subcommand registered further down is parsed by `main`, after the heavy imports
+if __name__ == '__main__' and '__file__' in globals(): parse_command()    # help and bad options before torch loads
 
 # %% ../nbs/08c_data.ipynb #da7a0003
 import torch
@@ -138,14 +122,10 @@ def cache_command(o: CacheOptions):
 
 def main(argv=None):
     "Run a `python -m dflash.data` subcommand: options checked first (exit 2), then its function."
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ['regenerate']:                       # its own module, which comes after this one: imported lazily
-        from dflash.regenerate import main as regenerate
-        return regenerate(argv[1:])
     name, opts = parse_command(argv)
-    run = _SUBCOMMANDS[name].run
-    try: (globals()[run] if isinstance(run, str) else run)(opts)
+    try: return COMMANDS[name].run(opts)
     except (ValueError, FileNotFoundError) as e:                        # DataError and TemplateError are ValueErrors
-        print(f"error: {e}", file=sys.stderr); sys.exit(2)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 if __name__ == '__main__' and '__file__' in globals(): main()

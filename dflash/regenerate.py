@@ -4,41 +4,46 @@
 
 # %% ../nbs/08b_regenerate.ipynb #99d95e82
 from __future__ import annotations
-import argparse, hashlib, importlib.util, json, os, sys, time
-from dataclasses import dataclass
+import hashlib, importlib.util, json, os, sys, time
+from dataclasses import dataclass, fields
 from pathlib import Path
 from .config import resolve_local
-from .files import file_sha256, toy_target_dir
-from .files import write_atomic
+from .options import Command, option, build_options, parse_options, OptionsError, exit_bad_options
+from .files import file_sha256, toy_target_dir, write_atomic
 # torch, transformers and dflash.data (which loads torch) load inside the functions that use them: `--help` answers
 # at once
 
 # %% auto #0
-__all__ = ['ENGINES', 'DTYPES', 'ROLES', 'INDEX_FORMAT', 'RegenConfig', 'vllm_unavailable', 'check_options', 'validate',
-           'load_conversations', 'output_record', 'template_kwargs', 'end_of_turn_ids', 'prompt_ids', 'cut_at_stop',
-           'sample_next', 'TransformersEngine', 'VLLMEngine', 'round_seed', 'regenerate_batch', 'run_header',
-           'index_path', 'read_index', 'repair', 'append_batch', 'make_engine', 'regenerate', 'greedy_agreement',
-           'parser', 'main']
+__all__ = ['ENGINES', 'DTYPES', 'PROG', 'ROLES', 'INDEX_FORMAT', 'REGENERATE', 'RegenConfig', 'vllm_unavailable', 'check_options',
+           'validate', 'load_conversations', 'output_record', 'template_kwargs', 'end_of_turn_ids', 'prompt_ids',
+           'cut_at_stop', 'sample_next', 'TransformersEngine', 'VLLMEngine', 'round_seed', 'regenerate_batch',
+           'run_header', 'index_path', 'read_index', 'repair', 'append_batch', 'make_engine', 'regenerate',
+           'greedy_agreement', 'run_regenerate', 'main']
 
 # %% ../nbs/08b_regenerate.ipynb #924b1aed
-@dataclass
-class RegenConfig:
-    data: str                          # chat data to regenerate: JSONL/JSON/parquet, a directory, a hub dataset id
-    out: str                           # output JSONL, append-only; `<out>.index` records the finished batches
-    target: str | None = None          # target model directory or hub id (default: the shipped toy target)
-    engine: str = 'transformers'       # transformers, or vllm (needs vLLM and a GPU)
-    batch_size: int = 32               # conversations generated together (left-padded)
-    max_new_tokens: int = 512          # tokens per assistant turn at most
-    temperature: float = 0.0           # 0: greedy; > 0: sampling
-    top_p: float = 1.0                 # nucleus sampling mass (with temperature > 0)
-    seed: int = 0                      # sampling seed (each batch and turn draws its own: reruns sample the same)
-    thinking: str | None = None        # on or off, for templates with `enable_thinking` (default: the template's)
-    dtype: str | None = None           # float32, float64, bfloat16 or float16 (default: bfloat16 on GPU, else float32)
-    skip_bad_lines: bool = False       # skip and count malformed lines instead of stopping
-    progress: bool = True              # progress bar (main process)
-
 ENGINES = ('transformers', 'vllm')
 DTYPES = ('float32', 'float64', 'bfloat16', 'float16')
+PROG = 'python -m dflash.regenerate'
+
+@dataclass
+class RegenConfig:
+    """Regenerate every assistant turn of chat data with the target itself (resumable; under `accelerate launch`
+    across processes)."""
+    data: str | None = option(None, 'chat data to regenerate: JSONL, JSON, parquet, a directory of them, or a hub '
+                                    'dataset id (local cache only); required')
+    out: str | None = option(None, 'output JSONL, append-only, resumed when rerun (`OUT.index` beside it); required')
+    target: str | None = option(None, 'target model directory or hub id (default: the shipped toy target)')
+    engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(ENGINES))
+    batch_size: int = option(32, 'conversations generated together (left-padded)', ge=1)
+    max_new_tokens: int = option(512, 'tokens per assistant turn at most', ge=1)
+    temperature: float = option(0.0, '0: greedy; > 0: sampling', ge=0)
+    top_p: float = option(1.0, 'nucleus sampling mass (with temperature > 0)', gt=0, le=1)
+    seed: int = option(0, 'sampling seed (each batch and turn draws its own: reruns sample the same)', ge=0)
+    thinking: str | None = option(None, "for templates with `enable_thinking` (default: the template's)",
+                                  choices=['on', 'off'])
+    dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(DTYPES))
+    skip_bad_lines: bool = option(False, 'skip and count malformed lines instead of stopping')
+    progress: bool = option(True, 'show a progress bar (--no-progress: none)')
 
 def _target_dir(cfg: RegenConfig) -> Path:
     if cfg.target is not None: return resolve_local(cfg.target)                # a hub id: the local cache only
@@ -52,34 +57,28 @@ def vllm_unavailable() -> str | None:
     return None
 
 def check_options(cfg: RegenConfig) -> list[str]:
-    "Every problem with the options, each naming the option and what it may be."
-    p = []
-    try: data = resolve_local(cfg.data, 'dataset')
-    except FileNotFoundError as e: p.append(f"data: {e}")
-    else:
-        if Path(cfg.out).resolve() == data.resolve(): p.append(f"out {cfg.out}: must differ from data")
-    if Path(cfg.out).is_dir(): p.append(f"out {cfg.out}: is a directory, expected a JSONL file path")
+    "Problems beyond each option's own range: required options, the data, the output path, the target, vLLM."
+    p = [f"--{k} is required" for k in ('data', 'out') if getattr(cfg, k) is None]
+    if cfg.data is not None:
+        try: data = resolve_local(cfg.data, 'dataset')
+        except FileNotFoundError as e: p.append(f"--data: {e}")
+        else:
+            if cfg.out is not None and Path(cfg.out).resolve() == data.resolve():
+                p.append(f"--out = {cfg.out!r}: must differ from --data")
+    if cfg.out is not None and Path(cfg.out).is_dir():
+        p.append(f"--out = {cfg.out!r}: is a directory, expected a JSONL file path")
     try: t = _target_dir(cfg)
-    except FileNotFoundError as e: p.append(f"target: {e}")
+    except FileNotFoundError as e: p.append(f"--target: {e}")
     else:
-        if not (t / 'config.json').is_file(): p.append(f"target {t}: no config.json, not a local model directory")
-    if cfg.engine not in ENGINES: p.append(f"engine {cfg.engine!r}: must be one of {list(ENGINES)}")
-    elif cfg.engine == 'vllm' and (why := vllm_unavailable()):
-        p.append(f"engine vllm: {why}; use --engine transformers")
-    if not isinstance(cfg.batch_size, int) or cfg.batch_size < 1:
-        p.append(f"batch_size {cfg.batch_size}: must be an integer >= 1")
-    if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
-        p.append(f"max_new_tokens {cfg.max_new_tokens}: must be an integer >= 1")
-    if not cfg.temperature >= 0: p.append(f"temperature {cfg.temperature}: must be >= 0 (0: greedy)")
-    if not 0 < cfg.top_p <= 1: p.append(f"top_p {cfg.top_p}: must be in (0, 1]")
-    if not isinstance(cfg.seed, int) or cfg.seed < 0: p.append(f"seed {cfg.seed}: must be an integer >= 0")
-    if cfg.thinking not in (None, 'on', 'off'): p.append(f"thinking {cfg.thinking!r}: must be on or off (or unset)")
-    if cfg.dtype not in (None, *DTYPES): p.append(f"dtype {cfg.dtype!r}: must be one of {list(DTYPES)}")
+        if not (t / 'config.json').is_file(): p.append(f"--target {t}: no config.json, not a local model directory")
+    if cfg.engine == 'vllm' and (why := vllm_unavailable()):
+        p.append(f"--engine vllm: {why}; use --engine transformers")
     return p
 
 def validate(cfg: RegenConfig):
-    "Raise one ValueError listing every bad option."
-    if p := check_options(cfg): raise ValueError('bad options:\n  ' + '\n  '.join(p))
+    "Raise one `OptionsError` (a ValueError) listing every bad option: each value's range, then `check_options`."
+    build_options(RegenConfig, {f.name: getattr(cfg, f.name) for f in fields(cfg)}, prog=PROG, check=check_options)
+
 
 # %% ../nbs/08b_regenerate.ipynb #57abc4dd
 ROLES = ('system', 'user', 'assistant')
@@ -401,38 +400,22 @@ def greedy_agreement(model, tokenizer, path, n: int | None = None, template_kw: 
             'turns': turns_all}
 
 # %% ../nbs/08b_regenerate.ipynb #5f4c3504
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog='python -m dflash.regenerate',
-                                description='Regenerate every assistant turn of a chat JSONL with the target itself '
-                                            '(resumable; under accelerate launch across processes).')
-    d = RegenConfig.__dataclass_fields__
-    p.add_argument('--data', required=True, help='chat JSONL to regenerate (messages or ShareGPT conversations)')
-    p.add_argument('--out', required=True, help='output JSONL (append-only, resumed when rerun; <out>.index beside it)')
-    p.add_argument('--target', default=None, help='local target model directory (default: the shipped toy target)')
-    p.add_argument('--engine', default='transformers', help="transformers, or vllm (needs vLLM and a GPU)")
-    p.add_argument('--batch-size', type=int, default=d['batch_size'].default,
-                   help='conversations generated together (%(default)s)')
-    p.add_argument('--max-new-tokens', type=int, default=d['max_new_tokens'].default,
-                   help='tokens per turn at most (%(default)s)')
-    p.add_argument('--temperature', type=float, default=0., help='0: greedy (default); > 0: sampling')
-    p.add_argument('--top-p', type=float, default=1., help='nucleus sampling mass (%(default)s)')
-    p.add_argument('--seed', type=int, default=0, help='sampling seed (%(default)s)')
-    p.add_argument('--thinking', default=None,
-                   help="on or off, for templates with enable_thinking (default: the template's)")
-    p.add_argument('--dtype', default=None,
-                   help='float32, float64, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)')
-    p.add_argument('--skip-bad-lines', action='store_true', help='skip and count malformed lines instead of stopping')
-    p.add_argument('--no-progress', action='store_true', help='no progress bar')
-    return p
-
-def main(argv=None) -> dict | None:
-    a = parser().parse_args(argv)
-    cfg = RegenConfig(**{k: v for k, v in vars(a).items() if k != 'no_progress'}, progress=not a.no_progress)
+def run_regenerate(cfg: RegenConfig) -> dict:
+    "Regenerate with checked options; a bad file or model ends as `error: ...` with exit status 2."
     try: r = regenerate(cfg)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr); sys.exit(2)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     if _state().is_main_process: print('regenerated: ' + json.dumps(r))
     return r
+
+REGENERATE = Command(RegenConfig, run_regenerate, 'rewrite the assistant turns with the target itself', check_options)
+
+def main(argv=None) -> dict:
+    "`python -m dflash.regenerate`: every option checked first (exit 2), then the corpus regenerated."
+    try: cfg, _ = parse_options(RegenConfig, argv, PROG, RegenConfig.__doc__, check=check_options)
+    except OptionsError as e: exit_bad_options(e)
+    return REGENERATE.run(cfg)
 
 # %% ../nbs/08b_regenerate.ipynb #7863c879
 if __name__ == '__main__' and '__file__' in globals(): main()

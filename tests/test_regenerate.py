@@ -141,7 +141,7 @@ def test_bad_options_and_lines_fail_before_loading(small_data, tmp_path):
     r = cli('--data', tmp_path / 'none.jsonl', '--out', tmp_path / 'o.jsonl', '--batch-size', '0', '--top-p', '2',
             '--thinking', 'maybe', '--engine', 'tpu')
     assert r.returncode == 2
-    for bad in ("none.jsonl': no such path", 'batch_size 0', 'top_p 2.0', "thinking 'maybe'", "engine 'tpu'"):
+    for bad in ("none.jsonl': no such path", '--batch-size = 0', '--top-p = 2.0', "--thinking = 'maybe'", "--engine = 'tpu'"):
         assert bad in r.stderr, (bad, r.stderr)
     assert 'Loading weights' not in r.stderr
     bad = tmp_path / 'bad.jsonl'
