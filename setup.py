@@ -35,5 +35,6 @@ setuptools.setup(
     python_requires='>=' + min_python,
     install_requires=cfg['requirements'].split(),
     extras_require={'dev': cfg['dev_requirements'].split()},
+    entry_points={'console_scripts': cfg.get('console_scripts', '').split()},
     zip_safe=False,
 )

@@ -1,5 +1,5 @@
 "The house rules that keep the package easy to change, checked on the exported modules."
-import ast, subprocess, sys, time
+import ast, re, subprocess, sys, time
 from pathlib import Path
 import pytest
 
@@ -40,3 +40,64 @@ def test_help_answers_in_under_3_seconds(command):
     loaded = {line.rsplit('|', 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith('import time:')}
     assert not {'torch', 'transformers.models', 'datasets', 'matplotlib'} & loaded, sorted(loaded)
     assert seconds < 3, f"python -m dflash.{command} --help took {seconds:.1f} s"
+
+
+def _notebook_of(path: Path) -> str:
+    "The notebook a module is exported from, e.g. '08a_features' (from the header nbdev writes)."
+    m = re.search(r"File to edit: \.\./nbs/(\w+)\.ipynb", path.read_text()[:800])
+    assert m, f"{path.name}: no notebook named in its header"
+    return m.group(1)
+
+
+def _dflash_imports(path: Path) -> list[tuple[str, int]]:
+    "(module, line) of every import of a dflash module in `path`, at the top or inside a function."
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            mod = node.module or ''
+            if node.level == 1: names = [mod.split('.')[0]] if mod else [a.name for a in node.names]
+            elif mod == 'dflash': names = [a.name for a in node.names]
+            elif mod.startswith('dflash.'): names = [mod.split('.')[1]]
+            else: names = []
+        elif isinstance(node, ast.Import):
+            names = [a.name.split('.')[1] for a in node.names if a.name.startswith('dflash.')]
+        else: names = []
+        found += [(n, node.lineno) for n in names]
+    return found
+
+
+def test_every_import_points_to_an_earlier_notebook():
+    "The package is one stack in notebook order: a module imports only modules of notebooks before its own."
+    order = {p.stem: _notebook_of(p) for p in MODULES if p.stem != '__init__'}
+    upward = [f"{p.stem} ({order[p.stem]}) line {line} imports {m} ({order[m]})"
+              for p in MODULES if p.stem in order for m, line in _dflash_imports(p)
+              if m in order and order[m] >= order[p.stem]]
+    assert not upward, upward
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = {p.stem: {m for m, _ in _dflash_imports(p) if m != p.stem} for p in MODULES}
+    done, path = set(), []
+    def visit(m):
+        assert m not in path, f"import cycle: {' -> '.join(path[path.index(m):] + [m])}"
+        if m in done or m not in graph: return
+        path.append(m)
+        for n in sorted(graph[m]): visit(n)
+        path.pop()
+        done.add(m)
+    for m in sorted(graph): visit(m)
+
+
+def test_dflash_lists_every_command():
+    r = subprocess.run(['dflash', '--help'], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for command in COMMANDS: assert f"\n  {command} " in r.stdout, (command, r.stdout)
+
+
+@pytest.mark.parametrize('command', COMMANDS)
+def test_dflash_command_help_is_the_modules_help(command):
+    "`dflash X --help` and `python -m dflash.X --help` print the same text."
+    console, module = (subprocess.run(cmd, capture_output=True, text=True, cwd=PKG.parent, timeout=60)
+                       for cmd in (['dflash', command, '--help'], [sys.executable, '-m', f'dflash.{command}', '--help']))
+    assert console.returncode == module.returncode == 0, (console.stderr, module.stderr)
+    assert console.stdout == module.stdout and console.stdout.startswith('usage:')
