@@ -91,9 +91,10 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 def launch_commands(out, *train_args: str, processes: int = 1, machines: int = 1, device: str = 'cpu',
-                    accelerate_args=('--mixed_precision', 'no'), port: str | None = None) -> list[list[str]]:
-    """One `accelerate launch [accelerate_args] -m dflash.train --out OUT *train_args` per machine: `processes` in all,
-    `machines` of them on localhost."""
+                    accelerate_args=('--mixed_precision', 'no'), port: str | None = None,
+                    module: str = 'dflash.train') -> list[list[str]]:
+    """One `accelerate launch [accelerate_args] -m MODULE --out OUT *train_args` per machine: `processes` in all,
+    `machines` of them on localhost; `module` is `dflash.train` or a module that runs it."""
     if processes % machines: raise ValueError(f"{processes} processes do not split over {machines} machines")
     plugin = any(a in accelerate_args for a in ('--use_fsdp', '--use_deepspeed'))     # they exclude --multi_gpu
     dist = ['--cpu'] if device == 'cpu' and processes == 1 else ['--multi_gpu'] if processes > 1 and not plugin else []
@@ -102,17 +103,17 @@ def launch_commands(out, *train_args: str, processes: int = 1, machines: int = 1
         ['--num_machines', str(machines), '--machine_rank', str(r), '--main_process_ip', '127.0.0.1']
         for r in range(machines)]
     return [[sys.executable, '-m', 'accelerate.commands.launch', *dist, '--num_processes', str(processes), *node,
-             *accelerate_args, '--dynamo_backend', 'no', '--main_process_port', port, '-m', 'dflash.train',
+             *accelerate_args, '--dynamo_backend', 'no', '--main_process_port', port, '-m', module,
              '--out', str(out), *train_args] for node in nodes]
 
 def launch_train(out, *train_args: str, processes: int = 1, machines: int = 1, device: str = 'cpu',
                  accelerate_args=('--mixed_precision', 'no'), threads: int = 1, env: dict | None = None,
-                 timeout: float = 3600, wait: bool = True):
+                 timeout: float = 3600, wait: bool = True, module: str = 'dflash.train'):
     """Run `launch_commands(...)`, `threads` threads per process, `env` added to the environment: the finished launch
     (several machines: started together, outputs joined, failures last; past `timeout`: exit -9). `wait=False`: the
     running launch of one machine, in a session of its own (so its process group can be killed)."""
     cmds = launch_commands(out, *train_args, processes=processes, machines=machines, device=device,
-                           accelerate_args=accelerate_args)
+                           accelerate_args=accelerate_args, module=module)
     env = {**os.environ, 'OMP_NUM_THREADS': str(threads), 'PYTHONUNBUFFERED': '1', 'TOKENIZERS_PARALLELISM': 'false',
            **({'ACCELERATE_USE_CPU': 'true'} if device == 'cpu' else {}), **(env or {})}  # cpu: else lone processes
     if not wait:

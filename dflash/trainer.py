@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_trainer.ipynb #132bd6a8
 from __future__ import annotations
-import csv, os, re, resource, shutil, signal, time
+import csv, os, re, resource, shutil, time
 from contextlib import nullcontext
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
@@ -176,10 +176,6 @@ def rotate_checkpoints(out, keep: int):
     for old in found[:-keep]:
         if not good or old != good[-1]: shutil.rmtree(old)
 
-def _fault(point: str):
-    "Fault injection for tests: `DFLASH_KILL_AT=point` kills this process here, as a power cut would."
-    if os.environ.get('DFLASH_KILL_AT') == point: os.kill(os.getpid(), signal.SIGKILL)
-
 def save_checkpoint(accelerator: Accelerator, out, step: int, model, opt, sched, state: dict, keep: int):
     "Write weights, optimizer, schedule and `state` as `out/checkpoints/step-N`, flushed and whole; rotate old ones."
     d = Path(out) / 'checkpoints'
@@ -196,7 +192,6 @@ def save_checkpoint(accelerator: Accelerator, out, step: int, model, opt, sched,
         for name in ('model.safetensors', 'optimizer.safetensors'):
             fsync_path(tmp / name)
             files[name] = {'bytes': (tmp / name).stat().st_size, 'sha256': file_sha256(tmp / name)}
-        _fault('checkpoint')
         write_json(tmp / 'trainer_state.json', {**state, 'optimizer': opt_meta, 'scheduler': sched.state_dict(),
                                                 'files': files})
         old = d / f'.step-{step:07d}.replaced'    # the same step from before a resume that fell back past it
@@ -482,7 +477,6 @@ def export(self: Trainer):
         shutil.rmtree(tmp, ignore_errors=True)
         drafter.save_pretrained(tmp)
         for f in tmp.iterdir(): fsync_path(f)
-        _fault('export')
         shutil.rmtree(old, ignore_errors=True)
         if final.exists(): os.rename(final, old)
         os.rename(tmp, final); fsync_path(self.out)
@@ -533,7 +527,6 @@ def fit(self: Trainer) -> dict:
     # never from files the main process is writing meanwhile
     if self.step > resumed_at: self.save(final=True)           # 1. the final checkpoint (unless resumed from it)
     self.export()                                              # 2. the drafter
-    _fault('final_eval')
     if self.step not in logged: ev = self._eval_and_log()     # 3. the final evaluation (unless logged before)
     for t in acc.trackers: t.finish()                      # flush TensorBoard; the process group stays up
     acc.wait_for_everyone()

@@ -10,9 +10,9 @@ SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--b
          '--eval-samples', '8', '--spec-eval-prompts', '0', '--seed', '3']
 
 
-def launch(out, *args, processes=1, wait=True, env=None):
+def launch(out, *args, processes=1, wait=True, env=None, module='dflash.train'):
     "`accelerate launch -m dflash.train` with `processes` CPU processes (and extra environment `env`)."
-    return launch_train(out, *args, processes=processes, wait=wait, env=env, timeout=900)
+    return launch_train(out, *args, processes=processes, wait=wait, env=env, timeout=900, module=module)
 
 
 def losses(out) -> dict[int, float]:
@@ -94,7 +94,9 @@ def test_killed_in_final_export_or_evaluation_loses_nothing(tmp_path, straight, 
     from safetensors.torch import load_file
     import torch
     run = tmp_path / 'killed'
-    killed = launch(run, *KILL_ARGS, env={'DFLASH_KILL_AT': point})
+    tests = str(Path(__file__).parent)                              # tests/killed_train.py kills the run at `point`
+    killed = launch(run, *KILL_ARGS, '--kill-at', point, module='killed_train',
+                    env={'PYTHONPATH': os.pathsep.join(filter(None, [tests, os.environ.get('PYTHONPATH')]))})
     assert killed.returncode != 0 and not (run / 'summary.json').exists(), killed.stdout + killed.stderr
     assert (run / 'checkpoints' / 'step-0000008' / 'trainer_state.json').is_file(), "the final checkpoint came first"
     want = load_file(straight / 'drafter' / 'model.safetensors')
