@@ -1,7 +1,7 @@
 """Bad inputs and faults, tried as a user meets them: each gets a named error before training, or the run's outputs
 are preserved. Option and run-directory cases call the commands' `main` in-process (that is all the command does before
 it would load a model); cases that need a trained run share one small real run on the toy target."""
-import hashlib, json, os, pickle, shutil, subprocess, sys, time
+import hashlib, json, os, pickle, shutil, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from safetensors.torch import load_file
@@ -9,7 +9,6 @@ from dflash.files import toy_target_dir, toy_data_dir, assets_dir
 from dflash.train import main as train_main
 from dflash.plan import main as plan_main
 from dflash.speculate import main as speculate_main
-from dflash.options import OptionsError
 from dflash.chat import DataError, read_jsonl
 from dflash.data import main as data_main
 
@@ -150,7 +149,8 @@ def _target_case(d: Path, kind: str) -> Path:
     if kind == 'config-list': (t / 'config.json').write_text('[1, 2]')
     if kind == 'no-model-type': (t / 'config.json').write_text('{"hidden_size": 8}')
     if kind == 'truncated-weights':
-        w = t / 'model.safetensors'; w.write_bytes(w.read_bytes()[:len(w.read_bytes()) // 2])
+        w = t / 'model.safetensors'
+        w.write_bytes(w.read_bytes()[:len(w.read_bytes()) // 2])
     if kind == 'garbage-weights': (t / 'model.safetensors').write_bytes(b'\x00' * 4)
     if kind == 'no-weights': (t / 'model.safetensors').unlink()
     return t
@@ -234,7 +234,8 @@ def _drafter_case(d: Path, kind: str) -> Path:
         (t / 'config.json').write_text(json.dumps({**conf, 'dflash_config': dc}))
     if kind == 'garbage-config': (t / 'config.json').write_bytes(b'\xff\xfe not json')
     if kind == 'truncated-weights':
-        w = t / 'model.safetensors'; w.write_bytes(w.read_bytes()[:-1000])
+        w = t / 'model.safetensors'
+        w.write_bytes(w.read_bytes()[:-1000])
     if kind == 'no-weights': (t / 'model.safetensors').unlink()
     return t
 
@@ -328,7 +329,8 @@ def _copy(run: Path, dest: Path, unfinished: bool = True) -> Path:
     "A copy of the run; `unfinished`: as if it had been killed after its last checkpoint, before the export."
     shutil.copytree(run, dest)
     if unfinished:
-        shutil.rmtree(dest / 'drafter'); (dest / 'summary.json').unlink()
+        shutil.rmtree(dest / 'drafter')
+        (dest / 'summary.json').unlink()
         rec = json.loads((dest / 'run.json').read_text())
         (dest / 'run.json').write_text(json.dumps({**rec, 'status': 'running'}))
     return dest
@@ -367,7 +369,9 @@ def test_run_directory_in_use_is_refused(tmp_path, capsys, finished):
         before = tree(run)
         refused(capsys, train_main, ['--out', str(run), '--resume'], f'is in use by process {holder.pid}')
         assert tree(run) == before
-    finally: holder.kill(); holder.wait()
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_unreadable_lock_is_refused(tmp_path, capsys, finished):
@@ -397,7 +401,8 @@ def test_overwrite_moves_the_old_run_aside(tmp_path, finished, files):
 
 def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, capsys, finished):
     run = _copy(finished, tmp_path / 'run')
-    dead = subprocess.Popen([sys.executable, '-c', 'pass']); dead.wait()
+    dead = subprocess.Popen([sys.executable, '-c', 'pass'])
+    dead.wait()
     (run / '.lock').write_text(json.dumps({'pid': dead.pid, 'host': os.uname().nodename, 'started': 'then'}))
     train_main(['--out', str(run), '--resume'])
     assert f'process {dead.pid} (started then) is gone; taking over its stale lock' in capsys.readouterr().out
@@ -411,11 +416,16 @@ def _corrupt(ckpt: Path, kind: str):
     if kind == 'old-format-state': (ckpt / 'trainer_state.json').write_text('{"step": 4, "bad_steps": 0}')
     if kind == 'no-state': (ckpt / 'trainer_state.json').unlink()
     if kind == 'truncated-model':
-        w = ckpt / 'model.safetensors'; w.write_bytes(w.read_bytes()[:-64])
+        w = ckpt / 'model.safetensors'
+        w.write_bytes(w.read_bytes()[:-64])
     if kind == 'truncated-optimizer':
-        w = ckpt / 'optimizer.safetensors'; w.write_bytes(w.read_bytes()[:100])
+        w = ckpt / 'optimizer.safetensors'
+        w.write_bytes(w.read_bytes()[:100])
     if kind == 'flipped-byte':
-        w = ckpt / 'model.safetensors'; b = bytearray(w.read_bytes()); b[-5] ^= 0xFF; w.write_bytes(bytes(b))
+        w = ckpt / 'model.safetensors'
+        b = bytearray(w.read_bytes())
+        b[-5] ^= 0xFF
+        w.write_bytes(bytes(b))
     if kind == 'missing-model': (ckpt / 'model.safetensors').unlink()
 
 
@@ -464,7 +474,8 @@ def test_planted_pickles_never_run_and_resume_falls_back_exactly(tmp_path, capsy
     "Payloads where accelerate would read pickles; a corrupt newest checkpoint; the resumed run equals the original."
     marker = tmp_path / 'payload-ran'
     payload = pickle.dumps(_Payload(marker))
-    pickle.loads(payload); assert marker.exists(), "the payload does run when unpickled"
+    pickle.loads(payload)
+    assert marker.exists(), "the payload does run when unpickled"
     marker.unlink()
     run = _copy(finished, tmp_path / 'run')
     for ckpt in (run / 'checkpoints').iterdir():
@@ -479,10 +490,11 @@ def test_planted_pickles_never_run_and_resume_falls_back_exactly(tmp_path, capsy
     a, b = load_file(run / 'drafter' / 'model.safetensors'), load_file(finished / 'drafter' / 'model.safetensors')
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "resuming from step 2 is exact"
     import csv
-    assert [int(r['step']) for r in csv.DictReader(open(run / 'metrics.csv'))] == [1, 2, 3, 4]
-    assert [int(r['step']) for r in csv.DictReader(open(run / 'eval.csv'))] == [2, 4]
+    assert [int(r['step']) for r in csv.DictReader((run / 'metrics.csv').read_text().splitlines())] == [1, 2, 3, 4]
+    assert [int(r['step']) for r in csv.DictReader((run / 'eval.csv').read_text().splitlines())] == [2, 4]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    ea = EventAccumulator(str(run / 'tensorboard')); ea.Reload()
+    ea = EventAccumulator(str(run / 'tensorboard'))
+    ea.Reload()
     for tag in ('loss', 'eval_loss'):
         steps = [e.step for e in ea.Scalars(tag)]
         assert steps == sorted(set(steps)), (tag, steps)
@@ -497,7 +509,7 @@ def test_allowed_changes_on_resume_are_applied_and_logged(tmp_path, capsys, fini
     assert rec['config']['lr'] == 1e-3 and rec['resumes'][-1]['changed']['max_steps'] == [4, 5]
     assert rec['status'] == 'finished' and rec['step'] == 5
     import csv
-    rows = {int(r['step']): float(r['lr']) for r in csv.DictReader(open(run / 'metrics.csv'))}
+    rows = {int(r['step']): float(r['lr']) for r in csv.DictReader((run / 'metrics.csv').read_text().splitlines())}
     assert sorted(rows) == [1, 2, 4, 5], "logged every 2 steps after the resume, and the last step"
     assert 0 < rows[4] <= 1e-3 < rows[2], "the new peak learning rate is applied"
 
@@ -520,7 +532,8 @@ def test_non_finite_steps_keep_the_last_good_checkpoint(tmp_path, capsys, finish
 def test_rotation_never_deletes_the_last_good_checkpoint(tmp_path):
     from dflash.trainer import rotate_checkpoints, checkpoint_dirs
     for step, bad in [(2, 0), (4, 0), (6, 2), (8, 3)]:
-        d = tmp_path / 'checkpoints' / f'step-{step:07d}'; d.mkdir(parents=True)
+        d = tmp_path / 'checkpoints' / f'step-{step:07d}'
+        d.mkdir(parents=True)
         (d / 'trainer_state.json').write_text(json.dumps({'step': step, 'bad_steps': bad, 'files': {}}))
     rotate_checkpoints(tmp_path, keep=1)
     assert [d.name for d in checkpoint_dirs(tmp_path)] == ['step-0000004', 'step-0000008']

@@ -102,7 +102,9 @@ def small_cache(tmp_path, chat_targets):
 def test_corrupt_shard_is_named(small_cache):
     _, _, cache = small_cache
     shard = cache / 'shard-00001.safetensors'
-    raw = bytearray(shard.read_bytes()); raw[len(raw) // 2] ^= 0x10; shard.write_bytes(raw)
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    shard.write_bytes(raw)
     ds = CacheDataset(cache)
     ds[0]                                                                            # shard 0 is intact
     with pytest.raises(ValueError, match='shard shard-00001.safetensors is corrupt'): ds[3]
@@ -161,7 +163,8 @@ def test_cli_help(capsys):
 def _port():
     import socket
     with socket.socket() as s:
-        s.bind(('127.0.0.1', 0)); return str(s.getsockname()[1])
+        s.bind(('127.0.0.1', 0))
+        return str(s.getsockname()[1])
 
 
 def _launch_cache(processes, *args, env_extra):

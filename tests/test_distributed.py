@@ -18,11 +18,12 @@ def launch(out, *args, **kw) -> subprocess.CompletedProcess:
 
 
 def losses(out) -> dict[int, float]:
-    return {int(r['step']): float(r['loss']) for r in csv.DictReader(open(Path(out) / 'metrics.csv'))}
+    rows = csv.DictReader((Path(out) / 'metrics.csv').read_text().splitlines())
+    return {int(r['step']): float(r['loss']) for r in rows}
 
 
 def epochs(out) -> dict[int, str]:
-    return {int(r['step']): r['epoch'] for r in csv.DictReader(open(Path(out) / 'metrics.csv'))}
+    return {int(r['step']): r['epoch'] for r in csv.DictReader((Path(out) / 'metrics.csv').read_text().splitlines())}
 
 
 def assert_close(a: dict, b: dict, tol: float = 1e-4):
@@ -62,7 +63,7 @@ def test_launch_mixed_precision_wins(runs, tmp_path):
 def test_two_machines_on_localhost_equal_one_machine(runs, tmp_path):
     "2 machines x 1 process, started together, train the model that 1 machine x 2 processes trains."
     launch(tmp_path / 'nodes', *SMALL, processes=2, machines=2)           # one launch per machine, started together
-    rows = list(csv.DictReader(open(tmp_path / 'nodes' / 'metrics.csv')))
+    rows = list(csv.DictReader((tmp_path / 'nodes' / 'metrics.csv').read_text().splitlines()))
     assert [r['processes'] for r in rows] == ['2'] * 4, "one run of 2 processes, each step logged once"
     assert_close(losses(tmp_path / 'nodes'), losses(runs / 'two'))
 

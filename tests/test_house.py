@@ -97,7 +97,7 @@ def test_dflash_lists_every_command():
 @pytest.mark.parametrize('command', COMMANDS)
 def test_dflash_command_help_is_the_modules_help(command):
     "`dflash X --help` and `python -m dflash.X --help` print the same text."
-    console, module = (subprocess.run(cmd, capture_output=True, text=True, cwd=PKG.parent, timeout=60)
-                       for cmd in (['dflash', command, '--help'], [sys.executable, '-m', f'dflash.{command}', '--help']))
+    commands = (['dflash', command, '--help'], [sys.executable, '-m', f'dflash.{command}', '--help'])
+    console, module = (subprocess.run(c, capture_output=True, text=True, cwd=PKG.parent, timeout=60) for c in commands)
     assert console.returncode == module.returncode == 0, (console.stderr, module.stderr)
     assert console.stdout == module.stdout and console.stdout.startswith('usage:')

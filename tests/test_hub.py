@@ -8,7 +8,6 @@ from dflash.features import TargetFeatures, CacheDataset
 from dflash.chat import load_chat_data
 from dflash.data import main
 from dflash.drafter import DFlashDrafter
-from dflash.files import toy_target_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,22 +15,28 @@ ROOT = Path(__file__).resolve().parents[1]
 def _hub_entry(hub, kind, repo, files_from, commit='0123456789abcdef0123456789abcdef01234567'):
     "Lay out `repo` as huggingface_hub does: refs/main -> commit, snapshots/<commit>/<files> (links to blobs)."
     d = hub / f"{kind}s--{repo.replace('/', '--')}"
-    (d / 'refs').mkdir(parents=True); (d / 'refs' / 'main').write_text(commit)
-    snap = d / 'snapshots' / commit; snap.mkdir(parents=True); (d / 'blobs').mkdir()
+    (d / 'refs').mkdir(parents=True)
+    (d / 'refs' / 'main').write_text(commit)
+    snap = d / 'snapshots' / commit
+    snap.mkdir(parents=True)
+    (d / 'blobs').mkdir()
     for f in sorted(Path(files_from).iterdir()):
         if f.is_file():
             blob = d / 'blobs' / f"{abs(hash(f.name)):x}"
-            shutil.copy(f, blob); os.symlink(os.path.relpath(blob, snap), snap / f.name)
+            shutil.copy(f, blob)
+            os.symlink(os.path.relpath(blob, snap), snap / f.name)
     return snap
 
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch, chat_targets):
     hub = tmp_path / 'hub'
-    monkeypatch.setenv('HF_HUB_CACHE', str(hub)); monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+    monkeypatch.setenv('HF_HUB_CACHE', str(hub))
+    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
     monkeypatch.setenv('HF_DATASETS_CACHE', str(tmp_path / 'datasets-cache'))
     snap = _hub_entry(hub, 'model', 'acme/tiny-qwen3', chat_targets['qwen3'])
-    data = tmp_path / 'data'; data.mkdir()
+    data = tmp_path / 'data'
+    data.mkdir()
     rng = np.random.default_rng(0)
     words = 'the a cat dog runs jumps over under red blue green house tree river'.split()
     with open(data / 'train.jsonl', 'w') as f:

@@ -1,9 +1,8 @@
 "Regeneration of chat data by the target: batched against unbatched, killed and rerun, 1 and 2 processes, refusals."
 import json, os, signal, socket, subprocess, sys, time
-from pathlib import Path
 import pytest, torch
 from dflash.regenerate import (RegenConfig, TransformersEngine, cut_at_stop, end_of_turn_ids, index_path,
-                               load_conversations, prompt_ids, regenerate, regenerate_batch, validate, vllm_unavailable)
+                               load_conversations, prompt_ids, regenerate, regenerate_batch, vllm_unavailable)
 from dflash.toy import load_toy_target
 from dflash.files import toy_data_dir
 
@@ -76,7 +75,8 @@ def test_killed_run_reruns_to_the_same_file(small_data, tmp_path):
     while time.time() < deadline and p.poll() is None:
         if index_path(out).is_file() and len(index_path(out).read_text().splitlines()) >= 3: break   # 2 batches done
         time.sleep(0.02)
-    p.send_signal(signal.SIGKILL); p.wait()
+    p.send_signal(signal.SIGKILL)
+    p.wait()
     finished = len(index_path(out).read_text().splitlines()) - 1
     assert 2 <= finished < 6, finished                     # killed mid-file: 6 batches in all
     with open(out, 'a') as f: f.write('{"messages": [{"role": "us')     # what a kill inside a write leaves
@@ -141,7 +141,8 @@ def test_bad_options_and_lines_fail_before_loading(small_data, tmp_path):
     r = cli('--data', tmp_path / 'none.jsonl', '--out', tmp_path / 'o.jsonl', '--batch-size', '0', '--top-p', '2',
             '--thinking', 'maybe', '--engine', 'tpu')
     assert r.returncode == 2
-    for bad in ("none.jsonl': no such path", '--batch-size = 0', '--top-p = 2.0', "--thinking = 'maybe'", "--engine = 'tpu'"):
+    for bad in ("none.jsonl': no such path", '--batch-size = 0', '--top-p = 2.0', "--thinking = 'maybe'",
+                "--engine = 'tpu'"):
         assert bad in r.stderr, (bad, r.stderr)
     assert 'Loading weights' not in r.stderr
     bad = tmp_path / 'bad.jsonl'

@@ -17,7 +17,8 @@ def launch(out, *args, processes=1, wait=True, env=None, module='dflash.train'):
 
 def losses(out) -> dict[int, float]:
     "Training loss per step from metrics.csv (the last row wins when a resumed run re-logs a step)."
-    return {int(r['step']): float(r['loss']) for r in csv.DictReader(open(Path(out) / 'metrics.csv'))}
+    rows = csv.DictReader((Path(out) / 'metrics.csv').read_text().splitlines())
+    return {int(r['step']): float(r['loss']) for r in rows}
 
 
 def assert_close(a: dict, b: dict, rel: float):
@@ -31,7 +32,7 @@ def test_one_and_two_processes_train_the_same_model(tmp_path):
     two = launch(tmp_path / 'two', *SMALL, '--max-steps', '10', '--save-every', '0', processes=2)
     assert two.returncode == 0, two.stdout + two.stderr
     l1, l2 = losses(tmp_path / 'one'), losses(tmp_path / 'two')
-    rows = list(csv.DictReader(open(tmp_path / 'two' / 'metrics.csv')))
+    rows = list(csv.DictReader((tmp_path / 'two' / 'metrics.csv').read_text().splitlines()))
     assert [r['processes'] for r in rows] == ['2'] * 10, "two processes trained together, logging each step once"
     assert len(l1) == 10 and l1[10] < l1[1]
     assert_close(l2, l1, rel=1e-4)
@@ -74,7 +75,9 @@ def test_killed_run_resumes_exactly(tmp_path, straight):
         assert proc.poll() is None, proc.stdout.read()
         assert time.time() < deadline
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL); proc.wait(); wait_released(tmp_path / 'killed')
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wait_released(tmp_path / 'killed')
     assert not (tmp_path / 'killed' / 'drafter').exists(), "the run was killed before the end"
     (ckpts / '.step-0000006.partial').mkdir(exist_ok=True)        # and a checkpoint cut off mid-write
     resumed = launch(tmp_path / 'killed', *args, '--resume')
@@ -84,7 +87,7 @@ def test_killed_run_resumes_exactly(tmp_path, straight):
 
 
 def steps(path) -> list[int]:
-    return [int(r['step']) for r in csv.DictReader(open(path))]
+    return [int(r['step']) for r in csv.DictReader(Path(path).read_text().splitlines())]
 
 
 @pytest.mark.parametrize('point', ['export', 'final_eval'])
