@@ -9,14 +9,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from .layout import BlockLayout
+from .layout import BlockLayout, HeadShape
 
 # %% auto #0
 __all__ = ['AttentionFn', 'BACKENDS', 'register_backend', 'get_backend', 'eager_attention', 'sdpa_attention',
            'flex_attention_blocks']
 
 # %% ../nbs/04_attention.ipynb #3a222b55
-AttentionFn = Callable[..., Tensor]   # (q, k_ctx, v_ctx, k_blk, v_blk, layout, sliding_window) -> out
+AttentionFn = Callable[..., Tensor]   # (q, k_ctx, v_ctx, k_blk, v_blk, layout, *, sliding_window=None) -> out
 BACKENDS: dict[str, Callable[..., AttentionFn]] = {}
 
 def register_backend(name: str):
@@ -33,7 +33,8 @@ def get_backend(name: str, **options) -> AttentionFn:
     return BACKENDS[name](**options)
 
 # %% ../nbs/04_attention.ipynb #90c5f244
-def eager_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window: int | None = None) -> Tensor:
+def eager_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *,
+                    sliding_window: int | None = None) -> Tensor:
     "Reference block attention: dense mask, expanded KV heads, float32 math."
     g = q.shape[1] // k_ctx.shape[1]                                     # query heads per KV head
     k = torch.cat([k_ctx, k_blk], dim=2).repeat_interleave(g, dim=1)      # (N, Hq, S + A·B, D)
@@ -94,7 +95,7 @@ _KERNEL_FNS = {'cpu_flash': (_cpu_fwd, _cpu_bwd), 'efficient': (_eff_fwd, _eff_b
                'math': (_math_fwd, _math_bwd)}
 
 # %% ../nbs/04_attention.ipynb #5f22f53e
-def _bias(anch: Tensor, pos: Tensor, B: int, W: int | None, g: int, dtype, pad: int = 1) -> Tensor:
+def _bias(anch: Tensor, pos: Tensor, *, B: int, W: int | None, g: int, dtype, pad: int = 1) -> Tensor:
     "Additive (g·c·B, len(pos) + c·B) mask: 0 where block i's queries see context `pos` < anch[i], or own block."
     c, dev = anch.shape[0], anch.device
     k = torch.arange(B, device=dev)[:, None]                               # (B, 1) query offset
@@ -115,7 +116,7 @@ def _bias(anch: Tensor, pos: Tensor, B: int, W: int | None, g: int, dtype, pad: 
 # %% ../nbs/04_attention.ipynb #c5164cf9
 class _Work:
     "One chunk: its token rows, the shared unmasked context and the masked rest; built on the host from the plan."
-    def __init__(self, n: int, blocks: list[int], anchors: list[int], lo: int, hi: int, B: int, W, device):
+    def __init__(self, n: int, blocks: list[int], anchors: list[int], lo: int, hi: int, *, B: int, W, device):
         self.n, self.rows, self.B, self.W = n, len(blocks) * B, B, W
         if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
             self.tok = slice(blocks[0] * B, (blocks[-1] + 1) * B)             # consecutive blocks: a view
@@ -130,7 +131,7 @@ class _Work:
         self.dst = ([[('ctx', self.shared, e - s)]] if e > s else []) + \
                    [[('ctx', r, r.stop - r.start) for r in self.rest] + [('blk', self.tok, self.rows)]]
 
-    def parts(self, k_ctx, v_ctx, k_blk, v_blk, g: int, dtype, kernel: str):
+    def parts(self, k_ctx, v_ctx, k_blk, v_blk, *, g: int, dtype, kernel: str):
         "(k, v, additive mask or None) of each part: the shared context (a view), then the rest (a small copy)."
         n = self.n
         if self.shared.stop > self.shared.start:
@@ -138,7 +139,7 @@ class _Work:
         k = torch.cat([k_ctx[n, :, r] for r in self.rest] + [k_blk[n, :, self.tok]], 1)[None]   # (1, Hkv, M, D)
         v = torch.cat([v_ctx[n, :, r] for r in self.rest] + [v_blk[n, :, self.tok]], 1)[None]
         pad = 16 if kernel in ('efficient', 'cudnn') else 1
-        yield k, v, None if self.unmasked else _bias(self.anch, self.pos, self.B, self.W, g, dtype, pad)
+        yield k, v, None if self.unmasked else _bias(self.anch, self.pos, B=self.B, W=self.W, g=g, dtype=dtype, pad=pad)
 
 # %% ../nbs/04_attention.ipynb #bab2d9e4
 class _Chunks(torch.autograd.Function):
@@ -155,7 +156,7 @@ class _Chunks(torch.autograd.Function):
             R = w.rows * g
             qf = q[w.n, :, w.tok].reshape(1, Hkv, R, D)                    # GQA folded: (1, Hkv, g·rows, D)
             o = lse = None
-            for k, v, bias in w.parts(k_ctx, v_ctx, k_blk, v_blk, g, q.dtype, kernel):
+            for k, v, bias in w.parts(k_ctx, v_ctx, k_blk, v_blk, g=g, dtype=q.dtype, kernel=kernel):
                 o2, l2 = fwd(qf, k, v, bias)
                 if o is None: o, lse = o2, l2; continue
                 m = torch.logaddexp(lse, l2)                               # the two parts merged exactly
@@ -178,7 +179,8 @@ class _Chunks(torch.autograd.Function):
             n = w.n
             qf, dof, of = (x[n, :, w.tok].reshape(1, Hkv, w.rows * g, D).contiguous() for x in (q, dout, out))
             dqf = None
-            for (k, v, bias), dst in zip(w.parts(k_ctx, v_ctx, k_blk, v_blk, g, q.dtype, ctx.kernel), w.dst):
+            parts = w.parts(k_ctx, v_ctx, k_blk, v_blk, g=g, dtype=q.dtype, kernel=ctx.kernel)
+            for (k, v, bias), dst in zip(parts, w.dst):
                 a, dk, dv = bwd(dof, qf, k, v, bias, of, lse)             # the whole softmax's out and lse: exact
                 del k, v, bias
                 dqf = a if dqf is None else dqf.add_(a)
@@ -200,34 +202,35 @@ def _autocast(*ts: Tensor) -> tuple[Tensor, ...]:
         return tuple(t.to(dt) for t in ts)
     return ts
 
-def sdpa_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window: int | None = None,
+def sdpa_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window: int | None = None,
                    plan: ChunkPlan | None = None, budget_bytes=None, kernel: str = 'auto',
                    chunk_cost: int = 2**19) -> Tensor:
     "Block attention by planned chunks: shared context unmasked, the rest masked, merged by log-sum-exp; GQA folded."
     q, k_ctx, v_ctx, k_blk, v_blk = _autocast(q, k_ctx, v_ctx, k_blk, v_blk)   # the kernels are called directly
     N, Hq, T, D = q.shape
     if plan is None:
-        plan = plan_chunks(layout, Hq, k_ctx.shape[1], D, q.dtype, budget_bytes, kernel, sliding_window, q.device,
-                           chunk_cost)
+        plan = plan_chunks(layout, HeadShape(Hq, k_ctx.shape[1], D, q.dtype), budget_bytes=budget_bytes, kernel=kernel,
+                           sliding_window=sliding_window, device=q.device, chunk_cost=chunk_cost)
     B, W = plan.block_size, plan.sliding_window
-    work = [_Work(c.row, plan.order[c.row][c.start:c.stop], plan.anchors[c.row][c.start:c.stop], c.lo, c.hi, B, W,
-                  q.device) for c in plan.chunks]
+    work = [_Work(c.row, plan.order[c.row][c.start:c.stop], plan.anchors[c.row][c.start:c.stop], c.lo, c.hi, B=B, W=W,
+                  device=q.device) for c in plan.chunks]
     return _Chunks.apply(work, plan.kernel, q, k_ctx, v_ctx, k_blk, v_blk)   # (N, Hq, T, D)
 
 @register_backend('sdpa')
 def _sdpa(budget_bytes=None, kernel: str = 'auto', chunk_cost: int = 2**19) -> AttentionFn:
     "sdpa backend: plans once per (layout, window, shapes) and reuses the plan across layers."
     cache = {}
-    def attend(q, k_ctx, v_ctx, k_blk, v_blk, layout, sliding_window=None):
+    def attend(q, k_ctx, v_ctx, k_blk, v_blk, layout, *, sliding_window=None):
         q, k_ctx, v_ctx, k_blk, v_blk = _autocast(q, k_ctx, v_ctx, k_blk, v_blk)      # planned in the dtype that runs
         key = (sliding_window, tuple(q.shape), k_ctx.shape[1], q.dtype, q.device)
         hit = cache.get(key)
         if hit is None or hit[0]() is not layout:
-            plan = plan_chunks(layout, q.shape[1], k_ctx.shape[1], q.shape[-1], q.dtype, budget_bytes, kernel,
-                               sliding_window, q.device, chunk_cost)
+            shape = HeadShape(q.shape[1], k_ctx.shape[1], q.shape[-1], q.dtype)
+            plan = plan_chunks(layout, shape, budget_bytes=budget_bytes, kernel=kernel, sliding_window=sliding_window,
+                               device=q.device, chunk_cost=chunk_cost)
             if len(cache) > 8: cache.clear()
             cache[key] = hit = (weakref.ref(layout), plan)
-        return sdpa_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout, sliding_window, plan=hit[1])
+        return sdpa_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout, sliding_window=sliding_window, plan=hit[1])
     return attend
 
 # %% ../nbs/04_attention.ipynb #70b0323f
@@ -244,7 +247,7 @@ def _flex():
 
 def _bucket(n: int, step: int) -> int: return -(-n // step) * step
 
-def flex_attention_blocks(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window: int | None = None,
+def flex_attention_blocks(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window: int | None = None,
                           ctx_bucket: int = 256) -> Tensor:
     "Block attention with `flex_attention`: lookup-table mask_mod, shapes padded to buckets."
     from torch.nn.attention.flex_attention import create_block_mask
@@ -275,5 +278,5 @@ def flex_attention_blocks(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sl
 
 @register_backend('flex')
 def _flex_backend(ctx_bucket: int = 256) -> AttentionFn:
-    return lambda q, k_ctx, v_ctx, k_blk, v_blk, layout, sliding_window=None: flex_attention_blocks(
-        q, k_ctx, v_ctx, k_blk, v_blk, layout, sliding_window, ctx_bucket)
+    return lambda q, k_ctx, v_ctx, k_blk, v_blk, layout, *, sliding_window=None: flex_attention_blocks(
+        q, k_ctx, v_ctx, k_blk, v_blk, layout, sliding_window=sliding_window, ctx_bucket=ctx_bucket)

@@ -210,7 +210,7 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import repeat_kv
 from transformers.utils import logging as hf_logging
 from .config import DrafterConfig
-from .layout import BlockLayout
+from .layout import BlockLayout, HeadShape
 from .memory import measure, fmt_bytes
 from .attention import get_backend
 from .testing import random_qkv
@@ -226,7 +226,7 @@ from .toy import load_toy_target, make_corpus
 from .gpu_bench import run_gpu
 
 # %% ../nbs/13_bench.ipynb #abd4fc41
-def bench_layout(kind: str, N: int, S: int, n_anchors: int, B: int = 16, seed: int = 0,
+def bench_layout(kind: str, N: int, S: int, n_anchors: int, *, B: int = 16, seed: int = 0,
                  mask_token_id: int = 1) -> BlockLayout:
     """A random layout: `uniform` supervises 80% of tokens anywhere; `half`/`quarter` (chat-like) only the last
     half/quarter."""
@@ -238,7 +238,8 @@ def bench_layout(kind: str, N: int, S: int, n_anchors: int, B: int = 16, seed: i
         lm[:, 1:3] = True                                                # every row has a valid anchor
     else:
         lm = torch.zeros(N, S, dtype=torch.bool); lm[:, int(S * LAYOUTS[kind]):] = True
-    return BlockLayout.from_batch(ids, lm, mask_token_id, B, n_anchors, seed=seed)
+    return BlockLayout.from_batch(ids, lm, mask_token_id=mask_token_id, block_size=B, num_anchors=n_anchors,
+                                  seed=seed)
 
 # %% ../nbs/13_bench.ipynb #8550ddab
 def run_attention(args) -> list[dict]:
@@ -250,8 +251,8 @@ def run_attention(args) -> list[dict]:
     fns = {name: METHODS[name](**({'budget_bytes': budget} if name == 'sdpa' and budget else {}))
            for name in args.methods if not (name == 'flex' and cpu)}
     for kind in _bar(args.layouts, 'attention layouts'):
-        layout = bench_layout(kind, args.batch, args.seq_len, args.anchors, args.block_size, seed=args.seed)
-        qkv = random_qkv(layout, args.heads, args.kv_heads, args.head_dim, dtype,
+        layout = bench_layout(kind, args.batch, args.seq_len, args.anchors, B=args.block_size, seed=args.seed)
+        qkv = random_qkv(layout, HeadShape(args.heads, args.kv_heads, args.head_dim, dtype),
                          generator=torch.Generator().manual_seed(args.seed))
         qkv = tuple(t.to(args.device).requires_grad_() for t in qkv)
         floor, inputs = physical_floor(qkv), sum(t.numel() * t.element_size() for t in qkv)
@@ -329,9 +330,9 @@ def run_scaling(args) -> dict:
         pts = []
         for v in values:
             S, A = (v, args.anchors) if axis == 'seq_len' else (args.seq_len, v)
-            lay = bench_layout(args.layout, 1, S, A, 16, seed=args.seed)
-            qkv = tuple(t.requires_grad_() for t in random_qkv(lay, args.heads, args.kv_heads, args.head_dim, dtype,
-                                                                generator=torch.Generator().manual_seed(args.seed)))
+            lay = bench_layout(args.layout, 1, S, A, B=16, seed=args.seed)
+            shape = HeadShape(args.heads, args.kv_heads, args.head_dim, dtype)
+            qkv = random_qkv(lay, shape, requires_grad=True, generator=torch.Generator().manual_seed(args.seed))
             with pinned_threads(args.threads): r = bench_many({'sdpa': fn}, qkv, lay, repeats=args.repeats)['sdpa']
             pts.append(dict(axis=axis, seq_len=S, anchors=lay.num_blocks, **r))
             print(f"{axis:8} S={S:6d} anchors={lay.num_blocks:5d}  wall {r['time_s']:7.3f}s  cpu {r['cpu_s']:7.3f}s  "
@@ -358,10 +359,11 @@ class StepCase:
     def layout(self, kind: str = 'uniform', seed: int = 0) -> BlockLayout:
         "A fresh layout of `kind` (see `LAYOUTS`) for this case's sequence."
         c = self.drafter.config
-        lay = bench_layout(kind, 1, self.seq_len, self.anchors, c.block_size, seed, c.mask_token_id)
+        lay = bench_layout(kind, 1, self.seq_len, self.anchors, B=c.block_size, seed=seed,
+                           mask_token_id=c.mask_token_id)
         return lay.to(self.context.device)
 
-def reference_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window=None) -> Tensor:
+def reference_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window=None) -> Tensor:
     """The field's block attention: K/V expanded by `repeat_kv`, one SDPA call with the dense boolean mask over all
     blocks."""
     g = q.shape[1] // k_ctx.shape[1]
@@ -371,7 +373,7 @@ def reference_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, slid
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out * layout.keep.repeat_interleave(layout.block_size, 1)[:, None, :, None]   # padded rows: zeros
 
-def step_case(name: str, seq_len: int | None = None, anchors: int | None = None, block_size: int = 16,
+def step_case(name: str, *, seq_len: int | None = None, anchors: int | None = None, block_size: int = 16,
               device='cpu', dtype: torch.dtype | None = None, seed: int = 0) -> StepCase:
     "Drafters and random inputs of `STEP_CONFIGS[name]` (`seq_len`, `anchors` override); float32 unless `dtype`."
     dtype = dtype or torch.float32
@@ -446,7 +448,8 @@ def run_step(args) -> list[dict]:
         threads = torch.get_num_threads()
         bar = _bar(total=len(args.configs) * len(args.layouts), desc='step cases')
         for name in args.configs:
-            case = step_case(name, args.seq_len, args.anchors, args.block_size, args.device, dtype, args.seed)
+            case = step_case(name, seq_len=args.seq_len, anchors=args.anchors, block_size=args.block_size,
+                             device=args.device, dtype=dtype, seed=args.seed)
             z, L = STEP_CONFIGS[name], len(case.drafter.layers)
             headers.append(f"{name}: hidden {z['hidden']}, heads {z['heads']}/{z['kv_heads']}, {L} layers, "
                            f"vocab {z['vocab']}, S={case.seq_len}, {case.anchors} anchors x B={args.block_size}, "
@@ -594,8 +597,8 @@ def _train_report(args, rows, labels):
         w = csv.DictWriter(f, list(rows[0])); w.writeheader(); w.writerows(rows)
 
 # %% ../nbs/13_bench.ipynb #77f2d9a3
-def bench_regenerate(n: int = 32, batch_size: int = 16, max_new_tokens: int = 64, repeats: int = 2, device: str = 'cpu',
-                     threads: int = 1) -> list[dict]:
+def bench_regenerate(*, n: int = 32, batch_size: int = 16, max_new_tokens: int = 64, repeats: int = 2,
+                     device: str = 'cpu', threads: int = 1) -> list[dict]:
     "Tokens/s of regenerating `n` toy conversations in batches of `batch_size` and one at a time, interleaved."
     old = torch.get_num_threads()
     if threads: torch.set_num_threads(threads)
@@ -603,7 +606,7 @@ def bench_regenerate(n: int = 32, batch_size: int = 16, max_new_tokens: int = 64
         model, tok = load_toy_target()
         model = model.to(device)
         stops = end_of_turn_ids(tok, model.generation_config)
-        engine = TransformersEngine(model, stops, tok.pad_token_id, max_new_tokens)
+        engine = TransformersEngine(model, stops, tok.pad_token_id, max_new_tokens=max_new_tokens)
         convs = [m for _, m in load_conversations(toy_data_dir() / 'eval.jsonl')[0][:n]]
         rows, bar = [], _bar(total=2 * repeats, desc='regeneration rounds')
         for r in range(repeats):
@@ -621,7 +624,8 @@ def bench_regenerate(n: int = 32, batch_size: int = 16, max_new_tokens: int = 64
     finally: torch.set_num_threads(old)
 
 def run_regenerate(args) -> list[dict]:
-    rows = bench_regenerate(args.n, args.batch_size, args.max_new_tokens, args.repeats, args.device, args.threads)
+    rows = bench_regenerate(n=args.n, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                            repeats=args.repeats, device=args.device, threads=args.threads)
     med = {m: statistics.median(r['tokens_per_s'] for r in rows if r['mode'] == m)
            for m in ('batched', 'one at a time')}
     print(f"{'mode':14} {'batch':>5} {'repeat':>6} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")

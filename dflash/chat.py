@@ -227,7 +227,7 @@ def tokenize_chat(tokenizer, messages: list[dict], where: str = 'conversation', 
     for s, e in spans: mask |= (off[:, 0] < e) & (off[:, 1] > s)       # tokens overlapping the reply
     return torch.tensor(enc['input_ids'], dtype=torch.long), torch.from_numpy(mask)
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int = 3072, where: str = 'conversation',
+def tokenize_conversation(tokenizer, messages: list[dict], *, max_length: int = 3072, where: str = 'conversation',
                           stats: DataStats | None = None, tools=None, **template_kw) -> dict | None:
     "`{'input_ids', 'loss_mask'}` truncated to `max_length`, or None when skipped (counted in `stats`)."
     stats = stats if stats is not None else DataStats()
@@ -290,7 +290,8 @@ class ChatDataset(Dataset):
             except DataError as e:
                 if not skip_bad_lines: raise
                 stats.skip('bad_lines', str(e)); continue
-            s = tokenize_conversation(tokenizer, msgs, max_length, where, stats, tools, **template_kw)
+            s = tokenize_conversation(tokenizer, msgs, max_length=max_length, where=where, stats=stats, tools=tools,
+                                      **template_kw)
             if s is not None: samples.append(s)
         stats.check_usable(path)
         return cls(samples, stats)
@@ -372,8 +373,8 @@ def _tokenize_batch(batch, tokenizer, max_length, skip_bad_lines, template_kw):
         st, s = DataStats(), None
         try:
             rec = json.loads(raw)
-            s = tokenize_conversation(tokenizer, to_messages(rec, where), max_length, where, st,
-                                      record_tools(rec, where), **template_kw)
+            s = tokenize_conversation(tokenizer, to_messages(rec, where), max_length=max_length, where=where, stats=st,
+                                      tools=record_tools(rec, where), **template_kw)
         except DataError as e:
             if not skip_bad_lines: raise
             st.skip('bad_lines', str(e))
@@ -392,7 +393,7 @@ def _tokenized_stats(tok, read: DataStats) -> DataStats:
     cut = np.asarray(tok['cut']); st.truncated, st.truncated_tokens = int((cut > 0).sum()), int(cut.sum())
     return st
 
-def load_chat_data(path, tokenizer, max_length: int = 3072, skip_bad_lines: bool = False, num_proc: int = 1,
+def load_chat_data(path, tokenizer, *, max_length: int = 3072, skip_bad_lines: bool = False, num_proc: int = 1,
                    cache_dir=None, report: bool = False, **template_kw) -> ChatDataset:
     """Chat data tokenized once with `datasets` (`map(num_proc=...)`) and cached on disk by the fingerprint of the data,
     the tokenizer, the template options and `max_length`; a later call (any process) reads the cache. Under accelerate

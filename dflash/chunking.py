@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch.nn.attention import SDPBackend
-from .layout import BlockLayout
+from .layout import BlockLayout, HeadShape
 from .memory import fmt_bytes
 
 # %% auto #0
@@ -41,11 +41,11 @@ def shared_keys(a_first, a_last, lo, B: int, W: int | None):
 # %% ../nbs/03_chunking.ipynb #f36d03c5
 def _es(dtype) -> int: return torch.empty((), dtype=dtype).element_size()
 
-def chunk_bytes(rows: int, keys: int, n_heads: int, n_kv_heads: int, head_dim: int, dtype,
-                kernel: str = 'cpu_flash', masked_keys: int | None = None, fold_copies: bool = True) -> int:
+def chunk_bytes(rows: int, keys: int, shape: HeadShape, *, kernel: str = 'cpu_flash', masked_keys: int | None = None,
+                fold_copies: bool = True) -> int:
     """Transient bytes of one chunk (`rows` block tokens, `keys` keys, `masked_keys` of them under a mask: all when
     not given) at its worst moment. `fold_copies=False`: the chunk is a whole row, so folding its queries is a view."""
-    es, g, D, Hq, Hkv = _es(dtype), n_heads // n_kv_heads, head_dim, n_heads, n_kv_heads
+    es, g, D, Hq, Hkv = _es(shape.dtype), shape.group_size, shape.head_dim, shape.heads, shape.kv_heads
     eff = kernel in ('efficient', 'cudnn')
     M = keys if masked_keys is None else masked_keys
     U = keys - M                                                         # shared context: a view, no mask
@@ -82,7 +82,7 @@ class ChunkPlan:
     order: list[list[int]]       # per row: indices of kept blocks, sorted by anchor
     anchors: list[list[int]]     # per row: their anchors, sorted
     seq_len: int; block_size: int; num_blocks: int
-    n_heads: int; n_kv_heads: int; head_dim: int; dtype: torch.dtype
+    shape: HeadShape             # the heads attended with
     kernel: str; sliding_window: int | None; budget_bytes: int
     work: int = 0                # query·key pairs computed, all heads
     needed_work: int = 0         # pairs if every block ran alone
@@ -102,8 +102,8 @@ class ChunkPlan:
 
     def chunk_bytes(self, c: Chunk) -> int:
         whole = c.rows(self.block_size) == self.num_blocks * self.block_size   # all blocks of the row, in order
-        return chunk_bytes(c.rows(self.block_size), c.keys(self.block_size), self.n_heads, self.n_kv_heads,
-                           self.head_dim, self.dtype, self.kernel, self.masked_keys(c),
+        return chunk_bytes(c.rows(self.block_size), c.keys(self.block_size), self.shape, kernel=self.kernel,
+                           masked_keys=self.masked_keys(c),
                            fold_copies=not (whole and self.order[c.row] == list(range(self.num_blocks))))
 
     def __repr__(self):
@@ -114,9 +114,10 @@ class ChunkPlan:
 
 # %% ../nbs/03_chunking.ipynb #8088575c
 def _sizes(p: ChunkPlan, N: int) -> dict:
-    es, T, S = _es(p.dtype), p.num_blocks * p.block_size, p.seq_len
-    q = p.n_heads * T * p.head_dim * es                                  # per row
-    ctx, blk = p.n_kv_heads * S * p.head_dim * es, p.n_kv_heads * T * p.head_dim * es
+    es, T, S = _es(p.shape.dtype), p.num_blocks * p.block_size, p.seq_len
+    Hq, Hkv, D = p.shape.heads, p.shape.kv_heads, p.shape.head_dim
+    q = Hq * T * D * es                                                  # per row
+    ctx, blk = Hkv * S * D * es, Hkv * T * D * es
     return dict(es=es, q_row=q, ctx_row=ctx, blk_row=blk, out=N * q, grads=N * (q + 2 * ctx + 2 * blk))
 
 def _simulate(p: ChunkPlan) -> dict:
@@ -135,7 +136,7 @@ def free_bytes(device) -> int:
         info = {l.split(':')[0]: int(l.split()[1]) * 1024 for l in f}
     return info['MemAvailable']
 
-def _row_tables(a: np.ndarray, B: int, Hq: int, W, chunk_cost: int, cost_bytes) -> tuple[np.ndarray, np.ndarray]:
+def _row_tables(a: np.ndarray, *, B: int, Hq: int, W, chunk_cost: int, cost_bytes) -> tuple[np.ndarray, np.ndarray]:
     "Bytes and cost of every chunk [i, j) of one row's sorted anchors `a`: (m, m) arrays at [i, j-1], inf where j <= i."
     m = len(a)
     i, j = np.arange(m)[:, None], np.arange(1, m + 1)[None, :]
@@ -160,9 +161,9 @@ def _row_dp(nbytes: np.ndarray, cost: np.ndarray, cap) -> tuple[list[tuple[int, 
     while j > 0: cuts.append((int(arg[j]), j)); j = int(arg[j])
     return cuts[::-1], float(best[m])
 
-def _row_plan(a: np.ndarray, B: int, Hq: int, W, cap: int, chunk_cost: int, cost_bytes) -> list[tuple[int, int]]:
+def _row_plan(a: np.ndarray, *, B: int, Hq: int, W, cap: int, chunk_cost: int, cost_bytes) -> list[tuple[int, int]]:
     "Optimal [start, stop) cuts of one row's sorted anchors `a` with chunk bytes <= cap."
-    return _row_dp(*_row_tables(a, B, Hq, W, chunk_cost, cost_bytes), cap)[0]
+    return _row_dp(*_row_tables(a, B=B, Hq=Hq, W=W, chunk_cost=chunk_cost, cost_bytes=cost_bytes), cap)[0]
 
 def _frugal_cap(tables: list, cap: float, lowest: float, slack: float) -> float:
     "Smallest cap on a geometric grid from `lowest` whose plan costs at most (1 + slack) x the fastest under `cap`."
@@ -181,23 +182,23 @@ def _frugal_cap(tables: list, cap: float, lowest: float, slack: float) -> float:
 
 
 # %% ../nbs/03_chunking.ipynb #6ae21af1
-def plan_chunks(layout: BlockLayout, n_heads: int, n_kv_heads: int, head_dim: int, dtype=torch.float32,
-                budget_bytes: int | float | None = None, kernel: str = 'auto', sliding_window: int | None = None,
-                device='cpu', chunk_cost: int = 2**19, slack: float = 0.05) -> ChunkPlan:
-    """Chunks of the sorted blocks of every row, each fitting `budget_bytes` (bytes, or a fraction of free memory):
-    the least memory costing at most `1 + slack` x the least work."""
-    if n_heads % n_kv_heads: raise ValueError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
-    if kernel == 'auto': kernel = probe_kernel(device, dtype, head_dim)
+def plan_chunks(layout: BlockLayout, shape: HeadShape, *, budget_bytes: int | float | None = None, kernel: str = 'auto',
+                sliding_window: int | None = None, device='cpu', chunk_cost: int = 2**19,
+                slack: float = 0.05) -> ChunkPlan:
+    """Chunks of the sorted blocks of every row of attention with heads `shape`, each fitting `budget_bytes` (bytes,
+    or a fraction of free memory): the least memory costing at most `1 + slack` x the least work."""
+    Hq = shape.heads
+    if kernel == 'auto': kernel = probe_kernel(device, shape.dtype, shape.head_dim)
     if kernel == 'flash':
         raise ValueError("the flash kernel takes no mask; block attention needs 'efficient', 'cpu_flash' or 'math'")
     anchors, keep = layout.anchors.tolist(), layout.keep.tolist()      # host values: no device read-back
     B, S, A = layout.block_size, layout.seq_len, layout.num_blocks
     order = [sorted((i for i in range(A) if keep[n][i]), key=lambda i: anchors[n][i]) for n in range(len(anchors))]
     srt = [[anchors[n][i] for i in o] for n, o in enumerate(order)]
-    p = ChunkPlan([], order, srt, S, B, A, n_heads, n_kv_heads, head_dim, dtype, kernel, sliding_window, 0)
+    p = ChunkPlan([], order, srt, S, B, A, shape, kernel, sliding_window, 0)
     fixed = _simulate(p)['fixed']
     def cost_bytes(rows, keys, masked=None):
-        return chunk_bytes(rows, keys, n_heads, n_kv_heads, head_dim, dtype, kernel, masked)
+        return chunk_bytes(rows, keys, shape, kernel=kernel, masked_keys=masked)
     def one_block(a):
         lo = 0 if sliding_window is None else max(0, a - sliding_window + 1)
         s, e = shared_keys(a, a, lo, B, sliding_window)
@@ -214,7 +215,8 @@ def plan_chunks(layout: BlockLayout, n_heads: int, n_kv_heads: int, head_dim: in
                          f"{fmt_bytes(smallest)}")
     cap = budget_bytes - fixed
     rows = [(n, np.asarray(a, dtype=np.int64)) for n, a in enumerate(srt) if a]
-    tables = [_row_tables(a, B, n_heads, sliding_window, chunk_cost, cost_bytes) for _, a in rows]
+    tables = [_row_tables(a, B=B, Hq=Hq, W=sliding_window, chunk_cost=chunk_cost, cost_bytes=cost_bytes)
+              for _, a in rows]
     if slack is not None and tables:
         cap = _frugal_cap(tables, cap, max(np.diag(nb).max() for nb, _ in tables), slack)
     for (n, a), (nb, co) in zip(rows, tables):
@@ -222,10 +224,10 @@ def plan_chunks(layout: BlockLayout, n_heads: int, n_kv_heads: int, head_dim: in
             lo = 0 if sliding_window is None else max(0, int(a[s]) - sliding_window + 1)
             p.chunks.append(Chunk(n, s, e, lo, int(a[e - 1])))
     p.budget_bytes = budget_bytes
-    p.work = sum(n_heads * c.rows(B) * c.keys(B) for c in p.chunks)
-    p.needed_work = sum(n_heads * B * (a - (0 if sliding_window is None else max(0, a - sliding_window + 1)) + B)
+    p.work = sum(Hq * c.rows(B) * c.keys(B) for c in p.chunks)
+    p.needed_work = sum(Hq * B * (a - (0 if sliding_window is None else max(0, a - sliding_window + 1)) + B)
                         for r in srt for a in r)
-    p.dense_work = len(order) * n_heads * A * B * (S + A * B)
+    p.dense_work = len(order) * Hq * A * B * (S + A * B)
     sim = _simulate(p)
     p.fixed_bytes, p.peak_bytes, p.timeline = fixed, sim['peak'], sim
     p.bound_bytes = fixed + max([p.chunk_bytes(c) for c in p.chunks], default=0)
@@ -255,8 +257,8 @@ def plt_subplots():
     return plt.subplots(figsize=(6, 3))[1]
 
 # %% ../nbs/03_chunking.ipynb #b0c7df84
-def explorer(seq_len: int = 4096, anchors: int = 256, heads: int = 8, kv_heads: int = 2, head_dim: int = 64,
-             dtype: str = 'float32', budget: float = 2**27):
+def explorer(*, seq_len: int = 4096, anchors: int = 256, shape: HeadShape = HeadShape(8, 2, 64),
+             budget: float = 2**27):
     "ipywidgets explorer: the plan's chunks and predicted peak against the budget, drawn at once and on every change."
     import base64, io
     import ipywidgets as W
@@ -265,10 +267,11 @@ def explorer(seq_len: int = 4096, anchors: int = 256, heads: int = 8, kv_heads: 
     S = W.IntSlider(seq_len, 256, 16384, 256, description='seq len')
     A = W.IntSlider(anchors, 1, 1024, 1, description='anchors')
     bud = W.FloatLogSlider(value=budget, base=2, min=20, max=36, description='budget B')
-    H = W.IntSlider(heads, 1, 64, 1, description='heads')
-    Hkv = W.IntSlider(kv_heads, 1, 16, 1, description='KV heads')
-    D = W.Dropdown(options=[64, 128, 256], value=head_dim, description='head dim')
-    T = W.Dropdown(options=['float32', 'bfloat16', 'float16'], value=dtype, description='dtype')
+    H = W.IntSlider(shape.heads, 1, 64, 1, description='heads')
+    Hkv = W.IntSlider(shape.kv_heads, 1, 16, 1, description='KV heads')
+    D = W.Dropdown(options=[64, 128, 256], value=shape.head_dim, description='head dim')
+    T = W.Dropdown(options=['float32', 'bfloat16', 'float16'], value=str(shape.dtype).removeprefix('torch.'),
+                   description='dtype')
     ui = W.VBox([W.HBox([S, A, bud]), W.HBox([H, Hkv, D, T]), out])
     def draw(*_):
         ui.plan, ui.png = None, b''
@@ -276,8 +279,10 @@ def explorer(seq_len: int = 4096, anchors: int = 256, heads: int = 8, kv_heads: 
         else:
             g = torch.Generator().manual_seed(0)
             lay = BlockLayout.from_batch(torch.randint(5, 50, (1, S.value), generator=g),
-                                         torch.ones(1, S.value, dtype=torch.bool), 1, 16, A.value)
-            try: ui.plan = plan_chunks(lay, H.value, Hkv.value, D.value, getattr(torch, T.value), int(bud.value))
+                                         torch.ones(1, S.value, dtype=torch.bool), mask_token_id=1, block_size=16,
+                                         num_anchors=A.value)
+            heads = HeadShape(H.value, Hkv.value, D.value, getattr(torch, T.value))
+            try: ui.plan = plan_chunks(lay, heads, budget_bytes=int(bud.value))
             except ValueError as e: text = str(e)                # a budget below one block says its minimum
             else:
                 fig = Figure(figsize=(6, 3), layout='constrained')

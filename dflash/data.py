@@ -102,7 +102,8 @@ from .features import TargetFeatures, write_cache
 def tokenize_command(o: DataOptions):
     "`python -m dflash.data tokenize`: the counts table, and the tokenized data cached for later commands."
     tok = load_tokenizer(o.target, o.tokenizer, o.chat_template)
-    ds = load_chat_data(o.data, tok, o.max_length, o.skip_bad_lines, o.num_proc, report=True)
+    ds = load_chat_data(o.data, tok, max_length=o.max_length, skip_bad_lines=o.skip_bad_lines, num_proc=o.num_proc,
+                        report=True)
     print(f"tokenized: {len(ds)} samples, {ds.stats.tokens} tokens ({ds.stats.supervised_tokens} supervised)")
 
 def cache_command(o: CacheOptions):
@@ -110,12 +111,13 @@ def cache_command(o: CacheOptions):
     from accelerate import PartialState
     state = PartialState(cpu=not torch.cuda.is_available())   # gloo processes on a CPU machine
     tok = load_tokenizer(o.target, o.tokenizer, o.chat_template)
-    ds = load_chat_data(o.data, tok, o.max_length, o.skip_bad_lines, o.num_proc, report=True)
+    ds = load_chat_data(o.data, tok, max_length=o.max_length, skip_bad_lines=o.skip_bad_lines, num_proc=o.num_proc,
+                        report=True)
     dtype = None if o.dtype == 'auto' else getattr(torch, o.dtype)
     device = o.device or (state.device if state.device.type != 'mps' else 'cpu')
     feats = TargetFeatures(o.target, layer_ids=layer_ids(o.layers) if o.layers else None,
                            num_draft_layers=o.num_draft_layers, dtype=dtype, device=device, tokenizer=tok)
-    man = write_cache(feats, ds, o.out, o.shard_size, progress=o.progress, batch_tokens=o.batch_tokens,
+    man = write_cache(feats, ds, o.out, shard_size=o.shard_size, progress=o.progress, batch_tokens=o.batch_tokens,
                       data_info={'path': str(o.data), 'max_length': o.max_length, 'stats': ds.stats.as_dict()})
     if state.is_main_process:
         print(f"cache: {o.out} ({man['num_samples']} samples, {man['num_tokens']} tokens, {len(man['shards'])} shards)")

@@ -106,7 +106,8 @@ class DFlashAttention(nn.Module):
         k_blk = rotate(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), *rope_blk)
         k_ctx = rotate(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), *rope_ctx)
         v_blk, v_ctx = self._heads(self.v_proj(x), self.n_kv_heads), self._heads(self.v_proj(ctx), self.n_kv_heads)
-        out = attend(q, k_ctx, v_ctx, k_blk, v_blk, self.sliding_window, self.layer_idx)   # (N, Hq, T, D)
+        out = attend(q, k_ctx, v_ctx, k_blk, v_blk, sliding_window=self.sliding_window,
+                     layer_idx=self.layer_idx)                                           # (N, Hq, T, D)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 # %% ../nbs/05_drafter.ipynb #553ef9c5
@@ -184,7 +185,8 @@ class DFlashDrafter(nn.Module):
         N, S = context.shape[:2]
         x = F.embedding(layout.block_ids.flatten(1), embed).to(self.fc.weight.dtype)      # (N, A·B, H)
         ctx_pos = torch.arange(S, device=context.device).expand(N, S)
-        attend = lambda q, kc, vc, kb, vb, window, _layer: self.attn_fn(q, kc, vc, kb, vb, layout, window)
+        def attend(q, kc, vc, kb, vb, *, sliding_window, layer_idx):
+            return self.attn_fn(q, kc, vc, kb, vb, layout, sliding_window=sliding_window)
         return self._run(x, self._context(context), layout.positions.flatten(1), ctx_pos, attend)
 
     def draft_block(self, context: Tensor, block_ids: Tensor, embed: Tensor,
@@ -197,15 +199,15 @@ class DFlashDrafter(nn.Module):
         a, B = start + new, block_ids.shape[1]
         x = F.embedding(block_ids, embed).to(self.fc.weight.dtype)
         pos = torch.arange(a + B, device=context.device).expand(N, a + B)
-        def attend(q, kc, vc, kb, vb, window, layer):
-            if cache is not None: kc, vc = cache.extend(layer, kc, vc)
-            return one_block_attention(q, kc, vc, kb, vb, window)
+        def attend(q, kc, vc, kb, vb, *, sliding_window, layer_idx):
+            if cache is not None: kc, vc = cache.extend(layer_idx, kc, vc)
+            return one_block_attention(q, kc, vc, kb, vb, sliding_window=sliding_window)
         h = self._run(x, self._context(context), pos[:, a:], pos[:, start:a], attend)
         if cache is not None: cache.length = a
         return h
 
 # %% ../nbs/05_drafter.ipynb #d889a185
-def one_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, sliding_window: int | None = None) -> Tensor:
+def one_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, *, sliding_window: int | None = None) -> Tensor:
     "Attention of one block (q: (N, Hq, B, D)) over its context and itself."
     a, B, g = k_ctx.shape[2], q.shape[2], q.shape[1] // k_ctx.shape[1]
     k = torch.cat([k_ctx, k_blk], 2).repeat_interleave(g, 1)      # (N, Hq, a+B, D)

@@ -73,7 +73,7 @@ def target_features(hidden_states, layer_ids) -> Tensor:
 
 class TargetFeatures:
     "A frozen target causal LM that yields the DFlash context features (N, S, L·H)."
-    def __init__(self, path, layer_ids=None, num_draft_layers: int = 5, dtype: torch.dtype | None = None,
+    def __init__(self, path, *, layer_ids=None, num_draft_layers: int = 5, dtype: torch.dtype | None = None,
                  device=None, tokenizer=None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.path = path = resolve_local(path)
@@ -211,7 +211,7 @@ def _done_shard(out: Path, k: int, verify: bool = False) -> dict | None:
     ok = f.stat().st_size == rec.get('bytes') and (not verify or file_sha256(f) == rec.get('sha256'))
     return rec if ok else None
 
-def write_cache(features: TargetFeatures, dataset, out, shard_size: int = 64, progress: bool = True,
+def write_cache(features: TargetFeatures, dataset, out, *, shard_size: int = 64, progress: bool = True,
                 data_info: dict | None = None, batch_tokens: int = 8192) -> dict:
     """Write the context features of every sample of `dataset` to shards in `out`; resume a partial cache. Under
     accelerate, process r of N writes shards r, r+N, ...; the bytes do not depend on N. Returns the manifest."""

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from transformers import Qwen3Config
 from .config import DrafterConfig
+from .layout import HeadShape
 from .memory import measure, MemoryTracker
 from .chunking import plan_chunks, probe_kernel
 from .testing import random_layout, random_qkv
@@ -32,19 +33,20 @@ def _rel(a: Tensor, b: Tensor) -> float:
     "Relative error |a - b| / |b| (Frobenius), in float32."
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
 
-def grad_check(device='cuda', backend: str = 'flex', tolerances=((torch.float32, 1e-4), (torch.bfloat16, 2e-2)),
-               windows=(None, 64), rows: int = 2, seq_len: int = 1000, anchors: int = 40, heads: int = 8,
-               kv_heads: int = 2, head_dim: int = 64, seed: int = 7) -> list[dict]:
+def grad_check(device='cuda', backend: str = 'flex', *,
+               tolerances=((torch.float32, 1e-4), (torch.bfloat16, 2e-2)), windows=(None, 64), rows: int = 2,
+               seq_len: int = 1000, anchors: int = 40, heads: int = 8, kv_heads: int = 2, head_dim: int = 64,
+               seed: int = 7) -> list[dict]:
     "Output and gradients of `backend` against `eager_attention`: one row per (dtype, window)."
     res = []
     for dtype, tol in tolerances:
         for W in windows:
-            lay = random_layout(rows, seq_len, anchors, 16, seed=seed)
+            lay = random_layout(rows, seq_len, anchors, B=16, seed=seed)
             g = torch.Generator().manual_seed(seed)
             qkv = [t.to(device).requires_grad_()
-                   for t in random_qkv(lay, heads, kv_heads, head_dim, dtype, generator=g)]
+                   for t in random_qkv(lay, HeadShape(heads, kv_heads, head_dim, dtype), generator=g)]
             lay = lay.to(device)
-            ref, out = eager_attention(*qkv, lay, W), get_backend(backend)(*qkv, lay, W)
+            ref, out = eager_attention(*qkv, lay, sliding_window=W), get_backend(backend)(*qkv, lay, sliding_window=W)
             w = torch.randn(ref.shape, generator=g).to(device, dtype)          # a random upstream gradient
             grads = torch.autograd.grad((out * w).float().sum(), qkv)
             refs = torch.autograd.grad((ref * w).float().sum(), qkv)
@@ -79,41 +81,42 @@ def sdpa_kernels(fn, *args, backward: bool = True, **kwargs) -> list[str]:
     return sorted({k for op, k in _KERNEL_OPS.items() if op in names})
 
 # %% ../nbs/12a_gpu.ipynb #153e0e8c
-def attention_compare(device='cuda', seq_len: int = 8192, anchors: int = 512, heads: int = 32, kv_heads: int = 8,
-                      head_dim: int = 128, dtype=torch.bfloat16, methods=('dense', 'sdpa', 'flex'), repeats: int = 3,
-                      seed: int = 0) -> list[dict]:
+def attention_compare(device='cuda', *, seq_len: int = 8192, anchors: int = 512,
+                      shape: HeadShape = HeadShape(32, 8, 128, torch.bfloat16), methods=('dense', 'sdpa', 'flex'),
+                      repeats: int = 3, seed: int = 0) -> list[dict]:
     "Best fwd+bwd time and peak bytes (above the inputs) per method, ratios to dense, and the SDPA kernels sdpa ran."
-    lay = random_layout(1, seq_len, anchors, 16, seed=seed, short_rows=False)
-    qkv = tuple(t.to(device).requires_grad_() for t in random_qkv(lay, heads, kv_heads, head_dim, dtype,
-                                                                   generator=torch.Generator().manual_seed(seed)))
+    lay = random_layout(1, seq_len, anchors, B=16, seed=seed, short_rows=False)
+    qkv = tuple(t.to(device).requires_grad_()
+                for t in random_qkv(lay, shape, generator=torch.Generator().manual_seed(seed)))
     lay = lay.to(device)                                  # the dense baseline builds its mask where the queries are
     fns = {m: METHODS[m]() for m in methods}
     res = bench_many(fns, qkv, lay, None, repeats)
     kernels = {m: sdpa_kernels(fns[m], *qkv, lay) for m in methods if m != 'flex'}
     for t in qkv: t.grad = None
     base = res.get('dense')
-    return [dict(method=m, seq_len=seq_len, anchors=anchors, heads=f'{heads}/{kv_heads}', head_dim=head_dim,
-                 dtype=str(dtype).split('.')[-1], time_s=r['time_s'], peak_bytes=r['peak_bytes'],
+    return [dict(method=m, seq_len=seq_len, anchors=anchors, heads=f'{shape.heads}/{shape.kv_heads}',
+                 head_dim=shape.head_dim, dtype=str(shape.dtype).split('.')[-1], time_s=r['time_s'],
+                 peak_bytes=r['peak_bytes'],
                  time_vs_dense=r['time_s'] / base['time_s'] if base else math.nan,
                  peak_vs_dense=r['peak_bytes'] / base['peak_bytes'] if base else math.nan,
                  kernels=' '.join(kernels.get(m, ['compiled triton'])),
-                 kernel_probed=probe_kernel(device, dtype, head_dim))
+                 kernel_probed=probe_kernel(device, shape.dtype, shape.head_dim))
             for m, r in res.items()]
 
 # %% ../nbs/12a_gpu.ipynb #60464bc7
 PLANNER_CASES = [(2048, 128, None), (2048, 128, 0.3), (4096, 256, None), (4096, 512, 0.3), (8192, 512, None),
                  (8192, 512, 0.3), (8192, 1024, 0.5), (16384, 512, None), (16384, 1024, None), (16384, 1024, 0.3)]
 
-def planner_check(device='cuda', cases=PLANNER_CASES, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-                  dtype=torch.bfloat16) -> list[dict]:
+def planner_check(device='cuda', cases=PLANNER_CASES,
+                  shape: HeadShape = HeadShape(32, 8, 128, torch.bfloat16)) -> list[dict]:
     "Predicted against measured peak of the sdpa backend (fwd+bwd, above the inputs), one row per (S, anchors, budget)."
     res = []
     for S, na, frac in cases:
-        lay = random_layout(1, S, na, 16, seed=S + na, short_rows=False)
-        free = plan_chunks(lay, heads, kv_heads, head_dim, dtype, device=device)
+        lay = random_layout(1, S, na, B=16, seed=S + na, short_rows=False)
+        free = plan_chunks(lay, shape, device=device)
         budget = None if frac is None else int(free.fixed_bytes + frac * (free.bound_bytes - free.fixed_bytes))
-        plan = plan_chunks(lay, heads, kv_heads, head_dim, dtype, budget, device=device)
-        qkv = [t.to(device).requires_grad_() for t in random_qkv(lay, heads, kv_heads, head_dim, dtype)]
+        plan = plan_chunks(lay, shape, budget_bytes=budget, device=device)
+        qkv = [t.to(device).requires_grad_() for t in random_qkv(lay, shape)]
         m = measure(sdpa_attention, *qkv, lay, plan=plan)
         ran = sdpa_kernels(sdpa_attention, *qkv, lay, plan=plan)
         res.append(dict(seq_len=S, anchors=na, budget_frac=frac, budget_bytes=budget, chunks=len(plan.chunks),
@@ -157,7 +160,7 @@ def _step_once(drafter, opt, ctx, lay, embed, lm_head, objective_budget, dtype):
     opt.step(); opt.zero_grad(set_to_none=True)
     return s.loss.detach()
 
-def real_step(device='cuda', cfg: DrafterConfig | None = None, seq_len: int = 8000, anchors: int = 512,
+def real_step(device='cuda', cfg: DrafterConfig | None = None, *, seq_len: int = 8000, anchors: int = 512,
               memory_bytes: int | None = None, repeats: int = 3, dtype: str = 'bf16', seed: int = 0) -> dict:
     "One trainer-like step of a drafter of `cfg` (default Qwen3-8B's): measured peak against the plan, time, MFU."
     from dflash.plan import DTYPES
@@ -166,15 +169,16 @@ def real_step(device='cuda', cfg: DrafterConfig | None = None, seq_len: int = 80
     cuda = device.type == 'cuda'
     if memory_bytes is None: memory_bytes = int(torch.cuda.mem_get_info(device)[0] * 0.9)
     t0 = time.perf_counter()
-    policy, table = recommend_policy(cfg, seq_len, anchors, memory_bytes, dtype, 'sdpa', 1,
-                                     'fused' if cuda else 'foreach')
+    policy, table = recommend_policy(cfg, seq_len, anchors, memory_bytes, dtype=dtype, attention='sdpa',
+                                     micro_batch_size=1, optimizer='fused' if cuda else 'foreach')
     plan_s, predicted = time.perf_counter() - t0, next(r for r in table if r.policy == policy)
     attention_budget, objective_budget = budgets(cfg, seq_len, memory_bytes, dtype, 1)
     torch.manual_seed(seed)
     with device: drafter = DFlashDrafter(cfg, 'sdpa', budget_bytes=attention_budget)   # initialised where it trains
     set_checkpointing(drafter, policy, budget_bytes=attention_budget)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, **({'fused': True} if cuda else {'foreach': True}))
-    lay = plan_layout(seq_len, anchors, cfg.block_size, 1, cfg.mask_token_id, cfg.vocab_size).to(device)
+    lay = plan_layout(seq_len, anchors, block_size=cfg.block_size, rows=1, mask_token_id=cfg.mask_token_id,
+                      vocab=cfg.vocab_size).to(device)
     g = torch.Generator().manual_seed(seed)
     ctx = torch.randn(1, seq_len, cfg.context_size, generator=g).to(device, dt)         # (1, S, L·H) target features
     embed, lm_head = ((torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02).to(device, dt)
@@ -196,8 +200,8 @@ def real_step(device='cuda', cfg: DrafterConfig | None = None, seq_len: int = 80
         times.append(time.perf_counter() - t)
         peak = max(peak, torch.cuda.max_memory_allocated(device) if cuda else
                    sum(x.nbytes for x in {id(x): x for x in held}.values()) + tracker.peak)
-    pairs = plan_chunks(lay, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dt,
-                        device=device).needed_work
+    heads = HeadShape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dt)
+    pairs = plan_chunks(lay, heads, device=device).needed_work
     T = lay.num_blocks * cfg.block_size
     flops, step_s = step_flops(cfg, seq_len, T, pairs), min(times)
     name = torch.cuda.get_device_name(device) if cuda else 'cpu'

@@ -17,14 +17,14 @@ __all__ = ['METHODS', 'dense_attention', 'gather_attention', 'pinned_threads', '
            'free_port', 'launch_commands', 'launch_train', 'last_error', 'logged_steps', 'throughput']
 
 # %% ../nbs/12_harness.ipynb #e0bdccab
-def dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window=None) -> Tensor:
+def dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window=None) -> Tensor:
     "Baseline: one SDPA call with the dense boolean mask over all blocks."
     k, v = torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2)    # (N, Hkv, S + A·B, D)
     mask = layout.dense_mask(sliding_window)[:, None]                    # (N, 1, A·B, S + A·B)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return out * layout.keep.repeat_interleave(layout.block_size, 1)[:, None, :, None]   # padded rows: zeros
 
-def gather_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, sliding_window=None) -> Tensor:
+def gather_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window=None) -> Tensor:
     "Baseline: per block, one SDPA call over its own prefix and block; KV heads shared by `enable_gqa`, not expanded."
     if sliding_window is not None: raise ValueError("the gather baseline covers full-attention layers only")
     N, Hq, T, D = q.shape
@@ -62,7 +62,7 @@ def _step(fn, qkv, layout, sliding_window) -> tuple[float, float]:
     dev = qkv[0].device
     for t in qkv: t.grad = None
     sync_device(dev); t0, c0 = time.perf_counter(), time.process_time()
-    out = fn(*qkv, dataclasses.replace(layout), sliding_window)
+    out = fn(*qkv, dataclasses.replace(layout), sliding_window=sliding_window)
     out.backward(torch.ones_like(out))
     sync_device(dev)
     return time.perf_counter() - t0, time.process_time() - c0
@@ -78,7 +78,7 @@ def bench_many(fns: dict, qkv, layout, sliding_window=None, repeats: int = 3) ->
             if r: wall[k].append(w); cpu[k].append(c)
     for t in qkv: t.grad = None
     return {k: dict(time_s=statistics.median(wall[k]), cpu_s=statistics.median(cpu[k]),
-                    peak_bytes=measure(fn, *qkv, layout, sliding_window).peak) for k, fn in fns.items()}
+                    peak_bytes=measure(fn, *qkv, layout, sliding_window=sliding_window).peak) for k, fn in fns.items()}
 
 def physical_floor(qkv) -> int:
     "Bytes of q, k, v, the output (q-sized) and their gradients."

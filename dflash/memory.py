@@ -83,7 +83,7 @@ def _backward(out, grad_out):
         raise ValueError(f"grad_out has {len(grads)} tensors for {len(outs)} outputs that require grad")
     torch.autograd.backward(outs, grads)
 
-def _measure_tracked(fn, args, kwargs, backward, grad_out, path) -> MemStats:
+def _measure_tracked(fn, args, kwargs, *, backward, grad_out, path) -> MemStats:
     tracker = MemoryTracker()
     with tracker:
         params = list(fn.parameters()) + list(fn.buffers()) if isinstance(fn, torch.nn.Module) else []
@@ -95,7 +95,7 @@ def _measure_tracked(fn, args, kwargs, backward, grad_out, path) -> MemStats:
     return MemStats(peak, fwd_peak, after_fwd, end, path)
 
 # %% ../nbs/02_memory.ipynb #db3ff758
-def _measure_cuda(fn, args, kwargs, backward, grad_out, device) -> MemStats:
+def _measure_cuda(fn, args, kwargs, *, backward, grad_out, device) -> MemStats:
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -136,10 +136,10 @@ def measure(fn: Callable,          # the step to measure; called as fn(*args, **
     if mode == 'fake':
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         args, kwargs, grad_out = _fake_args(fake, (args, kwargs, grad_out))
-        with fake: return _measure_tracked(fn, args, kwargs, backward, grad_out, 'fake')
+        with fake: return _measure_tracked(fn, args, kwargs, backward=backward, grad_out=grad_out, path='fake')
     device = _cuda_device(fn, args, kwargs)
-    if device is not None: return _measure_cuda(fn, args, kwargs, backward, grad_out, device)
-    return _measure_tracked(fn, args, kwargs, backward, grad_out, 'cpu')
+    if device is not None: return _measure_cuda(fn, args, kwargs, backward=backward, grad_out=grad_out, device=device)
+    return _measure_tracked(fn, args, kwargs, backward=backward, grad_out=grad_out, path='cpu')
 
 def peak_bytes(fn: Callable, *args, backward: bool = True, mode: str = 'real', grad_out=None, **kwargs) -> int:
     "Peak bytes of tensors live while `fn(*args, **kwargs)` runs (and its backward), above what was live before."
@@ -211,7 +211,7 @@ def plot_peaks(peaks: dict, budget=None, ax=None, title: str = '', log: bool = F
     _untangle_xticks(ax, [str(k) for k in groups])
     return ax
 
-def plot_sweep(xs, series: dict, budget=None, ax=None, xlabel: str = 'sequence length', title: str = '',
+def plot_sweep(xs, series: dict, *, budget=None, ax=None, xlabel: str = 'sequence length', title: str = '',
                log: bool = True):
     "Lines of peak bytes across `xs`: `{variant: [bytes per x]}`."
     import matplotlib.pyplot as plt                   # lazily: model code imports this module

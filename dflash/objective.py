@@ -44,7 +44,7 @@ def _objective_cost(chunk: np.ndarray, blocks: int, rows_per_block: int, vocab_s
     rows = n * tiles(chunk * rows_per_block) + (rest > 0) * tiles(rest * rows_per_block)
     return rows * 2 * vocab_size * hidden_size + (n + (rest > 0)) * OBJECTIVE_CHUNK_COST
 
-def frugal_chunk_blocks(blocks: int, block_size: int, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+def frugal_chunk_blocks(blocks: int, block_size: int, *, vocab_size: int, hidden_size: int, dtype: torch.dtype,
                         budget_bytes: int | None = None, slack: float = 0.05) -> int:
     "Smallest chunk (blocks) whose modelled cost is within `slack` of the fastest one that fits `budget_bytes`."
     cap = blocks if budget_bytes is None else \
@@ -122,14 +122,15 @@ def accepted_length(correct: Tensor, supervised: Tensor) -> Tensor:
     ok = (correct & supervised)[..., 1:].long()
     return ok.cumprod(-1).sum(-1)
 
-def dflash_objective(hidden: Tensor, layout: BlockLayout, lm_head: Tensor, chunk_blocks: int | None = None,
+def dflash_objective(hidden: Tensor, layout: BlockLayout, lm_head: Tensor, *, chunk_blocks: int | None = None,
                      budget_bytes: int | None = None, fused: bool = True) -> ObjectiveSums:
     """The DFlash loss sums and metrics. hidden: (N, A·B, H); lm_head: (V, H) frozen. Chunks of `chunk_blocks` blocks,
     else the frugal size within `budget_bytes`; `fused=False` is plain autograd through each chunk (logits kept)."""
     N, A, B = layout.batch_size, layout.num_blocks, layout.block_size
     V, H = lm_head.shape
     if chunk_blocks is None:
-        chunk_blocks = frugal_chunk_blocks(N * A, B, V, H, compute_dtype(hidden, lm_head.dtype), budget_bytes)
+        chunk_blocks = frugal_chunk_blocks(N * A, B, vocab_size=V, hidden_size=H,
+                                           dtype=compute_dtype(hidden, lm_head.dtype), budget_bytes=budget_bytes)
     h, labels = hidden.reshape(N * A, B, H), layout.labels.reshape(N * A, B)
     grad = torch.is_grad_enabled() and hidden.requires_grad
     if fused: ce, pred = _FusedCE.apply(h, lm_head, labels, chunk_blocks, grad)

@@ -214,7 +214,7 @@ def build_options(cls, values: dict, problems=(), prog: str = '', check=None):
     if problems: raise OptionsError(problems, prog)
     return obj
 
-def parse_options(cls, argv=None, prog: str = '', description: str = '', base: dict | None = None, check=None,
+def parse_options(cls, argv=None, *, prog: str = '', description: str = '', base: dict | None = None, check=None,
                   help_defaults: dict | None = None):
     "Parse flags and `--config` YAML into a checked `cls`; returns (options, the values the user gave)."
     p = OptionParser(cls, prog, description, help_defaults)
@@ -256,4 +256,4 @@ def parse_subcommand(commands: dict[str, Command], argv=None, prog: str = '', us
     name, sc = argv[0], commands.get(argv[0])
     if sc is None: raise OptionsError([f"{name!r}: unknown command; one of {', '.join(commands)}"], prog)
     about = getattr(sc, 'description', '') or sc.options.__doc__
-    return name, parse_options(sc.options, argv[1:], f'{prog} {name}', about, check=sc.check)[0]
+    return name, parse_options(sc.options, argv[1:], prog=f'{prog} {name}', description=about, check=sc.check)[0]

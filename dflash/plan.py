@@ -103,13 +103,14 @@ def _fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Modu
     "Replace the (meta) parameters and buffers of `module` by fake CPU tensors of the same shapes."
     with mode: return module.to_empty(device='cpu')
 
-def plan_layout(seq_len: int, num_anchors: int, block_size: int, rows: int, mask_token_id: int,
+def plan_layout(seq_len: int, num_anchors: int, *, block_size: int, rows: int, mask_token_id: int,
                 vocab: int) -> BlockLayout:
     "A layout with `num_anchors` blocks per row over fully supervised rows (the worst case)."
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (rows, seq_len), generator=g)
     loss_mask = torch.ones(rows, seq_len, dtype=torch.bool)
-    return BlockLayout.from_batch(ids, loss_mask, mask_token_id, block_size, num_anchors)
+    return BlockLayout.from_batch(ids, loss_mask, mask_token_id=mask_token_id, block_size=block_size,
+                                  num_anchors=num_anchors)
 
 def _static_bytes(cfg: DrafterConfig, seq_len: int, rows: int, dtype) -> tuple[int, int]:
     "(fp32 weights, frozen bytes) without building anything."
@@ -130,7 +131,7 @@ def budgets(cfg: DrafterConfig, seq_len: int, memory_bytes: int, dtype='bf16',
     return spare // 4, spare // 16
 
 # %% ../nbs/07a_plan.ipynb #8733ceaf
-def step_memory(cfg: DrafterConfig, seq_len: int, num_anchors: int, policy='none', dtype: str = 'bf16',
+def step_memory(cfg: DrafterConfig, seq_len: int, num_anchors: int, *, policy='none', dtype: str = 'bf16',
                 attention: str = 'sdpa', micro_batch_size: int = 1, attention_budget: int | None = None,
                 objective_budget: int | None = None, optimizer: str = 'fused',
                 memory_bytes: int | None = None) -> StepMemory:
@@ -156,7 +157,8 @@ def _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_s
     objective_budget = max(objective_budget, one_block)
     with torch.device('meta'): drafter = DFlashDrafter(cfg, attention, **opts)
     chosen = set_checkpointing(drafter, policy, budget_bytes=attention_budget)
-    lay = plan_layout(seq_len, num_anchors, cfg.block_size, micro_batch_size, cfg.mask_token_id, cfg.vocab_size)
+    lay = plan_layout(seq_len, num_anchors, block_size=cfg.block_size, rows=micro_batch_size,
+                      mask_token_id=cfg.mask_token_id, vocab=cfg.vocab_size)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     _fake_module(drafter, mode)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -192,15 +194,16 @@ def _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_s
 # %% ../nbs/07a_plan.ipynb #549a5f60
 POLICIES = ('none', 2, 'all')
 
-def recommend_policy(drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int,
+def recommend_policy(drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int, *,
                      dtype: str = 'bf16', attention: str = 'sdpa', micro_batch_size: int = 1, optimizer: str = 'fused',
                      policies=POLICIES, full_table: bool = False) -> tuple[object, list[StepMemory]]:
     "(cheapest checkpointing policy whose step fits `budget_bytes`, else the most frugal one; the rows measured)"
     a, o = budgets(drafter_config, seq_len, budget_bytes, dtype, micro_batch_size)
     table = []
     for p in policies:                          # fastest first: stop at the first that fits unless asked for all
-        table.append(step_memory(drafter_config, seq_len, num_anchors, p, dtype, attention, micro_batch_size,
-                                 a, o, optimizer))
+        table.append(step_memory(drafter_config, seq_len, num_anchors, policy=p, dtype=dtype, attention=attention,
+                                 micro_batch_size=micro_batch_size, attention_budget=a, objective_budget=o,
+                                 optimizer=optimizer))
         if table[-1].total <= budget_bytes and not full_table: break
     fits = [r for r in table if r.total <= budget_bytes]
     return (fits[0] if fits else min(table, key=lambda r: r.total)).policy, table
@@ -290,7 +293,7 @@ def _check_plan(o: PlanOptions) -> list[str]:
 
 def main(argv=None) -> int:
     "Predict the peak memory of a drafter training step per checkpointing policy and recommend one."
-    try: a, _ = parse_options(PlanOptions, argv, _PROG, _ABOUT, check=_check_plan)
+    try: a, _ = parse_options(PlanOptions, argv, prog=_PROG, description=_ABOUT, check=_check_plan)
     except OptionsError as e: exit_bad_options(e)
     budget = parse_memory(a.memory)
     a.policies = [parse_policy(p) for p in a.policies] if a.policies else list(POLICIES)
@@ -302,8 +305,9 @@ def main(argv=None) -> int:
           f"intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}; S={a.seq_len}, "
           f"{a.anchors} blocks of {a.block_size}, x{a.micro_batch_size}; "
           f"{a.dtype} autocast, fp32 weights, {a.optimizer} AdamW")
-    policy, table = recommend_policy(cfg, a.seq_len, a.anchors, budget, a.dtype, a.attention, a.micro_batch_size,
-                                     a.optimizer, a.policies, full_table=True)
+    policy, table = recommend_policy(cfg, a.seq_len, a.anchors, budget, dtype=a.dtype, attention=a.attention,
+                                     micro_batch_size=a.micro_batch_size, optimizer=a.optimizer,
+                                     policies=a.policies, full_table=True)
     print(format_table(table, budget))
     print(recommendation(policy, table, budget))
     print(online_advice(online_target_bytes(tc, a.seq_len, a.micro_batch_size),
@@ -359,7 +363,7 @@ def fit_figure(table: list[StepMemory], budget_bytes: int, chosen=None, title: s
     return fig
 
 # %% ../nbs/07a_plan.ipynb #bc49df7d
-def fit_widget(target: str = 'Qwen3-8B', memory: str = '80GB', seq_len: int = 8000, anchors: int = 512,
+def fit_widget(*, target: str = 'Qwen3-8B', memory: str = '80GB', seq_len: int = 8000, anchors: int = 512,
                policy: str = 'auto', layers: int = 5):
     """Will my run fit? Pick a target (preset or sizes), GPU memory, sequence length, anchors and a policy: the table,
     the recommendation and a chart of each policy's step against the budget. Shows its first state at once."""

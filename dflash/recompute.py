@@ -50,7 +50,7 @@ def mlp_token_bytes(hidden_size: int, intermediate_size: int, dtype: torch.dtype
     "Bytes one token holds at the peak of its MLP block's recomputation and backward."
     return 6 * intermediate_size * (torch.finfo(dtype).bits // 8) + 4 * 4 * hidden_size
 
-def checkpointed_layer(layer: DFlashDecoderLayer, x, ctx, rope_blk, rope_ctx, attend, use_reentrant: bool = False,
+def checkpointed_layer(layer: DFlashDecoderLayer, x, ctx, rope_blk, rope_ctx, attend, *, use_reentrant: bool = False,
                        budget_bytes: int | None = None) -> Tensor:
     """`layer(x, ...)` recomputed in backward: its attention block,
     then its MLP block by token slices within `budget_bytes`."""

@@ -161,7 +161,7 @@ def sample_next(logits, temperature: float = 0., top_p: float = 1., generator=No
 
 class TransformersEngine:
     "Batched generation with a transformers causal LM: left padding, KV cache, finished rows leave the batch."
-    def __init__(self, model, stop_ids, pad_id: int, max_new_tokens: int = 512, temperature: float = 0.,
+    def __init__(self, model, stop_ids, pad_id: int, *, max_new_tokens: int = 512, temperature: float = 0.,
                  top_p: float = 1.):
         self.model, self.stop_ids, self.pad_id = model, list(stop_ids), pad_id
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
@@ -204,7 +204,7 @@ class TransformersEngine:
 # %% ../nbs/08b_regenerate.ipynb #3a74bfe9
 class VLLMEngine:
     "Generation with vLLM (GPU): same interface as `TransformersEngine`; prompts go in as token ids."
-    def __init__(self, target, stop_ids, max_new_tokens: int = 512, temperature: float = 0., top_p: float = 1.,
+    def __init__(self, target, stop_ids, *, max_new_tokens: int = 512, temperature: float = 0., top_p: float = 1.,
                  dtype: str | None = None):
         from vllm import LLM
         self.llm, self.stop_ids = LLM(model=str(target), dtype=dtype or 'auto'), list(stop_ids)
@@ -222,7 +222,7 @@ def round_seed(seed: int, batch: int, rnd: int) -> int:
     "The sampling seed of round `rnd` of batch `batch`."
     return int.from_bytes(hashlib.sha256(f'{seed}/{batch}/{rnd}'.encode()).digest()[:7], 'little')
 
-def regenerate_batch(engine, tokenizer, convs: list[list[dict]], template_kw: dict | None = None, seed: int = 0,
+def regenerate_batch(engine, tokenizer, convs: list[list[dict]], *, template_kw: dict | None = None, seed: int = 0,
                      batch: int = 0) -> tuple[list[list[dict]], dict]:
     "Every assistant turn of `convs` regenerated; also `{'tokens', 'turns', 'unfinished', 'token_ids'}` of the work."
     msgs = [[dict(m) for m in c] for c in convs]
@@ -313,10 +313,13 @@ def make_engine(cfg: RegenConfig, tokenizer, device):
     try: gen_cfg = GenerationConfig.from_pretrained(target)
     except OSError: gen_cfg = None
     stops = end_of_turn_ids(tokenizer, gen_cfg)
-    if cfg.engine == 'vllm': return VLLMEngine(target, stops, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.dtype)
+    if cfg.engine == 'vllm':
+        return VLLMEngine(target, stops, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                          top_p=cfg.top_p, dtype=cfg.dtype)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=_dtype(cfg, device)).to(device).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    return TransformersEngine(model, stops, pad, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+    return TransformersEngine(model, stops, pad, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                              top_p=cfg.top_p)
 
 def _state():
     "The process group of an `accelerate launch` (CPU processes too: accelerate needs `cpu=True` to see them)."
@@ -363,7 +366,7 @@ def regenerate(cfg: RegenConfig) -> dict:
         part = []
         for k in mine:
             batch = convs[k * cfg.batch_size:(k + 1) * cfg.batch_size]
-            msgs, info = regenerate_batch(engine, tok, [m for _, m in batch], tkw, cfg.seed, k)
+            msgs, info = regenerate_batch(engine, tok, [m for _, m in batch], template_kw=tkw, seed=cfg.seed, batch=k)
             part.append((k, [output_record(r, m) for (r, _), m in zip(batch, msgs)],
                          {x: info[x] for x in ('tokens', 'turns', 'unfinished')}))
         for k, recs, info in sorted(gather_object(part) if W > 1 else part, key=lambda x: x[0]):

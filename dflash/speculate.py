@@ -49,8 +49,8 @@ def _check_speculate(o: SpeculateOptions) -> list[str]:
 
 def parse_speculate(argv=None) -> SpeculateOptions:
     "The checked options of `python -m dflash.speculate`; `--help` prints and exits 0, bad options exit 2."
-    try: return parse_options(SpeculateOptions, argv, 'python -m dflash.speculate',
-                              'Measure the acceptance length and speed of a DFlash drafter on a target.',
+    try: return parse_options(SpeculateOptions, argv, prog='python -m dflash.speculate',
+                              description='Measure the acceptance length and speed of a DFlash drafter on a target.',
                               check=_check_speculate)[0]
     except OptionsError as e: exit_bad_options(e)
 
@@ -107,7 +107,7 @@ def _sync(device):
     if device.type == 'cuda': torch.cuda.synchronize(device)
 
 @torch.no_grad()
-def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, max_new_tokens: int = 128,
+def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, max_new_tokens: int = 128,
                          block_size: int | None = None, stop_token_ids=()) -> SpecResult:
     "Greedy DFlash speculative decoding of one prompt (input_ids: (1, P))."
     cfg = drafter.config
@@ -165,7 +165,7 @@ def eval_prompts(path, tokenizer, n: int | None = None) -> list[Tensor]:
     return prompts
 
 @torch.no_grad()
-def acceptance_eval(target, drafter: DFlashDrafter, prompts: list[Tensor], max_new_tokens: int = 64,
+def acceptance_eval(target, drafter: DFlashDrafter, prompts: list[Tensor], *, max_new_tokens: int = 64,
                     block_size: int | None = None, stop_token_ids=(), baseline: bool = False,
                     progress: bool = False) -> dict:
     """τ, the acceptance histogram and timings of speculative decoding over `prompts` (and plain decoding, if
@@ -175,7 +175,8 @@ def acceptance_eval(target, drafter: DFlashDrafter, prompts: list[Tensor], max_n
     t0 = time.perf_counter()
     bar = tqdm(prompts, desc='speculative', unit='prompt', disable=not progress)
     for p in bar:
-        r = speculative_generate(target, drafter, p.to(dev), max_new_tokens, block_size, stop_token_ids)
+        r = speculative_generate(target, drafter, p.to(dev), max_new_tokens=max_new_tokens, block_size=block_size,
+                                 stop_token_ids=stop_token_ids)
         acc += r.acceptance; draft_s += r.draft_s; verify_s += r.verify_s; tokens += len(r.tokens)
         bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.1f} tok/s, tau {sum(acc) / max(len(acc), 1):.2f}")
     spec_s = time.perf_counter() - t0
@@ -215,8 +216,8 @@ def main(argv=None) -> dict:
     drafter = DFlashDrafter.from_pretrained(a.drafter, dtype=dtype).to(dev).eval()
     prompts = eval_prompts(a.data, tok, a.num_prompts)
     if not prompts: raise ValueError(f"{a.data}: no conversation with a turn before an assistant turn")
-    r = acceptance_eval(target, drafter, prompts, a.max_new_tokens, a.block_size, [tok.eos_token_id], baseline=True,
-                         progress=a.progress)
+    r = acceptance_eval(target, drafter, prompts, max_new_tokens=a.max_new_tokens, block_size=a.block_size,
+                        stop_token_ids=[tok.eos_token_id], baseline=True, progress=a.progress)
     print(f"prompts {len(prompts)}  tokens {r['tokens']}  verify steps {r['steps']}")
     print(f"tau (mean acceptance length) {r['tau']:.3f}")
     print("histogram (tokens per step: steps) " + '  '.join(f"{k}:{n}" for k, n in enumerate(r['histogram'], 1)))

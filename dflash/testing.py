@@ -7,31 +7,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from .layout import BlockLayout
+from .layout import BlockLayout, HeadShape
 
 # %% auto #0
 __all__ = ['random_layout', 'random_qkv', 'drafter_grads', 'plain_objective']
 
 # %% ../nbs/01a_testing.ipynb #8a41e255
-def random_layout(N: int, S: int, n_anchors: int, B: int = 16, seed: int = 0, short_rows: bool = True) -> BlockLayout:
+def random_layout(N: int, S: int, n_anchors: int, *, B: int = 16, seed: int = 0,
+                  short_rows: bool = True) -> BlockLayout:
     "A random layout; with `short_rows`, odd rows are supervised on their first half only (fewer anchors, padded)."
     g = torch.Generator().manual_seed(seed)
     ids, lm = torch.randint(5, 50, (N, S), generator=g), torch.rand(N, S, generator=g) > 0.2
     if short_rows: lm[1::2, S // 2:] = False
     lm[:, 1:3] = True                                                    # every row has a valid anchor
-    return BlockLayout.from_batch(ids, lm, 1, B, n_anchors, seed=seed)
+    return BlockLayout.from_batch(ids, lm, mask_token_id=1, block_size=B, num_anchors=n_anchors, seed=seed)
 
 # %% ../nbs/01a_testing.ipynb #051ff141
-def random_qkv(layout: BlockLayout, n_heads: int, n_kv_heads: int, head_dim: int, dtype=torch.float32,
-               requires_grad: bool = False, generator=None) -> tuple[Tensor, ...]:
-    "Random q, k_ctx, v_ctx, k_blk, v_blk shaped for `layout` (for tests and benchmarks)."
+def random_qkv(layout: BlockLayout, shape: HeadShape, *, requires_grad: bool = False,
+               generator=None) -> tuple[Tensor, ...]:
+    "Random q, k_ctx, v_ctx, k_blk, v_blk of `shape`'s heads and dtype, shaped for `layout` (for tests and benchmarks)."
     N, T, S = layout.batch_size, layout.num_blocks * layout.block_size, layout.seq_len
-    shapes = [(N, n_heads, T, head_dim), (N, n_kv_heads, S, head_dim), (N, n_kv_heads, S, head_dim),
-              (N, n_kv_heads, T, head_dim), (N, n_kv_heads, T, head_dim)]
-    return tuple(torch.randn(s, generator=generator, dtype=dtype).requires_grad_(requires_grad) for s in shapes)
+    Hq, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+    shapes = [(N, Hq, T, D), (N, Hkv, S, D), (N, Hkv, S, D), (N, Hkv, T, D), (N, Hkv, T, D)]
+    return tuple(torch.randn(s, generator=generator, dtype=shape.dtype).requires_grad_(requires_grad) for s in shapes)
 
 # %% ../nbs/01a_testing.ipynb #e53b3a3c
-def drafter_grads(drafter: nn.Module, context, layout, embed, lm_head, loss_fn=None) -> dict[str, Tensor]:
+def drafter_grads(drafter: nn.Module, context, layout, embed, lm_head, *, loss_fn=None) -> dict[str, Tensor]:
     "Gradients of every drafter parameter for a weighted cross-entropy over the layout (or `loss_fn(hidden)`)."
     drafter.zero_grad(set_to_none=True)
     h = drafter(context, layout, embed)

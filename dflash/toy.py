@@ -233,7 +233,7 @@ def embedding_rows(n_tokens: int, multiple: int = 64) -> int:
     "The smallest multiple of `multiple` strictly above `n_tokens`."
     return (n_tokens // multiple + 1) * multiple
 
-def toy_config(tok, hidden_size: int = 128, num_hidden_layers: int = 6, num_attention_heads: int = 4,
+def toy_config(tok, *, hidden_size: int = 128, num_hidden_layers: int = 6, num_attention_heads: int = 4,
                num_key_value_heads: int = 2, intermediate_size: int = 384) -> Qwen3Config:
     "The toy target's Qwen3 config for tokenizer `tok`."
     from transformers import Qwen3Config
@@ -282,7 +282,7 @@ def _batches(lengths, batch_size, rng):
     rng.shuffle(out)
     return out
 
-def train_target(model, tok, convs, steps: int, batch_size: int = 32, lr: float = 3e-3, warmup: int = 50,
+def train_target(model, tok, convs, *, steps: int, batch_size: int = 32, lr: float = 3e-3, warmup: int = 50,
                  seed: int = 0, eval_convs=None, eval_every: int = 200, log_every: int = 10,
                  verbose: bool = False) -> dict:
     "Train `model` on `convs` (next-token loss over whole conversations); returns the training log."
@@ -321,7 +321,7 @@ def load_toy_target(path=None, dtype='float32'):
     return model, AutoTokenizer.from_pretrained(path)
 
 # %% ../nbs/09_toy.ipynb #dfbe6226
-def build(out=None, steps: int = 1000, batch_size: int = 32, lr: float = 3e-3, n_train: int = 7000,
+def build(out=None, *, steps: int = 1000, batch_size: int = 32, lr: float = 3e-3, n_train: int = 7000,
           n_eval: int = 500, vocab_size: int = 1000, seed: int = 0, model_kw: dict | None = None,
           threads: int = 1, verbose: bool = True) -> dict:
     "Generate the corpus, train the tokenizer and the target, save all under `out`; returns the training log."
@@ -340,7 +340,7 @@ def _build(out, steps, batch_size, lr, n_train, n_eval, vocab_size, seed, model_
     tok = train_tokenizer(target_convs, vocab_size)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(toy_config(tok, **(model_kw or {})))
-    log = train_target(model, tok, target_convs, steps, batch_size, lr, seed=seed,
+    log = train_target(model, tok, target_convs, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                        eval_convs=held_out[:200], eval_every=max(steps // 6, 1), verbose=verbose)
     log['accuracy'] = round(assistant_accuracy(model, tok, held_out), 4)
     tdir = out / 'toy-target'

@@ -61,7 +61,7 @@ def spec_tau(trainer) -> dict | None:
     was_training = drafter.training
     drafter.eval()
     prompts = eval_prompts(eval_path, p.tokenizer, c.spec_eval_prompts)
-    r = acceptance_eval(p.features.model, drafter, prompts, c.spec_new_tokens,
+    r = acceptance_eval(p.features.model, drafter, prompts, max_new_tokens=c.spec_new_tokens,
                         stop_token_ids=[p.tokenizer.eos_token_id])
     drafter.train(was_training)
     return r

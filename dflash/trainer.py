@@ -85,11 +85,12 @@ def load_parts(cfg: TrainConfig, device) -> RunParts:
         dcfg = DrafterConfig.from_target(AutoConfig.from_pretrained(target), tokenizer=tok, target_layer_ids=ids, **dkw)
         embed, lm_head = embed.to(device), lm_head.to(device)
     else:
-        train = load_chat_data(data, tok, cfg.max_length, report=True)     # tokenized once, cached; counts printed
+        train = load_chat_data(data, tok, max_length=cfg.max_length, report=True)   # tokenized once, cached; counted
         ev = ChatDataset.from_jsonl(eval_data, tok, cfg.max_length) if eval_data else None
         if ev is not None and not len(ev):
             raise ValueError(f"--eval-data {eval_data}: no usable conversation to evaluate on")
-        features = TargetFeatures(target, cfg.target_layer_ids, cfg.num_layers, device=device, tokenizer=tok)
+        features = TargetFeatures(target, layer_ids=cfg.target_layer_ids, num_draft_layers=cfg.num_layers,
+                                  device=device, tokenizer=tok)
         embed, lm_head = features.embed_weight, features.lm_head_weight
         dcfg = features.drafter_config(**dkw)
     if len(train) < cfg.batch_size:
@@ -176,7 +177,7 @@ def rotate_checkpoints(out, keep: int):
     for old in found[:-keep]:
         if not good or old != good[-1]: shutil.rmtree(old)
 
-def save_checkpoint(accelerator: Accelerator, out, step: int, model, opt, sched, state: dict, keep: int):
+def save_checkpoint(accelerator: Accelerator, out, step: int, model, opt, sched, *, state: dict, keep: int):
     "Write weights, optimizer, schedule and `state` as `out/checkpoints/step-N`, flushed and whole; rotate old ones."
     d = Path(out) / 'checkpoints'
     tmp, final = d / f'.step-{step:07d}.partial', d / f'step-{step:07d}'
@@ -250,7 +251,7 @@ def csv_steps(path) -> list[int]:
     return [int(float(r['step'])) for r in csv.DictReader(open(path, newline=''))]
 
 # %% ../nbs/10_trainer.ipynb #6042605f
-def online_fit(target_config, drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int,
+def online_fit(target_config, drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int, *,
                dtype: str = 'bf16', attention: str = 'sdpa', micro_batch_size: int = 1,
                policy='auto') -> tuple[bool, str]:
     "(whether the step and the online target fit `budget_bytes` together, the plan's sentence with the figures)"
@@ -258,14 +259,15 @@ def online_fit(target_config, drafter_config: DrafterConfig, seq_len: int, num_a
     left = budget_bytes - online['extra']                         # what the target leaves for the step
     try:
         if policy == 'auto':
-            policy, table = recommend_policy(drafter_config, seq_len, num_anchors, left, dtype, attention,
-                                             micro_batch_size)
+            policy, table = recommend_policy(drafter_config, seq_len, num_anchors, left, dtype=dtype,
+                                             attention=attention, micro_batch_size=micro_batch_size)
             step = next(r for r in table if r.policy == policy)
-        else: step = step_memory(drafter_config, seq_len, num_anchors, policy, dtype, attention, micro_batch_size,
-                                 memory_bytes=max(left, 1))
+        else: step = step_memory(drafter_config, seq_len, num_anchors, policy=policy, dtype=dtype, attention=attention,
+                                 micro_batch_size=micro_batch_size, memory_bytes=max(left, 1))
     except ValueError:                                            # left holds not even the drafter's weights
         frugal = policy if policy != 'auto' else 'all'
-        step = step_memory(drafter_config, seq_len, num_anchors, frugal, dtype, attention, micro_batch_size)
+        step = step_memory(drafter_config, seq_len, num_anchors, policy=frugal, dtype=dtype, attention=attention,
+                           micro_batch_size=micro_batch_size)
     fits = step.total + online['extra'] <= budget_bytes
     return fits, (f"the step needs {step.total / 1e9:.2f} GB (checkpointing {step.policy}); "
                   + online_advice(online, step.total, budget_bytes))
@@ -292,8 +294,9 @@ def _refuse_online_misfit(cfg: TrainConfig, acc: Accelerator):
     dcfg = DrafterConfig.from_target(tc, mask_token_id=tc.vocab_size - 1, num_hidden_layers=cfg.num_layers,
                                      block_size=cfg.block_size)
     budget = int(free_bytes(acc.device) * cfg.memory_fraction)
-    fits, why = online_fit(tc, dcfg, cfg.max_length, cfg.num_anchors, budget, _PLAN_DTYPE.get(acc.mixed_precision,
-                           'fp32'), cfg.attention, cfg.micro_batch_size, parse_policy(cfg.checkpointing))
+    fits, why = online_fit(tc, dcfg, cfg.max_length, cfg.num_anchors, budget,
+                           dtype=_PLAN_DTYPE.get(acc.mixed_precision, 'fp32'), attention=cfg.attention,
+                           micro_batch_size=cfg.micro_batch_size, policy=parse_policy(cfg.checkpointing))
     if not fits: raise MemoryError(f"online training does not fit on {acc.device}: {why}")
 
 class Trainer:
@@ -323,8 +326,8 @@ class Trainer:
                                                           cfg.micro_batch_size)
         self.policy = parse_policy(cfg.checkpointing)
         if self.policy == 'auto':
-            self.policy, _ = recommend_policy(p.drafter_config, cfg.max_length, cfg.num_anchors, budget, dtype,
-                                              cfg.attention, cfg.micro_batch_size)
+            self.policy, _ = recommend_policy(p.drafter_config, cfg.max_length, cfg.num_anchors, budget, dtype=dtype,
+                                              attention=cfg.attention, micro_batch_size=cfg.micro_batch_size)
         options = {'budget_bytes': attention_budget} if cfg.attention == 'sdpa' else {}
         drafter = DFlashDrafter(p.drafter_config, cfg.attention, **options)      # the same on every process (seeded)
         set_checkpointing(drafter, self.policy, budget_bytes=attention_budget)
@@ -347,8 +350,9 @@ def _micro_batch(self: Trainer, dataset, ids: list[int], epoch: int) -> tuple[di
     "Collated samples `ids` and their block layout, on this process's device."
     c, tok = self.cfg, self.parts.tokenizer
     b = collate([dataset[i] for i in ids], pad_token_id=tok.pad_token_id or 0)
-    lay = BlockLayout.from_batch(b['input_ids'], b['loss_mask'], self.parts.drafter_config.mask_token_id, c.block_size,
-                                 c.num_anchors, c.gamma, seed=c.seed, epoch=epoch, sample_ids=b['sample_ids'])
+    lay = BlockLayout.from_batch(b['input_ids'], b['loss_mask'], mask_token_id=self.parts.drafter_config.mask_token_id,
+                                 block_size=c.block_size, num_anchors=c.num_anchors, gamma=c.gamma, seed=c.seed,
+                                 epoch=epoch, sample_ids=b['sample_ids'])
     return b, lay.to(self.acc.device)
 
 @patch
@@ -430,7 +434,7 @@ def save(self: Trainer, final: bool = False):
         if self.acc.is_main_process: print(f"step {self.step}: no checkpoint during {self.bad_steps} non-finite steps")
         return
     save_checkpoint(self.acc, self.out, self.step, self.model, self.opt, self.sched,
-                    {'step': self.step, 'bad_steps': self.bad_steps}, self.cfg.keep_checkpoints)
+                    state={'step': self.step, 'bad_steps': self.bad_steps}, keep=self.cfg.keep_checkpoints)
 
 @patch
 def _apply_options(self: Trainer):

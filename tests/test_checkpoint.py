@@ -11,7 +11,7 @@ from dflash.layout import BlockLayout
 def _batch(cfg, S=32):
     ids = torch.randint(0, cfg.vocab_size - 1, (2, S))
     lm = torch.ones(2, S, dtype=torch.bool)
-    lay = BlockLayout.from_batch(ids, lm, cfg.mask_token_id, cfg.block_size, num_anchors=6)
+    lay = BlockLayout.from_batch(ids, lm, mask_token_id=cfg.mask_token_id, block_size=cfg.block_size, num_anchors=6)
     return torch.randn(2, S, cfg.context_size), lay, torch.randn(cfg.vocab_size, cfg.hidden_size)
 
 

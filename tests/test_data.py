@@ -196,10 +196,10 @@ def test_collate_pads_and_keeps_per_sample_blocks(tmp_path, chat_tokenizers):
     L = len(ds[0]['input_ids'])
     assert (b['input_ids'][1, L:] == tok.pad_token_id).all() and not b['loss_mask'][1, L:].any()
     assert b['attention_mask'].sum(1).tolist() == [S, L, len(ds[1]['input_ids'])]
-    lay = BlockLayout.from_batch(b['input_ids'], b['loss_mask'], 0, 4, num_anchors=5, seed=3,
+    lay = BlockLayout.from_batch(b['input_ids'], b['loss_mask'], mask_token_id=0, block_size=4, num_anchors=5, seed=3,
                                  sample_ids=b['sample_ids'])
-    alone = BlockLayout.from_batch(ds[0]['input_ids'][None], ds[0]['loss_mask'][None], 0, 4, num_anchors=5, seed=3,
-                                   sample_ids=[0])
+    alone = BlockLayout.from_batch(ds[0]['input_ids'][None], ds[0]['loss_mask'][None], mask_token_id=0, block_size=4,
+                                   num_anchors=5, seed=3, sample_ids=[0])
     assert torch.equal(lay.anchors[1][lay.keep[1]], alone.anchors[0])
 
 
@@ -212,8 +212,8 @@ def test_online_features_feed_the_drafter(chat_targets, tmp_path):
     ds = ChatDataset.from_jsonl(_write(tmp_path / 'd.jsonl', convs), t.tokenizer)
     b = collate([ds[0], ds[1]], pad_token_id=t.tokenizer.pad_token_id)
     cfg = t.drafter_config(block_size=4)
-    lay = BlockLayout.from_batch(b['input_ids'], b['loss_mask'], cfg.mask_token_id, cfg.block_size, num_anchors=4,
-                                 sample_ids=b['sample_ids'])
+    lay = BlockLayout.from_batch(b['input_ids'], b['loss_mask'], mask_token_id=cfg.mask_token_id,
+                                 block_size=cfg.block_size, num_anchors=4, sample_ids=b['sample_ids'])
     ctx = t(b['input_ids'], b['attention_mask'])                                   # (2, S, 2·64)
     with torch.no_grad(): h = DFlashDrafter(cfg)(ctx, lay, t.embed_weight)
     assert ctx.shape[-1] == cfg.context_size and torch.isfinite(h).all()

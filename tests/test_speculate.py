@@ -25,7 +25,8 @@ def test_trained_drafter_is_lossless(toy, block_size):
     prompts = eval_prompts(toy_data_dir() / 'eval.jsonl', tok, 6)
     accepted = []
     for p in prompts:
-        spec = speculative_generate(target, drafter, p, 48, block_size, [tok.eos_token_id])
+        spec = speculative_generate(target, drafter, p, max_new_tokens=48, block_size=block_size,
+                                    stop_token_ids=[tok.eos_token_id])
         assert spec.tokens == greedy_generate(target, p, 48, [tok.eos_token_id])
         assert sum(spec.acceptance) == len(spec.tokens) - 1
         accepted += spec.acceptance
@@ -38,14 +39,15 @@ def test_tau_agrees_with_training_time_estimate(toy):
     n = 48
     prompts = eval_prompts(toy_data_dir() / 'eval.jsonl', tok, n)
     spec = acceptance_eval(target, drafter, prompts, max_new_tokens=128, stop_token_ids=[tok.eos_token_id])
-    feats = TargetFeatures(toy_target_dir(), drafter.config.target_layer_ids, device='cpu')
+    feats = TargetFeatures(toy_target_dir(), layer_ids=drafter.config.target_layer_ids, device='cpu')
     data = ChatDataset.from_jsonl(toy_data_dir() / 'eval.jsonl', tok, max_length=512)
     total = None
     with torch.no_grad():
         for i in range(0, n, 8):
             b = collate([data[j] for j in range(i, min(i + 8, n))], pad_token_id=tok.pad_token_id)
-            lay = BlockLayout.from_batch(b['input_ids'], b['loss_mask'], drafter.config.mask_token_id,
-                                         drafter.config.block_size, num_anchors=64, sample_ids=b['sample_ids'])
+            lay = BlockLayout.from_batch(b['input_ids'], b['loss_mask'], mask_token_id=drafter.config.mask_token_id,
+                                         block_size=drafter.config.block_size, num_anchors=64,
+                                         sample_ids=b['sample_ids'])
             s = dflash_objective(drafter(feats(b['input_ids'], b['attention_mask']), lay, feats.embed_weight),
                                  lay, feats.lm_head_weight)
             total = s if total is None else total + s
