@@ -12,12 +12,11 @@ from torch import Tensor
 from .layout import BlockLayout, HeadShape
 
 # %% auto #0
-__all__ = ['AttentionFn', 'BACKENDS', 'register_backend', 'get_backend', 'eager_attention', 'sdpa_attention',
-           'flex_attention_blocks']
+__all__ = ['BACKENDS', 'register_backend', 'get_backend', 'eager_attention', 'sdpa_attention']
 
 # %% ../nbs/04_attention.ipynb #3a222b55
-AttentionFn = Callable[..., Tensor]   # (q, k_ctx, v_ctx, k_blk, v_blk, layout, *, sliding_window=None) -> out
-BACKENDS: dict[str, Callable[..., AttentionFn]] = {}
+_AttentionFn = Callable[..., Tensor]   # (q, k_ctx, v_ctx, k_blk, v_blk, layout, *, sliding_window=None) -> out
+BACKENDS: dict[str, Callable[..., _AttentionFn]] = {}
 
 def register_backend(name: str):
     "Register a factory `f(**options) -> AttentionFn` under `name`."
@@ -26,7 +25,7 @@ def register_backend(name: str):
         return factory
     return deco
 
-def get_backend(name: str, **options) -> AttentionFn:
+def get_backend(name: str, **options) -> _AttentionFn:
     "The attention function of backend `name`, with `options` bound."
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is unknown; choose one of {sorted(BACKENDS)}")
@@ -48,7 +47,7 @@ def eager_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *,
     return out.to(torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else q.dtype)
 
 @register_backend('eager')
-def _eager() -> AttentionFn: return eager_attention
+def _eager() -> _AttentionFn: return eager_attention
 
 # %% ../nbs/04_attention.ipynb #d9c92aba
 import weakref
@@ -147,7 +146,8 @@ class _Chunks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, work: list[_Work], kernel: str, q, k_ctx, v_ctx, k_blk, v_blk):
         N, Hq, T, D = q.shape
-        Hkv = k_ctx.shape[1]; g = Hq // Hkv
+        Hkv = k_ctx.shape[1]
+        g = Hq // Hkv
         fwd = _KERNEL_FNS[kernel][0]
         # (N, Hq, T, D) stored token-major, as flash kernels store theirs: the layer's `out.transpose(1, 2)` before
         # o_proj is then a view, so the tensor o_proj keeps for backward is this one, not a second copy
@@ -158,7 +158,9 @@ class _Chunks(torch.autograd.Function):
             o = lse = None
             for k, v, bias in w.parts(k_ctx, v_ctx, k_blk, v_blk, g=g, dtype=q.dtype, kernel=kernel):
                 o2, l2 = fwd(qf, k, v, bias)
-                if o is None: o, lse = o2, l2; continue
+                if o is None:
+                    o, lse = o2, l2
+                    continue
                 m = torch.logaddexp(lse, l2)                               # the two parts merged exactly
                 o = o.float().mul_((lse - m)[..., :R, None].exp()).addcmul_(o2.float(), (l2 - m)[..., :R, None].exp())
                 lse = m
@@ -172,7 +174,8 @@ class _Chunks(torch.autograd.Function):
     def backward(ctx, dout):
         q, k_ctx, v_ctx, k_blk, v_blk, out, *lses = ctx.saved_tensors
         N, Hq, T, D = q.shape
-        Hkv = k_ctx.shape[1]; g = Hq // Hkv
+        Hkv = k_ctx.shape[1]
+        g = Hq // Hkv
         bwd = _KERNEL_FNS[ctx.kernel][1]
         dq, dkc, dvc, dkb, dvb = (torch.zeros_like(x) for x in (q, k_ctx, v_ctx, k_blk, v_blk))
         for w, lse in zip(ctx.work, lses):
@@ -187,7 +190,8 @@ class _Chunks(torch.autograd.Function):
                 o = 0
                 for kind, sl, ln in dst:                                   # back to the segments the keys came from
                     tk, tv = (dkc, dvc) if kind == 'ctx' else (dkb, dvb)
-                    tk[n, :, sl] += dk[0, :, o:o + ln]; tv[n, :, sl] += dv[0, :, o:o + ln]
+                    tk[n, :, sl] += dk[0, :, o:o + ln]
+                    tv[n, :, sl] += dv[0, :, o:o + ln]
                     o += ln
                 del a, dk, dv
             dq[n, :, w.tok] += dqf.reshape(Hq, w.rows, D)
@@ -217,7 +221,7 @@ def sdpa_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, slidin
     return _Chunks.apply(work, plan.kernel, q, k_ctx, v_ctx, k_blk, v_blk)   # (N, Hq, T, D)
 
 @register_backend('sdpa')
-def _sdpa(budget_bytes=None, kernel: str = 'auto', chunk_cost: int = 2**19) -> AttentionFn:
+def _sdpa(budget_bytes=None, kernel: str = 'auto', chunk_cost: int = 2**19) -> _AttentionFn:
     "sdpa backend: plans once per (layout, window, shapes) and reuses the plan across layers."
     cache = {}
     def attend(q, k_ctx, v_ctx, k_blk, v_blk, layout, *, sliding_window=None):
@@ -247,7 +251,7 @@ def _flex():
 
 def _bucket(n: int, step: int) -> int: return -(-n // step) * step
 
-def flex_attention_blocks(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window: int | None = None,
+def _flex_attention_blocks(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window: int | None = None,
                           ctx_bucket: int = 256) -> Tensor:
     "Block attention with `flex_attention`: lookup-table mask_mod, shapes padded to buckets."
     from torch.nn.attention.flex_attention import create_block_mask
@@ -277,6 +281,6 @@ def flex_attention_blocks(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *,
     return out[:, :, :T]
 
 @register_backend('flex')
-def _flex_backend(ctx_bucket: int = 256) -> AttentionFn:
-    return lambda q, k_ctx, v_ctx, k_blk, v_blk, layout, *, sliding_window=None: flex_attention_blocks(
+def _flex_backend(ctx_bucket: int = 256) -> _AttentionFn:
+    return lambda q, k_ctx, v_ctx, k_blk, v_blk, layout, *, sliding_window=None: _flex_attention_blocks(
         q, k_ctx, v_ctx, k_blk, v_blk, layout, sliding_window=sliding_window, ctx_bucket=ctx_bucket)

@@ -21,21 +21,17 @@ from .options import Command, option, parse_subcommand, usage_text, OptionsError
 from .runs import policy_problem
 
 # %% auto #0
-__all__ = ['LAYOUTS', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'COMMANDS', 'PROG', 'AttentionBench', 'ScalingBench', 'StepBench',
-           'TrainBench', 'RegenerateBench', 'DataBench', 'GpuBench', 'parse_bench', 'main', 'bench_layout',
-           'run_attention', 'fit_exponent', 'run_scaling', 'StepCase', 'reference_attention', 'step_case',
-           'drafter_step', 'reference_step', 'bench_steps', 'run_step', 'make_target', 'run_train', 'bench_regenerate',
-           'run_regenerate', 'run_data']
+__all__ = ['COMMANDS', 'main']
 
 # %% ../nbs/13_bench.ipynb #be0c0002
-LAYOUTS = {'uniform': None, 'half': 0.5, 'quarter': 0.75}   # chat-like: supervision starts at this share of the row
+_LAYOUTS = {'uniform': None, 'half': 0.5, 'quarter': 0.75}   # chat-like: supervision starts at this share of the row
 
-STEP_CONFIGS = {   # drafter sizes of the `step` benchmark; head_dim = hidden // heads
+_STEP_CONFIGS = {   # drafter sizes of the `step` benchmark; head_dim = hidden // heads
     'small':  dict(hidden=256, heads=4, kv_heads=2, layers=2, intermediate=768, vocab=8192, seq_len=1024, anchors=512),
     'medium': dict(hidden=512, heads=8, kv_heads=2, layers=2, intermediate=1536, vocab=8192, seq_len=2048, anchors=512),
 }
 
-TRAIN_TARGETS = {   # targets of the `train` benchmark: None is the shipped toy; else sizes for `toy_config`
+_TRAIN_TARGETS = {   # targets of the `train` benchmark: None is the shipped toy; else sizes for `toy_config`
     'toy': None,
     'medium': dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                    intermediate_size=1536),
@@ -43,7 +39,7 @@ TRAIN_TARGETS = {   # targets of the `train` benchmark: None is the shipped toy;
 
 # %% ../nbs/13_bench.ipynb #be0c0003
 @dataclass
-class AttentionBench:
+class _AttentionBench:
     """Block attention backends against the naive baselines, forward+backward, on one scenario: time and peak memory
     as ratios to the dense mask's, measured in one run."""
     device: str = option('cpu', 'torch device')
@@ -59,23 +55,24 @@ class AttentionBench:
                                         ge=1)
     budget: float | None = option(None, "sdpa budget: bytes, or a fraction of free memory if <= 1 (default: the "
                                         "backend's)", gt=0)
-    layouts: list[str] = option(tuple(LAYOUTS), 'uniform anchors, or chat-like: supervision in the last half / '
-                                                'quarter', choices=list(LAYOUTS))
-    methods: list[str] = option(('dense', 'gather', 'sdpa', 'flex'), 'methods measured', choices=['dense', 'eager', 'flex', 'gather', 'sdpa'])
+    layouts: list[str] = option(tuple(_LAYOUTS), 'uniform anchors, or chat-like: supervision in the last half / '
+                                                'quarter', choices=list(_LAYOUTS))
+    methods: list[str] = option(('dense', 'gather', 'sdpa', 'flex'), 'methods measured',
+                                choices=['dense', 'eager', 'flex', 'gather', 'sdpa'])
     repeats: int = option(3, 'interleaved rounds after the warm-up; the median is reported', ge=1)
     threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
     seed: int = option(0, 'seed of the layouts and inputs', ge=0)
     out: str = option('bench_out', "directory for attention.csv and attention.png ('' for none)")
 
 @dataclass
-class ScalingBench:
+class _ScalingBench:
     """Growth of the sdpa backend's time and peak memory in sequence length (at --anchors) and in anchors (at
     --seq-len): forward+backward per point and the fitted exponents."""
     seq_lens: list[int] = option((1024, 2048, 4096, 8192, 16384), 'sequence lengths of the first sweep', ge=1)
     anchors: int = option(256, 'anchors of the sequence-length sweep', ge=1)
     anchor_counts: list[int] = option((64, 128, 256, 512, 1024), 'anchor counts of the second sweep', ge=1)
     seq_len: int = option(8192, 'sequence length of the anchor sweep', ge=1)
-    layout: str = option('half', 'layout of every point', choices=list(LAYOUTS))
+    layout: str = option('half', 'layout of every point', choices=list(_LAYOUTS))
     heads: int = option(8, 'query heads', ge=1)
     kv_heads: int = option(2, 'key/value heads', ge=1)
     head_dim: int = option(64, 'head dim D', ge=1)
@@ -85,11 +82,11 @@ class ScalingBench:
     seed: int = option(0, 'seed of the layouts and inputs', ge=0)
 
 @dataclass
-class StepBench:
+class _StepBench:
     """A drafter training step against the field's reference step, per checkpointing policy, config and layout:
     time and peak memory as ratios to the reference's, losses asserted equal."""
-    configs: list[str] = option(('medium',), 'drafter sizes', choices=list(STEP_CONFIGS))
-    layouts: list[str] = option(tuple(LAYOUTS), 'uniform anchors, or chat-like', choices=list(LAYOUTS))
+    configs: list[str] = option(('medium',), 'drafter sizes', choices=list(_STEP_CONFIGS))
+    layouts: list[str] = option(tuple(_LAYOUTS), 'uniform anchors, or chat-like', choices=list(_LAYOUTS))
     policies: list[str] = option(('none', 'all'), 'checkpointing policies: none, all, k (every k-th layer) or a '
                                                   'list of layers like [0,2]')
     seq_len: int | None = option(None, "sequence length of every config (default: each config's)", ge=1)
@@ -102,14 +99,14 @@ class StepBench:
     seed: int = option(0, 'seed of the models and layouts', ge=0)
     out: str = option('bench_out', "directory for step.csv and step.png ('' for none)")
 
-def _check_step(o: StepBench) -> list[str]:
+def _check_step(o: _StepBench) -> list[str]:
     return [p for t in o.policies if (p := policy_problem(t, '--policies', ('none', 'all')))]
 
 @dataclass
-class TrainBench:
+class _TrainBench:
     """Tokens/s and peak memory of real training runs through `accelerate launch`, per target config: on 1 and more
     processes, and the most processes split over simulated machines on localhost."""
-    configs: list[str] = option(tuple(TRAIN_TARGETS), 'targets', choices=list(TRAIN_TARGETS))
+    configs: list[str] = option(tuple(_TRAIN_TARGETS), 'targets', choices=list(_TRAIN_TARGETS))
     processes: list[int] = option((1, 2), 'processes per run, on one machine', ge=1)
     machines: int = option(2, 'also run the most processes split over this many machines on localhost, started '
                               'together (1: no such run)', ge=1)
@@ -126,7 +123,7 @@ class TrainBench:
     seed: int = option(0, 'seed of the targets and the runs', ge=0)
     out: str = option('bench_out', "directory for train.csv ('' for none)")
 
-def _check_train(o: TrainBench) -> list[str]:
+def _check_train(o: _TrainBench) -> list[str]:
     "Options that must fit together (each value's own range is checked first; here only values inside it count)."
     probs = []
     if bad := [n for n in o.processes if n >= 1 and o.batch_size % n]:
@@ -138,7 +135,7 @@ def _check_train(o: TrainBench) -> list[str]:
     return probs
 
 @dataclass
-class RegenerateBench:
+class _RegenerateBench:
     "Tokens/s of greedy regeneration by the toy target of held-out toy conversations, batched against one at a time."
     n: int = option(32, 'held-out toy conversations', ge=1)
     batch_size: int = option(16, 'conversations generated together', ge=1)
@@ -149,7 +146,7 @@ class RegenerateBench:
     out: str = option('bench_out', "directory for regenerate.csv ('' for none)")
 
 @dataclass
-class DataBench:
+class _DataBench:
     """Chat data tokenization by `load_chat_data` in fresh processes: conversations/s with 1 and 2 tokenizing
     processes, a first launch (empty cache) and a second (the cache)."""
     conversations: int = option(100_000, 'toy conversations', ge=1)
@@ -158,7 +155,7 @@ class DataBench:
     out: str = option('bench_out', "directory for data.csv ('' for none)")
 
 @dataclass
-class GpuBench:
+class _GpuBench:
     """Every check that needs a CUDA device in one bounded run (one H200: at most 8 minutes), written as CSV and JSON
     to --out; `dflash.gpu_bench` (12a_gpu) runs it."""
     out: str = option('benchmarks/gpu', 'directory for gpu.json and the CSVs (commit it)')
@@ -167,39 +164,39 @@ class GpuBench:
 
 # %% ../nbs/13_bench.ipynb #be0c0004
 COMMANDS = {   # the functions they run are looked up when they run, after the imports below
-    'attention': Command(AttentionBench, lambda o: run_attention(o),
+    'attention': Command(_AttentionBench, lambda o: _run_attention(o),
                          'block attention backends against naive baselines, forward+backward'),
-    'scaling': Command(ScalingBench, lambda o: run_scaling(o),
+    'scaling': Command(_ScalingBench, lambda o: _run_scaling(o),
                        'growth of sdpa time and memory in sequence length and anchors (fitted exponents)'),
-    'step': Command(StepBench, lambda o: run_step(o),
+    'step': Command(_StepBench, lambda o: _run_step(o),
                     "a drafter training step against the field's reference step, per checkpointing policy",
                     _check_step),
-    'train': Command(TrainBench, lambda o: run_train(o),
+    'train': Command(_TrainBench, lambda o: _run_train(o),
                      'tokens/s and peak memory of real training runs (accelerate launch): 1 and 2 processes, '
                      '2 machines', _check_train),
-    'regenerate': Command(RegenerateBench, lambda o: run_regenerate(o),
+    'regenerate': Command(_RegenerateBench, lambda o: _run_regenerate(o),
                           'tokens/s of regeneration by the toy target, batched against one at a time'),
-    'data': Command(DataBench, lambda o: run_data(o),
+    'data': Command(_DataBench, lambda o: _run_data(o),
                     'chat data tokenization: conversations/s with 1 and 2 processes, first and second launch'),
-    'gpu': Command(GpuBench, lambda o: run_gpu(o),
+    'gpu': Command(_GpuBench, lambda o: run_gpu(o),
                    'every CUDA check in one bounded run (one H200: <= 8 minutes); CSV and JSON to --out'),
 }
-PROG = 'python -m dflash.bench'
+_PROG = 'python -m dflash.bench'
 
-def parse_bench(argv=None) -> tuple[str, object]:
+def _parse_bench(argv=None) -> tuple[str, object]:
     "(the subcommand, its checked options); `--help` prints and exits 0; bad options raise one `OptionsError`."
-    usage = usage_text(PROG, 'dflash benchmarks: time and peak memory as ratios in one run', COMMANDS)
-    return parse_subcommand(COMMANDS, argv, PROG, usage)
+    usage = usage_text(_PROG, 'dflash benchmarks: time and peak memory as ratios in one run', COMMANDS)
+    return parse_subcommand(COMMANDS, argv, _PROG, usage)
 
 def main(argv=None):
     "Run a benchmark: its options checked first (exit 2), then the benchmark."
-    try: name, opts = parse_bench(argv)
+    try: name, opts = _parse_bench(argv)
     except OptionsError as e: exit_bad_options(e)
     return COMMANDS[name].run(opts)
 
 # %% ../nbs/13_bench.ipynb #be0c0005
 if __name__ == '__main__' and '__file__' in globals():         # help and bad options before torch loads
-    try: parse_bench()
+    try: _parse_bench()
     except OptionsError as e: exit_bad_options(e)
 
 # %% ../nbs/13_bench.ipynb #be0c0006
@@ -226,23 +223,24 @@ from .toy import load_toy_target, make_corpus
 from .gpu_bench import run_gpu
 
 # %% ../nbs/13_bench.ipynb #abd4fc41
-def bench_layout(kind: str, N: int, S: int, n_anchors: int, *, B: int = 16, seed: int = 0,
+def _bench_layout(kind: str, N: int, S: int, n_anchors: int, *, B: int = 16, seed: int = 0,
                  mask_token_id: int = 1) -> BlockLayout:
     """A random layout: `uniform` supervises 80% of tokens anywhere; `half`/`quarter` (chat-like) only the last
     half/quarter."""
-    if kind not in LAYOUTS: raise ValueError(f"layout {kind!r}: use one of {list(LAYOUTS)}")
+    if kind not in _LAYOUTS: raise ValueError(f"layout {kind!r}: use one of {list(_LAYOUTS)}")
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, 50, (N, S), generator=g)
-    if LAYOUTS[kind] is None:
+    if _LAYOUTS[kind] is None:
         lm = torch.rand(N, S, generator=g) > 0.2
         lm[:, 1:3] = True                                                # every row has a valid anchor
     else:
-        lm = torch.zeros(N, S, dtype=torch.bool); lm[:, int(S * LAYOUTS[kind]):] = True
+        lm = torch.zeros(N, S, dtype=torch.bool)
+        lm[:, int(S * _LAYOUTS[kind]):] = True
     return BlockLayout.from_batch(ids, lm, mask_token_id=mask_token_id, block_size=B, num_anchors=n_anchors,
                                   seed=seed)
 
 # %% ../nbs/13_bench.ipynb #8550ddab
-def run_attention(args) -> list[dict]:
+def _run_attention(args) -> list[dict]:
     """Measure each method of `args.methods` on each layout of `args.layouts`; print a table; write CSV and plot under
     `args.out`."""
     dtype, rows = getattr(torch, args.dtype), []
@@ -251,7 +249,7 @@ def run_attention(args) -> list[dict]:
     fns = {name: METHODS[name](**({'budget_bytes': budget} if name == 'sdpa' and budget else {}))
            for name in args.methods if not (name == 'flex' and cpu)}
     for kind in _bar(args.layouts, 'attention layouts'):
-        layout = bench_layout(kind, args.batch, args.seq_len, args.anchors, B=args.block_size, seed=args.seed)
+        layout = _bench_layout(kind, args.batch, args.seq_len, args.anchors, B=args.block_size, seed=args.seed)
         qkv = random_qkv(layout, HeadShape(args.heads, args.kv_heads, args.head_dim, dtype),
                          generator=torch.Generator().manual_seed(args.seed))
         qkv = tuple(t.to(args.device).requires_grad_() for t in qkv)
@@ -283,7 +281,9 @@ def _report(args, rows, floor, inputs, threads):
     print(f"{'layout':8} {'method':7} {'wall':>7} {'cpu':>7} {'peak':>11} {'peak+inputs':>12} {'time/dense':>10} "
           f"{'cpu/dense':>9} {'peak/dense':>10} {'total/floor':>11}")
     for r in rows:
-        if 'time_s' not in r: print(f"{r['layout']:8} {r['method']:7} {r['note']}"); continue
+        if 'time_s' not in r:
+            print(f"{r['layout']:8} {r['method']:7} {r['note']}")
+            continue
         print(f"{r['layout']:8} {r['method']:7} {r['time_s']:6.2f}s {r['cpu_s']:6.2f}s "
               f"{fmt_bytes(r['peak_bytes']):>11} "
               f"{fmt_bytes(r['total_bytes']):>12} {r['time_vs_dense']:10.2f} {r['cpu_vs_dense']:9.2f} "
@@ -293,7 +293,9 @@ def _report(args, rows, floor, inputs, threads):
     keys = ['layout', 'method', 'time_s', 'cpu_s', 'peak_bytes', 'total_bytes', 'time_vs_dense', 'cpu_vs_dense',
             'peak_vs_dense', 'total_vs_floor', 'note']
     with open(os.path.join(args.out, 'attention.csv'), 'w', newline='') as f:
-        w = csv.DictWriter(f, keys); w.writeheader(); w.writerows(rows)
+        w = csv.DictWriter(f, keys)
+        w.writeheader()
+        w.writerows(rows)
     _plot(rows, floor, os.path.join(args.out, 'attention.png'))
 
 def _plot(rows, floor, path):
@@ -302,12 +304,17 @@ def _plot(rows, floor, path):
     ok = [r for r in rows if 'time_s' in r]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.4))
     names = [f"{r['method']}\n{r['layout']}" for r in ok]
-    a1.bar(names, [r['total_bytes'] / 2**20 for r in ok], color='C0'); a1.set_yscale('log')
-    a1.axhline(floor / 2**20, color='C3', ls='--', label=f'physical floor {fmt_bytes(floor)}'); a1.legend(fontsize=8)
-    a1.set(ylabel='peak MiB (with inputs)', title='memory'); a1.tick_params(axis='x', labelsize=7)
-    a2.bar(names, [r['time_s'] for r in ok], color='C1'); a2.set(ylabel='seconds, fwd+bwd (median)', title='time')
+    a1.bar(names, [r['total_bytes'] / 2**20 for r in ok], color='C0')
+    a1.set_yscale('log')
+    a1.axhline(floor / 2**20, color='C3', ls='--', label=f'physical floor {fmt_bytes(floor)}')
+    a1.legend(fontsize=8)
+    a1.set(ylabel='peak MiB (with inputs)', title='memory')
+    a1.tick_params(axis='x', labelsize=7)
+    a2.bar(names, [r['time_s'] for r in ok], color='C1')
+    a2.set(ylabel='seconds, fwd+bwd (median)', title='time')
     a2.tick_params(axis='x', labelsize=7)
-    fig.tight_layout(); fig.savefig(path, dpi=100)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
     if 'inline' not in matplotlib.get_backend(): plt.close(fig)
 
 # %% ../nbs/13_bench.ipynb #8aa8f751
@@ -316,13 +323,13 @@ def _bar(cases=None, desc: str = '', total: int | None = None):
     return tqdm(cases, desc=desc, total=total, file=sys.stderr, disable=None, leave=False)
 
 # %% ../nbs/13_bench.ipynb #52a954f9
-def fit_exponent(xs, ys) -> float:
+def _fit_exponent(xs, ys) -> float:
     "Slope of log y against log x: 1 is linear growth."
     lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
     mx, my = statistics.fmean(lx), statistics.fmean(ly)
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
 
-def run_scaling(args) -> dict:
+def _run_scaling(args) -> dict:
     """sdpa fwd+bwd time and peak over sequence lengths (at `--anchors`) and anchor counts (at `--seq-len`); fitted
     exponents."""
     fn, dtype, out = get_backend('sdpa'), getattr(torch, args.dtype), {}
@@ -330,7 +337,7 @@ def run_scaling(args) -> dict:
         pts = []
         for v in values:
             S, A = (v, args.anchors) if axis == 'seq_len' else (args.seq_len, v)
-            lay = bench_layout(args.layout, 1, S, A, B=16, seed=args.seed)
+            lay = _bench_layout(args.layout, 1, S, A, B=16, seed=args.seed)
             shape = HeadShape(args.heads, args.kv_heads, args.head_dim, dtype)
             qkv = random_qkv(lay, shape, requires_grad=True, generator=torch.Generator().manual_seed(args.seed))
             with pinned_threads(args.threads): r = bench_many({'sdpa': fn}, qkv, lay, repeats=args.repeats)['sdpa']
@@ -338,18 +345,18 @@ def run_scaling(args) -> dict:
             print(f"{axis:8} S={S:6d} anchors={lay.num_blocks:5d}  wall {r['time_s']:7.3f}s  cpu {r['cpu_s']:7.3f}s  "
                   f"peak {fmt_bytes(r['peak_bytes']):>11}", flush=True)
         xs = [p[axis] for p in pts]
-        out[axis] = dict(points=pts, time_exponent=fit_exponent(xs, [p['cpu_s'] for p in pts]),
-                         peak_exponent=fit_exponent(xs, [p['peak_bytes'] for p in pts]))
+        out[axis] = dict(points=pts, time_exponent=_fit_exponent(xs, [p['cpu_s'] for p in pts]),
+                         peak_exponent=_fit_exponent(xs, [p['peak_bytes'] for p in pts]))
         print(f"{axis}: fitted exponent of CPU time {out[axis]['time_exponent']:.2f}, "
               f"of peak {out[axis]['peak_exponent']:.2f}")
     return out
 
 # %% ../nbs/13_bench.ipynb #6db602f4
 @dataclass
-class StepCase:
+class _StepCase:
     "One drafter training step's inputs: dflash's drafter, the reference drafter (same weights), the target's tensors."
     drafter: DFlashDrafter     # sdpa backend, the trainer's defaults
-    reference: DFlashDrafter   # the same weights, `reference_attention`
+    reference: DFlashDrafter   # the same weights, `_reference_attention`
     context: Tensor            # (1, S, L·H) target features
     embed: Tensor              # (V, H) frozen embedding
     lm_head: Tensor            # (V, H) frozen LM head
@@ -357,13 +364,13 @@ class StepCase:
     anchors: int
 
     def layout(self, kind: str = 'uniform', seed: int = 0) -> BlockLayout:
-        "A fresh layout of `kind` (see `LAYOUTS`) for this case's sequence."
+        "A fresh layout of `kind` (see `_LAYOUTS`) for this case's sequence."
         c = self.drafter.config
-        lay = bench_layout(kind, 1, self.seq_len, self.anchors, B=c.block_size, seed=seed,
+        lay = _bench_layout(kind, 1, self.seq_len, self.anchors, B=c.block_size, seed=seed,
                            mask_token_id=c.mask_token_id)
         return lay.to(self.context.device)
 
-def reference_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window=None) -> Tensor:
+def _reference_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window=None) -> Tensor:
     """The field's block attention: K/V expanded by `repeat_kv`, one SDPA call with the dense boolean mask over all
     blocks."""
     g = q.shape[1] // k_ctx.shape[1]
@@ -373,11 +380,11 @@ def reference_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, s
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out * layout.keep.repeat_interleave(layout.block_size, 1)[:, None, :, None]   # padded rows: zeros
 
-def step_case(name: str, *, seq_len: int | None = None, anchors: int | None = None, block_size: int = 16,
-              device='cpu', dtype: torch.dtype | None = None, seed: int = 0) -> StepCase:
-    "Drafters and random inputs of `STEP_CONFIGS[name]` (`seq_len`, `anchors` override); float32 unless `dtype`."
+def _step_case(name: str, *, seq_len: int | None = None, anchors: int | None = None, block_size: int = 16,
+              device='cpu', dtype: torch.dtype | None = None, seed: int = 0) -> _StepCase:
+    "Drafters and random inputs of `_STEP_CONFIGS[name]` (`seq_len`, `anchors` override); float32 unless `dtype`."
     dtype = dtype or torch.float32
-    z = STEP_CONFIGS[name]
+    z = _STEP_CONFIGS[name]
     S, A, V, H = seq_len or z['seq_len'], anchors or z['anchors'], z['vocab'], z['hidden']
     cfg = DrafterConfig(hidden_size=H, num_attention_heads=z['heads'], num_key_value_heads=z['kv_heads'],
                         head_dim=H // z['heads'], intermediate_size=z['intermediate'], vocab_size=V,
@@ -386,39 +393,40 @@ def step_case(name: str, *, seq_len: int | None = None, anchors: int | None = No
     drafter = DFlashDrafter(cfg, 'sdpa').to(device, dtype)
     reference = DFlashDrafter(cfg).to(device, dtype)
     reference.load_state_dict(drafter.state_dict())
-    reference.attn_fn = reference_attention
+    reference.attn_fn = _reference_attention
     g = torch.Generator().manual_seed(seed)
     context = torch.randn(1, S, cfg.context_size, generator=g)                        # (1, S, L·H)
     embed, lm_head = (torch.randn(V, H, generator=g) * 0.02 for _ in range(2))       # (V, H) each
-    return StepCase(drafter, reference, *(t.to(device, dtype) for t in (context, embed, lm_head)), S, A)
+    return _StepCase(drafter, reference, *(t.to(device, dtype) for t in (context, embed, lm_head)), S, A)
 
-def drafter_step(case: StepCase, layout: BlockLayout, context: Tensor | None = None) -> Tensor:
+def _drafter_step(case: _StepCase, layout: BlockLayout, context: Tensor | None = None) -> Tensor:
     """dflash's step as the trainer runs it: sdpa backend (a fresh plan per layout), the fused objective in frugal
     chunks."""
     hidden = case.drafter(case.context if context is None else context, layout, case.embed)   # (1, A·B, H)
     return dflash_objective(hidden, layout, case.lm_head).loss
 
-def reference_step(case: StepCase, layout: BlockLayout, context: Tensor | None = None) -> Tensor:
-    """The field's step: `reference_attention`, no layer checkpointing, the objective in 128-block chunks of plain
+def _reference_step(case: _StepCase, layout: BlockLayout, context: Tensor | None = None) -> Tensor:
+    """The field's step: `_reference_attention`, no layer checkpointing, the objective in 128-block chunks of plain
     autograd."""
     hidden = case.reference(case.context if context is None else context, layout, case.embed)
     return dflash_objective(hidden, layout, case.lm_head, chunk_blocks=128, fused=False).loss
 
 # %% ../nbs/13_bench.ipynb #7f83cd64
-def _timed_step(step, case: StepCase, kind: str, seed: int) -> tuple[float, float, float]:
+def _timed_step(step, case: _StepCase, kind: str, seed: int) -> tuple[float, float, float]:
     "(wall s, CPU s, loss) of one forward+backward, the layout (and so the plan) made inside."
     for d in (case.drafter, case.reference): d.zero_grad(set_to_none=True)
-    sync_device(case.context.device); t0, c0 = time.perf_counter(), time.process_time()
+    sync_device(case.context.device)
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = step(case, case.layout(kind, seed))
     loss.backward()
     sync_device(case.context.device)
     return time.perf_counter() - t0, time.process_time() - c0, loss.item()
 
-def bench_steps(case: StepCase, policies: list, kind: str = 'uniform', repeats: int = 3) -> dict:
+def _bench_steps(case: _StepCase, policies: list, kind: str = 'uniform', repeats: int = 3) -> dict:
     """Per method ('reference', then dflash per checkpointing policy): median wall and CPU seconds over `repeats`
     interleaved rounds after a warm-up, peak bytes, bytes held after forward; the loss of every round, asserted
     equal."""
-    methods = {'reference': (reference_step, 'none'), **{str(p): (drafter_step, p) for p in policies}}
+    methods = {'reference': (_reference_step, 'none'), **{str(p): (_drafter_step, p) for p in policies}}
     res = {}
     for name, (step, p) in methods.items():
         layers = set_checkpointing(case.drafter, p)
@@ -431,8 +439,11 @@ def bench_steps(case: StepCase, policies: list, kind: str = 'uniform', repeats: 
             set_checkpointing(case.drafter, p)
             w, c, loss = _timed_step(step, case, kind, seed=r + 1)
             res[name]['losses'].append(loss)
-            if r: res[name]['wall'].append(w); res[name]['cpu'].append(c)
-    set_checkpointing(case.drafter, 'none'); case.drafter.zero_grad(set_to_none=True)
+            if r:
+                res[name]['wall'].append(w)
+                res[name]['cpu'].append(c)
+    set_checkpointing(case.drafter, 'none')
+    case.drafter.zero_grad(set_to_none=True)
     ref = res['reference']['losses']
     for name, x in res.items():                                          # same weights, same anchors: same loss
         if not all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(x['losses'], ref)):
@@ -441,21 +452,21 @@ def bench_steps(case: StepCase, policies: list, kind: str = 'uniform', repeats: 
             for k, x in res.items()}
 
 # %% ../nbs/13_bench.ipynb #5530c012
-def run_step(args) -> list[dict]:
+def _run_step(args) -> list[dict]:
     "Measure the reference step and dflash's step per checkpointing policy, per config and layout; table, CSV, plot."
     dtype, rows, headers = getattr(torch, args.dtype), [], []
     with pinned_threads(args.threads):
         threads = torch.get_num_threads()
         bar = _bar(total=len(args.configs) * len(args.layouts), desc='step cases')
         for name in args.configs:
-            case = step_case(name, seq_len=args.seq_len, anchors=args.anchors, block_size=args.block_size,
+            case = _step_case(name, seq_len=args.seq_len, anchors=args.anchors, block_size=args.block_size,
                              device=args.device, dtype=dtype, seed=args.seed)
-            z, L = STEP_CONFIGS[name], len(case.drafter.layers)
+            z, L = _STEP_CONFIGS[name], len(case.drafter.layers)
             headers.append(f"{name}: hidden {z['hidden']}, heads {z['heads']}/{z['kv_heads']}, {L} layers, "
                            f"vocab {z['vocab']}, S={case.seq_len}, {case.anchors} anchors x B={args.block_size}, "
                            f"{sum(p.numel() for p in case.drafter.parameters()) / 1e6:.1f}M parameters")
             for kind in args.layouts:
-                res = bench_steps(case, [parse_policy(t) for t in args.policies], kind, args.repeats)
+                res = _bench_steps(case, [parse_policy(t) for t in args.policies], kind, args.repeats)
                 bar.update()
                 base = res['reference']
                 for p, r in res.items():
@@ -487,7 +498,9 @@ def _step_report(args, rows, headers, threads):
     if not args.out: return
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, 'step.csv'), 'w', newline='') as f:
-        w = csv.DictWriter(f, list(rows[0])); w.writeheader(); w.writerows(rows)
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
     _step_plot(rows, os.path.join(args.out, 'step.png'))
 
 def _step_plot(rows, path):
@@ -500,15 +513,19 @@ def _step_plot(rows, path):
         for r in rs:
             ax.annotate(r['method'], (r['cpu_vs_ref'], r['peak_vs_ref']), fontsize=7, xytext=(3, 3),
                         textcoords='offset points')
-    ax.axhline(0.5, color='grey', ls=':'); ax.axvline(0.5, color='grey', ls=':')
+    ax.axhline(0.5, color='grey', ls=':')
+    ax.axvline(0.5, color='grey', ls=':')
     ax.set(xlabel='CPU time / reference', ylabel='peak / reference', title='training step against the reference')
-    ax.legend(fontsize=7); fig.tight_layout(); fig.savefig(path, dpi=100)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
     if 'inline' not in matplotlib.get_backend(): plt.close(fig)
 
 # %% ../nbs/13_bench.ipynb #e20b7bec
-def make_target(path, seed: int = 0, **sizes) -> Path:
+def _make_target(path, seed: int = 0, **sizes) -> Path:
     "A randomly initialised Qwen3 target of `sizes` (see `toy_config`) with the toy tokenizer, saved to `path`."
-    path = Path(path); path.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
     for f in toy_target_dir().iterdir():                                   # tokenizer files and chat template
         if f.name.startswith(('tokenizer', 'chat_template', 'special_tokens')): shutil.copy(f, path / f.name)
     cfg = toy_config(AutoTokenizer.from_pretrained(path), **sizes)          # embedding rows > len(tokenizer)
@@ -536,7 +553,7 @@ def _target_label(path: Path) -> str:
     return (f"hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
             f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads")
 
-def run_train(args) -> list[dict]:
+def _run_train(args) -> list[dict]:
     "Launch short training runs per target config and process count; print a table; write CSV."
     launches = [(n, 1) for n in args.processes] + [(max(args.processes), args.machines)] * (args.machines > 1)
     rows, labels = [], {}
@@ -545,8 +562,8 @@ def run_train(args) -> list[dict]:
         tmp = Path(tmp)
         common = _run_args(args, tmp)
         for name in args.configs:
-            sizes = TRAIN_TARGETS[name]
-            target = toy_target_dir() if sizes is None else make_target(tmp / f'target-{name}', args.seed, **sizes)
+            sizes = _TRAIN_TARGETS[name]
+            target = toy_target_dir() if sizes is None else _make_target(tmp / f'target-{name}', args.seed, **sizes)
             labels[name] = _target_label(target)
             where = [] if sizes is None else ['--target', str(target), '--data', str(toy_data_dir() / 'train.jsonl')]
             for n, m in launches:
@@ -594,10 +611,12 @@ def _train_report(args, rows, labels):
     if not args.out: return
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, 'train.csv'), 'w', newline='') as f:
-        w = csv.DictWriter(f, list(rows[0])); w.writeheader(); w.writerows(rows)
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
 
 # %% ../nbs/13_bench.ipynb #77f2d9a3
-def bench_regenerate(*, n: int = 32, batch_size: int = 16, max_new_tokens: int = 64, repeats: int = 2,
+def _bench_regenerate(*, n: int = 32, batch_size: int = 16, max_new_tokens: int = 64, repeats: int = 2,
                      device: str = 'cpu', threads: int = 1) -> list[dict]:
     "Tokens/s of regenerating `n` toy conversations in batches of `batch_size` and one at a time, interleaved."
     old = torch.get_num_threads()
@@ -611,11 +630,14 @@ def bench_regenerate(*, n: int = 32, batch_size: int = 16, max_new_tokens: int =
         rows, bar = [], _bar(total=2 * repeats, desc='regeneration rounds')
         for r in range(repeats):
             for mode, bs in (('batched', batch_size), ('one at a time', 1)):
-                sync_device(torch.device(device)); t0, tokens, turns = time.perf_counter(), 0, 0
+                sync_device(torch.device(device))
+                t0, tokens, turns = time.perf_counter(), 0, 0
                 for i in range(0, len(convs), bs):
                     info = regenerate_batch(engine, tok, convs[i:i + bs])[1]
-                    tokens += info['tokens']; turns += info['turns']
-                sync_device(torch.device(device)); dt = time.perf_counter() - t0
+                    tokens += info['tokens']
+                    turns += info['turns']
+                sync_device(torch.device(device))
+                dt = time.perf_counter() - t0
                 rows.append(dict(mode=mode, batch_size=bs, repeat=r, conversations=len(convs), turns=turns,
                                  tokens=tokens, seconds=round(dt, 3), tokens_per_s=round(tokens / dt, 1)))
                 bar.update()
@@ -623,8 +645,8 @@ def bench_regenerate(*, n: int = 32, batch_size: int = 16, max_new_tokens: int =
         return rows
     finally: torch.set_num_threads(old)
 
-def run_regenerate(args) -> list[dict]:
-    rows = bench_regenerate(n=args.n, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+def _run_regenerate(args) -> list[dict]:
+    rows = _bench_regenerate(n=args.n, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                             repeats=args.repeats, device=args.device, threads=args.threads)
     med = {m: statistics.median(r['tokens_per_s'] for r in rows if r['mode'] == m)
            for m in ('batched', 'one at a time')}
@@ -636,7 +658,9 @@ def run_regenerate(args) -> list[dict]:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, 'regenerate.csv'), 'w', newline='') as f:
-            w = csv.DictWriter(f, list(rows[0])); w.writeheader(); w.writerows(rows)
+            w = csv.DictWriter(f, list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
     return rows
 
 # %% ../nbs/13_bench.ipynb #9e56f721
@@ -662,7 +686,7 @@ def _data_launch(data: Path, num_proc: int, cache: Path) -> dict:
     if r.returncode: raise RuntimeError(f"data launch failed: {r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
-def run_data(args) -> list[dict]:
+def _run_data(args) -> list[dict]:
     """Tokenize `args.conversations` toy conversations with 1 and 2 tokenizing processes (`num_proc`), each as a first
     launch (empty cache) and a second launch (the cache from the first), every launch a fresh process."""
     tmp = Path(tempfile.mkdtemp(prefix='dflash-bench-data-'))
@@ -685,7 +709,9 @@ def run_data(args) -> list[dict]:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         with open(Path(args.out) / 'data.csv', 'w', newline='') as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0])); w.writeheader(); w.writerows(rows)
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
     return rows
 
 # %% ../nbs/13_bench.ipynb #6ab0d565

@@ -16,10 +16,8 @@ from .layout import valid_anchors
 from .files import file_sha256
 
 # %% auto #0
-__all__ = ['ROLES', 'DATA_SUFFIXES', 'TOKENIZE_VERSION', 'DataError', 'DataStats', 'read_jsonl', 'role_of', 'to_messages',
-           'record_tools', 'TemplateError', 'turn_markers', 'assistant_spans', 'tokenize_chat', 'tokenize_conversation',
-           'set_chat_template', 'load_tokenizer', 'ChatDataset', 'read_records', 'tokenizer_fingerprint',
-           'load_chat_data']
+__all__ = ['DataError', 'DataStats', 'read_jsonl', 'to_messages', 'tokenize_chat', 'tokenize_conversation', 'load_tokenizer',
+           'ChatDataset', 'read_records', 'load_chat_data']
 
 # %% ../nbs/08_chat.ipynb #e33fbecc
 class DataError(ValueError):
@@ -91,21 +89,23 @@ def read_jsonl(path, skip_bad_lines: bool = False, stats: DataStats | None = Non
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 e = DataError(f"{where}: malformed JSON line ({e})")
                 if not skip_bad_lines: raise e from None
-                stats.skip('bad_lines', str(e)); continue
+                stats.skip('bad_lines', str(e))
+                continue
             except DataError as e:
                 if not skip_bad_lines: raise
-                stats.skip('bad_lines', str(e)); continue
+                stats.skip('bad_lines', str(e))
+                continue
             yield where, rec
 
 # %% ../nbs/08_chat.ipynb #775009cd
-ROLES = {'human': 'user', 'user': 'user', 'gpt': 'assistant', 'assistant': 'assistant', 'system': 'system',
+_ROLES = {'human': 'user', 'user': 'user', 'gpt': 'assistant', 'assistant': 'assistant', 'system': 'system',
          'tool': 'tool'}
 _EXTRA_KEYS = ('reasoning_content', 'tool_calls', 'tool_call_id', 'name')   # passed to the template when present
 
-def role_of(name, where: str = 'record') -> str:
+def _role_of(name, where: str = 'record') -> str:
     "The chat role of a role name in any case (`human`, `GPT`, ...), else a `DataError` listing the accepted names."
-    r = ROLES.get(name.lower()) if isinstance(name, str) else None
-    if r is None: raise DataError(f"{where}: role {name!r} is not one of {', '.join(ROLES)} (any case)")
+    r = _ROLES.get(name.lower()) if isinstance(name, str) else None
+    if r is None: raise DataError(f"{where}: role {name!r} is not one of {', '.join(_ROLES)} (any case)")
     return r
 
 def _turns(rec, key, role_key, text_key, where):
@@ -119,17 +119,17 @@ def _turns(rec, key, role_key, text_key, where):
         text = t.get(text_key)
         if not isinstance(text, str) and not (text is None and t.get('tool_calls')):
             raise DataError(f"{at}.{text_key} must be a string")
-        msg = {'role': role_of(t[role_key], at), 'content': text}
+        msg = {'role': _role_of(t[role_key], at), 'content': text}
         msg.update({k: t[k] for k in _EXTRA_KEYS if t.get(k) is not None})
         yield msg
 
 def to_messages(rec: dict, where: str = 'record') -> list[dict]:
-    "The `[{'role', 'content', ...}]` list of a `messages` or ShareGPT `conversations` record, roles mapped by `ROLES`."
+    "The `[{'role', 'content', ...}]` list of a `messages` or ShareGPT `conversations` record, roles mapped."
     if 'messages' in rec: return list(_turns(rec, 'messages', 'role', 'content', where))
     if 'conversations' in rec: return list(_turns(rec, 'conversations', 'from', 'value', where))
     raise DataError(f"{where}: no 'messages' or 'conversations' key (found keys {sorted(rec)})")
 
-def record_tools(rec: dict, where: str = 'record') -> list | None:
+def _record_tools(rec: dict, where: str = 'record') -> list | None:
     "The record's `tools` (function schemas the template shows the model), or None."
     tools = rec.get('tools')
     if tools is None: return None
@@ -140,7 +140,7 @@ def record_tools(rec: dict, where: str = 'record') -> list | None:
     return tools or None
 
 # %% ../nbs/08_chat.ipynb #b439bccc
-class TemplateError(ValueError):
+class _TemplateError(ValueError):
     "The chat template cannot be read for assistant spans."
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -149,7 +149,7 @@ _PROBE = ('dflash-probe-user-1', 'dflash-probe-reply-1', 'dflash-probe-user-2', 
 def _template_text(tokenizer) -> str:
     t = tokenizer.chat_template
     if isinstance(t, dict): t = t.get('default', '')     # named templates
-    if not t: raise TemplateError("the tokenizer has no chat template; pass --chat-template FILE")
+    if not t: raise _TemplateError("the tokenizer has no chat template; pass --chat-template FILE")
     return t
 
 def _render(tokenizer, messages, gen=False, **template_kw) -> str:
@@ -157,7 +157,7 @@ def _render(tokenizer, messages, gen=False, **template_kw) -> str:
 
 _MARKERS = {}
 
-def turn_markers(tokenizer, **template_kw) -> tuple[str, str, re.Pattern]:
+def _turn_markers(tokenizer, **template_kw) -> tuple[str, str, re.Pattern]:
     """`(head, rest, end)` of the template's assistant turns, read from a probe conversation: `head` opens every
     assistant turn, `rest` follows it in a new turn only (e.g. Qwen3's empty think block with thinking off; not
     supervised), `end` matches the special tokens, the first of which after a reply's content closes it."""
@@ -184,31 +184,33 @@ def _visible(content) -> str:
     c = content or ''
     return c.split('</think>')[-1].strip() if '</think>' in c else c.strip()
 
-def assistant_spans(tokenizer, messages: list[dict], where: str = 'conversation', tools=None, **template_kw):
+def _assistant_spans(tokenizer, messages: list[dict], where: str = 'conversation', tools=None, **template_kw):
     """The conversation rendered once by the chat template, and the character spans `(start, end)` of its assistant
     replies there: from the end of the turn's header to the end of its end-of-turn token."""
     _template_text(tokenizer)
     try: text = _render(tokenizer, messages, tools=tools, **template_kw)
-    except Exception as e: raise TemplateError(f"{where}: the chat template rejects this conversation ({e})") from None
-    head, rest, end = turn_markers(tokenizer, **template_kw)
+    except Exception as e: raise _TemplateError(f"{where}: the chat template rejects this conversation ({e})") from None
+    head, rest, end = _turn_markers(tokenizer, **template_kw)
     spans, cur = [], 0
     for i, m in enumerate(messages):
         if m['role'] != 'assistant': continue
         s = None
         if head:
             h = text.find(head, cur)
-            if h < 0: raise TemplateError(f"{where}: turn {i} (assistant) not found: no {head!r} after character {cur} "
-                                          "of the rendered conversation")
+            if h < 0:
+                raise _TemplateError(f"{where}: turn {i} (assistant) not found: no {head!r} after character {cur} "
+                                     "of the rendered conversation")
             s = h + len(head)
             if rest and text.startswith(rest, s): s += len(rest)
         body = _visible(m.get('content'))
         c = text.find(body, cur if s is None else s) if body else -1
         if s is None:
-            if c < 0: raise TemplateError(f"{where}: turn {i} (assistant): its content is not in the rendering")
+            if c < 0: raise _TemplateError(f"{where}: turn {i} (assistant): its content is not in the rendering")
             s = c
         eot = end.search(text, c + len(body) if c >= 0 else s)
-        if eot is None: raise TemplateError(f"{where}: turn {i} (assistant): no end-of-turn token after it")
-        spans.append((s, eot.end())); cur = eot.end()
+        if eot is None: raise _TemplateError(f"{where}: turn {i} (assistant): no end-of-turn token after it")
+        spans.append((s, eot.end()))
+        cur = eot.end()
     return text, spans
 
 # %% ../nbs/08_chat.ipynb #4f389f13
@@ -219,8 +221,9 @@ def tokenize_chat(tokenizer, messages: list[dict], where: str = 'conversation', 
         enc = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True, **template_kw)
         return torch.tensor(enc['input_ids'], dtype=torch.long), torch.tensor(enc['assistant_masks'], dtype=torch.bool)
-    if not tokenizer.is_fast: raise TemplateError(f"{where}: finding assistant tokens needs a fast tokenizer (offsets)")
-    text, spans = assistant_spans(tokenizer, messages, where, tools, **template_kw)
+    if not tokenizer.is_fast:
+        raise _TemplateError(f"{where}: finding assistant tokens needs a fast tokenizer (offsets)")
+    text, spans = _assistant_spans(tokenizer, messages, where, tools, **template_kw)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     off = np.array(enc['offset_mapping'], dtype=np.int64).reshape(-1, 2)
     mask = np.zeros(len(off), dtype=bool)
@@ -232,20 +235,26 @@ def tokenize_conversation(tokenizer, messages: list[dict], *, max_length: int = 
     "`{'input_ids', 'loss_mask'}` truncated to `max_length`, or None when skipped (counted in `stats`)."
     stats = stats if stats is not None else DataStats()
     if not any(m['role'] == 'assistant' and ((m['content'] or '').strip() or m.get('tool_calls')) for m in messages):
-        stats.skip('no_supervised', f"{where}: no assistant turn to supervise"); return None
+        stats.skip('no_supervised', f"{where}: no assistant turn to supervise")
+        return None
     try: ids, mask = tokenize_chat(tokenizer, messages, where, tools, **template_kw)
-    except TemplateError as e: stats.skip('template_rejected', str(e)); return None
+    except _TemplateError as e:
+        stats.skip('template_rejected', str(e))
+        return None
     if len(ids) > max_length:
-        stats.truncated += 1; stats.truncated_tokens += len(ids) - max_length
+        stats.truncated += 1
+        stats.truncated_tokens += len(ids) - max_length
         ids, mask = ids[:max_length], mask[:max_length]
     if len(valid_anchors(mask)) == 0:
         stats.skip('no_anchor', f"{where}: no two consecutive assistant tokens within max_length={max_length}")
         return None
-    stats.samples += 1; stats.tokens += len(ids); stats.supervised_tokens += int(mask.sum())
+    stats.samples += 1
+    stats.tokens += len(ids)
+    stats.supervised_tokens += int(mask.sum())
     return {'input_ids': ids, 'loss_mask': mask}
 
 # %% ../nbs/08_chat.ipynb #68c2cdaf
-def set_chat_template(tokenizer, path):
+def _set_chat_template(tokenizer, path):
     "Use the chat template in file `path` (a `.jinja` text, or a JSON file with a `chat_template` key) for `tokenizer`."
     path = Path(path)
     if not path.is_file(): raise FileNotFoundError(f"--chat-template {path}: no such file")
@@ -264,7 +273,7 @@ def load_tokenizer(target, tokenizer=None, chat_template=None):
     from transformers import AutoTokenizer
     src = resolve_local(tokenizer or target)
     tok = AutoTokenizer.from_pretrained(src)
-    if chat_template: set_chat_template(tok, chat_template)
+    if chat_template: _set_chat_template(tok, chat_template)
     return tok
 
 # %% ../nbs/08_chat.ipynb #cbedde91
@@ -286,10 +295,11 @@ class ChatDataset(Dataset):
         _template_text(tokenizer)                                         # no template: one error, not one per line
         stats, samples = DataStats(), []
         for where, rec in read_jsonl(path, skip_bad_lines, stats):
-            try: msgs, tools = to_messages(rec, where), record_tools(rec, where)
+            try: msgs, tools = to_messages(rec, where), _record_tools(rec, where)
             except DataError as e:
                 if not skip_bad_lines: raise
-                stats.skip('bad_lines', str(e)); continue
+                stats.skip('bad_lines', str(e))
+                continue
             s = tokenize_conversation(tokenizer, msgs, max_length=max_length, where=where, stats=stats, tools=tools,
                                       **template_kw)
             if s is not None: samples.append(s)
@@ -297,7 +307,7 @@ class ChatDataset(Dataset):
         return cls(samples, stats)
 
 # %% ../nbs/08_chat.ipynb #60cb4584
-DATA_SUFFIXES = ('.jsonl', '.json', '.parquet')
+_DATA_SUFFIXES = ('.jsonl', '.json', '.parquet')
 _SAVED = ('dataset_info.json', 'state.json', 'dataset_dict.json')     # what `Dataset.save_to_disk` writes
 
 def _saved_rows(path: Path, stats: DataStats):
@@ -316,13 +326,15 @@ def _parquet_rows(path: Path, stats: DataStats):
     i = 0
     for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
         for rec in batch.to_pylist():
-            stats.lines += 1; i += 1
+            stats.lines += 1
+            i += 1
             yield f"{path}:row {i - 1}", rec
 
 def _json_rows(path: Path, skip_bad_lines: bool, stats: DataStats):
     try: data = json.loads(path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError):                   # JSON lines, named .json
-        yield from read_jsonl(path, skip_bad_lines, stats); return
+        yield from read_jsonl(path, skip_bad_lines, stats)
+        return
     if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
         data = next(iter(data.values()))                                # {"train": [...]}
     if not isinstance(data, list): data = [data]
@@ -332,7 +344,8 @@ def _json_rows(path: Path, skip_bad_lines: bool, stats: DataStats):
         if not isinstance(rec, dict):
             e = DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
             if not skip_bad_lines: raise e
-            stats.skip('bad_lines', str(e)); continue
+            stats.skip('bad_lines', str(e))
+            continue
         yield where, rec
 
 def read_records(path, skip_bad_lines: bool = False, stats: DataStats | None = None):
@@ -341,19 +354,21 @@ def read_records(path, skip_bad_lines: bool = False, stats: DataStats | None = N
     stats = stats if stats is not None else DataStats()
     path = resolve_local(path, 'dataset')
     if path.is_dir():
-        if any((path / f).is_file() for f in _SAVED): yield from _saved_rows(path, stats); return
-        files = sorted(f for f in path.rglob('*') if f.suffix in DATA_SUFFIXES and not f.name.startswith('.'))
+        if any((path / f).is_file() for f in _SAVED):
+            yield from _saved_rows(path, stats)
+            return
+        files = sorted(f for f in path.rglob('*') if f.suffix in _DATA_SUFFIXES and not f.name.startswith('.'))
         if not files:
-            raise DataError(f"{path}: no {', '.join(DATA_SUFFIXES)} files, and not a dataset saved by `datasets`")
+            raise DataError(f"{path}: no {', '.join(_DATA_SUFFIXES)} files, and not a dataset saved by `datasets`")
         for f in files: yield from read_records(f, skip_bad_lines, stats)
     elif path.suffix == '.parquet': yield from _parquet_rows(path, stats)
     elif path.suffix == '.json': yield from _json_rows(path, skip_bad_lines, stats)
     else: yield from read_jsonl(path, skip_bad_lines, stats)
 
 # %% ../nbs/08_chat.ipynb #3433f8ba
-TOKENIZE_VERSION = 1   # bump when tokenization changes, so older caches are not reused
+_TOKENIZE_VERSION = 1   # bump when tokenization changes, so older caches are not reused
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def _tokenizer_fingerprint(tokenizer) -> str:
     "A hash of what tokenization depends on: the vocabulary and merges, special tokens, and the chat template."
     h = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
     h.update(json.dumps([_template_text(tokenizer), tokenizer.all_special_tokens], sort_keys=True).encode())
@@ -374,14 +389,15 @@ def _tokenize_batch(batch, tokenizer, max_length, skip_bad_lines, template_kw):
         try:
             rec = json.loads(raw)
             s = tokenize_conversation(tokenizer, to_messages(rec, where), max_length=max_length, where=where, stats=st,
-                                      tools=record_tools(rec, where), **template_kw)
+                                      tools=_record_tools(rec, where), **template_kw)
         except DataError as e:
             if not skip_bad_lines: raise
             st.skip('bad_lines', str(e))
         kind = next((k for k in _SKIPS if getattr(st, k)), '')
         out['input_ids'].append(s['input_ids'].tolist() if s else [])
         out['loss_mask'].append(s['loss_mask'].tolist() if s else [])
-        out['skip'].append(kind); out['reason'].append(st.errors[0] if st.errors else '')
+        out['skip'].append(kind)
+        out['reason'].append(st.errors[0] if st.errors else '')
         out['cut'].append(st.truncated_tokens)
     return out
 
@@ -390,7 +406,8 @@ def _tokenized_stats(tok, read: DataStats) -> DataStats:
     st = DataStats(lines=read.lines, bad_lines=read.bad_lines, errors=list(read.errors))
     for kind, reason in zip(tok['skip'], tok['reason']):
         if kind: st.skip(kind, reason)
-    cut = np.asarray(tok['cut']); st.truncated, st.truncated_tokens = int((cut > 0).sum()), int(cut.sum())
+    cut = np.asarray(tok['cut'])
+    st.truncated, st.truncated_tokens = int((cut > 0).sum()), int(cut.sum())
     return st
 
 def load_chat_data(path, tokenizer, *, max_length: int = 3072, skip_bad_lines: bool = False, num_proc: int = 1,
@@ -402,7 +419,7 @@ def load_chat_data(path, tokenizer, *, max_length: int = 3072, skip_bad_lines: b
     from accelerate import PartialState
     _template_text(tokenizer)
     src = resolve_local(path, 'dataset')
-    key = json.dumps([TOKENIZE_VERSION, _source_fingerprint(src), tokenizer_fingerprint(tokenizer), max_length,
+    key = json.dumps([_TOKENIZE_VERSION, _source_fingerprint(src), _tokenizer_fingerprint(tokenizer), max_length,
                       skip_bad_lines, sorted(template_kw.items())], default=str)
     fp = hashlib.sha256(key.encode()).hexdigest()[:20]
     root = Path(cache_dir or os.environ.get('HF_DATASETS_CACHE') or hf_hub_cache().parent / 'datasets')
@@ -425,14 +442,16 @@ def load_chat_data(path, tokenizer, *, max_length: int = 3072, skip_bad_lines: b
             kept = kept.select_columns(['input_ids', 'loss_mask'])
             st.samples = len(kept)
             lengths = np.array([len(x) for x in kept['input_ids']], dtype=np.int64)
-            st.tokens = int(lengths.sum()); st.supervised_tokens = int(sum(sum(m) for m in kept['loss_mask']))
+            st.tokens = int(lengths.sum())
+            st.supervised_tokens = int(sum(sum(m) for m in kept['loss_mask']))
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f'.{fp}.'))
             kept.save_to_disk(str(tmp / 'data'))
             (tmp / 'stats.json').write_text(json.dumps({**st.as_dict(), 'source': str(path)}, indent=1))
             try: os.replace(tmp, out)                                        # another machine may have won the race
             except OSError: shutil.rmtree(tmp, ignore_errors=True)
-    d = json.loads((out / 'stats.json').read_text()); d.pop('source', None)
+    d = json.loads((out / 'stats.json').read_text())
+    d.pop('source', None)
     stats = DataStats(**d)
     if report and state.is_local_main_process: print(stats.table(str(path)), file=sys.stderr)
     stats.check_usable(path)

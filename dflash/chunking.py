@@ -12,8 +12,7 @@ from .layout import BlockLayout, HeadShape
 from .memory import fmt_bytes
 
 # %% auto #0
-__all__ = ['probe_kernel', 'shared_keys', 'chunk_bytes', 'Chunk', 'ChunkPlan', 'free_bytes', 'plan_chunks', 'plot_plan',
-           'plt_subplots', 'explorer']
+__all__ = ['probe_kernel', 'shared_keys', 'ChunkPlan', 'free_bytes', 'plan_chunks', 'explorer']
 
 # %% ../nbs/03_chunking.ipynb #cee92ae6
 _KERNELS = {SDPBackend.FLASH_ATTENTION: 'flash', SDPBackend.EFFICIENT_ATTENTION: 'efficient',
@@ -41,7 +40,7 @@ def shared_keys(a_first, a_last, lo, B: int, W: int | None):
 # %% ../nbs/03_chunking.ipynb #f36d03c5
 def _es(dtype) -> int: return torch.empty((), dtype=dtype).element_size()
 
-def chunk_bytes(rows: int, keys: int, shape: HeadShape, *, kernel: str = 'cpu_flash', masked_keys: int | None = None,
+def _chunk_bytes(rows: int, keys: int, shape: HeadShape, *, kernel: str = 'cpu_flash', masked_keys: int | None = None,
                 fold_copies: bool = True) -> int:
     """Transient bytes of one chunk (`rows` block tokens, `keys` keys, `masked_keys` of them under a mask: all when
     not given) at its worst moment. `fold_copies=False`: the chunk is a whole row, so folding its queries is a view."""
@@ -57,20 +56,25 @@ def chunk_bytes(rows: int, keys: int, shape: HeadShape, *, kernel: str = 'cpu_fl
     merge = 0 if es == 4 else 2 * Hq * rows * D * 4 * split              # fp32 copies of both outputs to merge
     f = int(fold_copies)
     fwd = (f + 1 + split) * qo + (1 + split) * lse + kv + mask + merge   # folded q, each part's output and lse
-    bwd = 3 * f * qo + lse + np.maximum(qo + 2 * Hkv * U * D * es,           # folded q, out, grad out; shared part's grads
+    bwd = 3 * f * qo + lse + np.maximum(qo + 2 * Hkv * U * D * es,       # folded q, out, grad out; shared part's grads
                                     (1 + split) * qo + 2 * kv + mask)    # or grad q so far + masked part and its grads
     if eff: bwd = bwd + Hq * rows * D * 4 + Hq * rows * 4                # fp32 grad-q accumulator, delta
     if kernel == 'math':
         scores = Hq * rows * np.maximum(U, M) * 4                        # fp32 scores of the bigger part
-        fwd = fwd + 2 * scores; bwd = bwd + 2 * scores
+        fwd = fwd + 2 * scores
+        bwd = bwd + 2 * scores
     worst = np.maximum(fwd, bwd)                                         # works on arrays of chunks too
     return int(worst) if np.ndim(worst) == 0 else worst
 
 # %% ../nbs/03_chunking.ipynb #81d17776
 @dataclass(frozen=True)
-class Chunk:
+class _Chunk:
     "Sorted blocks [start, stop) of batch row `row`, reading context keys [lo, hi)."
-    row: int; start: int; stop: int; lo: int; hi: int
+    row: int
+    start: int
+    stop: int
+    lo: int
+    hi: int
 
     def rows(self, B: int) -> int: return (self.stop - self.start) * B
     def keys(self, B: int) -> int: return self.hi - self.lo + self.rows(B)
@@ -78,12 +82,16 @@ class Chunk:
 @dataclass
 class ChunkPlan:
     "How the `sdpa` backend cuts a batch into chunks, what it computes and what it should cost."
-    chunks: list[Chunk]
+    chunks: list[_Chunk]
     order: list[list[int]]       # per row: indices of kept blocks, sorted by anchor
     anchors: list[list[int]]     # per row: their anchors, sorted
-    seq_len: int; block_size: int; num_blocks: int
+    seq_len: int
+    block_size: int
+    num_blocks: int
     shape: HeadShape             # the heads attended with
-    kernel: str; sliding_window: int | None; budget_bytes: int
+    kernel: str
+    sliding_window: int | None
+    budget_bytes: int
     work: int = 0                # query·key pairs computed, all heads
     needed_work: int = 0         # pairs if every block ran alone
     dense_work: int = 0          # pairs of one dense mask over all blocks
@@ -92,17 +100,17 @@ class ChunkPlan:
     peak_bytes: int = 0          # predicted peak, forward + backward, above the inputs
     timeline: dict = field(default_factory=dict)
 
-    def row_chunks(self, n: int) -> list[Chunk]: return [c for c in self.chunks if c.row == n]
+    def row_chunks(self, n: int) -> list[_Chunk]: return [c for c in self.chunks if c.row == n]
 
-    def masked_keys(self, c: Chunk) -> int:
+    def masked_keys(self, c: _Chunk) -> int:
         "Keys of chunk `c` under a mask: all but the context every one of its queries sees."
         a = self.anchors[c.row]
         s, e = shared_keys(a[c.start], a[c.stop - 1], c.lo, self.block_size, self.sliding_window)
         return c.keys(self.block_size) - max(0, int(e) - int(s))
 
-    def chunk_bytes(self, c: Chunk) -> int:
+    def chunk_bytes(self, c: _Chunk) -> int:
         whole = c.rows(self.block_size) == self.num_blocks * self.block_size   # all blocks of the row, in order
-        return chunk_bytes(c.rows(self.block_size), c.keys(self.block_size), self.shape, kernel=self.kernel,
+        return _chunk_bytes(c.rows(self.block_size), c.keys(self.block_size), self.shape, kernel=self.kernel,
                            masked_keys=self.masked_keys(c),
                            fold_copies=not (whole and self.order[c.row] == list(range(self.num_blocks))))
 
@@ -153,12 +161,17 @@ def _row_dp(nbytes: np.ndarray, cost: np.ndarray, cap) -> tuple[list[tuple[int, 
     "Cheapest [start, stop) cuts with chunk bytes <= cap, and their cost."
     m = cost.shape[0]
     C = np.where(nbytes <= cap, cost, np.inf)
-    best = np.full(m + 1, np.inf); best[0] = 0; arg = np.zeros(m + 1, dtype=np.int64)
+    best = np.full(m + 1, np.inf)
+    best[0] = 0
+    arg = np.zeros(m + 1, dtype=np.int64)
     for j in range(1, m + 1):
         c = best[:j] + C[:j, j - 1]
-        arg[j] = k = int(np.argmin(c)); best[j] = c[k]
+        arg[j] = k = int(np.argmin(c))
+        best[j] = c[k]
     cuts, j = [], m
-    while j > 0: cuts.append((int(arg[j]), j)); j = int(arg[j])
+    while j > 0:
+        cuts.append((int(arg[j]), j))
+        j = int(arg[j])
     return cuts[::-1], float(best[m])
 
 def _row_plan(a: np.ndarray, *, B: int, Hq: int, W, cap: int, chunk_cost: int, cost_bytes) -> list[tuple[int, int]]:
@@ -198,7 +211,7 @@ def plan_chunks(layout: BlockLayout, shape: HeadShape, *, budget_bytes: int | fl
     p = ChunkPlan([], order, srt, S, B, A, shape, kernel, sliding_window, 0)
     fixed = _simulate(p)['fixed']
     def cost_bytes(rows, keys, masked=None):
-        return chunk_bytes(rows, keys, shape, kernel=kernel, masked_keys=masked)
+        return _chunk_bytes(rows, keys, shape, kernel=kernel, masked_keys=masked)
     def one_block(a):
         lo = 0 if sliding_window is None else max(0, a - sliding_window + 1)
         s, e = shared_keys(a, a, lo, B, sliding_window)
@@ -222,7 +235,7 @@ def plan_chunks(layout: BlockLayout, shape: HeadShape, *, budget_bytes: int | fl
     for (n, a), (nb, co) in zip(rows, tables):
         for s, e in _row_dp(nb, co, cap)[0]:
             lo = 0 if sliding_window is None else max(0, int(a[s]) - sliding_window + 1)
-            p.chunks.append(Chunk(n, s, e, lo, int(a[e - 1])))
+            p.chunks.append(_Chunk(n, s, e, lo, int(a[e - 1])))
     p.budget_bytes = budget_bytes
     p.work = sum(Hq * c.rows(B) * c.keys(B) for c in p.chunks)
     p.needed_work = sum(Hq * B * (a - (0 if sliding_window is None else max(0, a - sliding_window + 1)) + B)
@@ -234,9 +247,9 @@ def plan_chunks(layout: BlockLayout, shape: HeadShape, *, budget_bytes: int | fl
     return p
 
 # %% ../nbs/03_chunking.ipynb #c8937bef
-def plot_plan(plan: ChunkPlan, ax=None, row: int = 0):
+def _plot_plan(plan: ChunkPlan, ax=None, row: int = 0):
     "Bars: fixed bytes plus each chunk's temporaries (MiB) for one row, with the budget and predicted peak."
-    if ax is None: ax = plt_subplots()
+    if ax is None: ax = _plt_subplots()
     cs = plan.row_chunks(row)
     x = np.arange(len(cs))
     fixed = plan.fixed_bytes / 2**20
@@ -252,7 +265,7 @@ def plot_plan(plan: ChunkPlan, ax=None, row: int = 0):
     ax.legend(fontsize=7, loc='upper left', ncols=2)
     return ax
 
-def plt_subplots():
+def _plt_subplots():
     import matplotlib.pyplot as plt
     return plt.subplots(figsize=(6, 3))[1]
 
@@ -286,8 +299,9 @@ def explorer(*, seq_len: int = 4096, anchors: int = 256, shape: HeadShape = Head
             except ValueError as e: text = str(e)                # a budget below one block says its minimum
             else:
                 fig = Figure(figsize=(6, 3), layout='constrained')
-                plot_plan(ui.plan, fig.add_subplot())
-                buf = io.BytesIO(); fig.savefig(buf, format='png', dpi=80)
+                _plot_plan(ui.plan, fig.add_subplot())
+                buf = io.BytesIO()
+                fig.savefig(buf, format='png', dpi=80)
                 text, ui.png = str(ui.plan), buf.getvalue()
         outs = [{'output_type': 'stream', 'name': 'stdout', 'text': text + '\n'}]
         if ui.png: outs.append({'output_type': 'display_data', 'metadata': {},

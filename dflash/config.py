@@ -10,7 +10,7 @@ from pathlib import Path
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['LAYER_TYPES', 'default_target_layer_ids', 'hf_hub_cache', 'resolve_local', 'DrafterConfig']
+__all__ = ['default_target_layer_ids', 'hf_hub_cache', 'resolve_local', 'DrafterConfig']
 
 # %% ../nbs/00_config.ipynb #2292cdbd
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -50,7 +50,7 @@ def resolve_local(name, kind: str = 'model') -> Path:
                             f"it first ({how})")
 
 # %% ../nbs/00_config.ipynb #52cd7208
-LAYER_TYPES = ('full_attention', 'sliding_attention')
+_LAYER_TYPES = ('full_attention', 'sliding_attention')
 
 @dataclass
 class DrafterConfig:
@@ -112,7 +112,7 @@ def validate(self: DrafterConfig):
     _check(len(c.layer_types) == c.num_hidden_layers, 'layer_types', c.layer_types,
            f"must have num_hidden_layers={c.num_hidden_layers} entries")
     for t in c.layer_types:
-        _check(t in LAYER_TYPES, 'layer_types', c.layer_types, f"each entry must be one of {LAYER_TYPES}")
+        _check(t in _LAYER_TYPES, 'layer_types', c.layer_types, f"each entry must be one of {_LAYER_TYPES}")
     if 'sliding_attention' in c.layer_types:
         _check(isinstance(c.sliding_window, int) and c.sliding_window >= 1, 'sliding_window', c.sliding_window,
                "must be an integer >= 1 when a layer is 'sliding_attention'")

@@ -13,8 +13,7 @@ from .regenerate import REGENERATE
 
 
 # %% auto #0
-__all__ = ['COMMANDS', 'PROG', 'DataOptions', 'CacheOptions', 'layer_ids', 'parse_command', 'tokenize_command', 'cache_command',
-           'main']
+__all__ = ['COMMANDS', 'DataOptions', 'CacheOptions', 'main']
 
 # %% ../nbs/08c_data.ipynb #762db414
 @dataclass
@@ -57,7 +56,7 @@ def _check_data(o: DataOptions) -> list[str]:
         probs.append(f"--data = {o.data!r}: no such file")
     return probs
 
-def layer_ids(text: str) -> list[int]:
+def _layer_ids(text: str) -> list[int]:
     "Target layer ids from '1,9,17'; ValueError if that is not a list of layer ids."
     try: ids = [int(x) for x in text.split(',')]
     except ValueError: ids = [-1]
@@ -68,30 +67,30 @@ def layer_ids(text: str) -> list[int]:
 def _check_cache(o: CacheOptions) -> list[str]:
     probs = _check_data(o) + (["--out is required"] if o.out is None else [])
     if o.layers is not None:
-        try: layer_ids(o.layers)
+        try: _layer_ids(o.layers)
         except ValueError as e: probs.append(str(e))
     return probs
 
 # %% ../nbs/08c_data.ipynb #072afdab
 COMMANDS = {
-    'tokenize': Command(DataOptions, lambda o: tokenize_command(o), 'check, count and tokenize chat data once; later '
+    'tokenize': Command(DataOptions, lambda o: _tokenize_command(o), 'check, count and tokenize chat data once; later '
         'commands reuse the result', _check_data, 'Read, check and tokenize chat data for a target (cached by '
-        'fingerprint, so `cache` and `dflash.train` with the same data, tokenizer and --max-length reuse it), and print '
-        'the counts table. Bad data fails here, before any model loads.'),
-    'cache': Command(CacheOptions, lambda o: cache_command(o), "write the target's hidden states over chat data to an "
+        'fingerprint, so `cache` and `dflash.train` with the same data, tokenizer and --max-length reuse it), and '
+        'print the counts table. Bad data fails here, before any model loads.'),
+    'cache': Command(CacheOptions, lambda o: _cache_command(o), "write the target's hidden states over chat data to an "
         "offline cache", _check_cache, "Write the target's hidden states over chat data to safetensors shards with a "
         "manifest; rerun with the same arguments to resume an interrupted run. Under `accelerate launch` the processes "
         "share the shards."),
     'regenerate': REGENERATE}
-PROG = 'python -m dflash.data'
+_PROG = 'python -m dflash.data'
 
-def parse_command(argv=None) -> tuple[str, object]:
+def _parse_command(argv=None) -> tuple[str, object]:
     "(subcommand, its checked options); `--help` prints and exits 0, bad options print every problem and exit 2."
-    try: return parse_subcommand(COMMANDS, argv, PROG, usage_text(PROG, 'dflash data tools', COMMANDS))
+    try: return parse_subcommand(COMMANDS, argv, _PROG, usage_text(_PROG, 'dflash data tools', COMMANDS))
     except OptionsError as e: exit_bad_options(e)
 
 # %% ../nbs/08c_data.ipynb #2b331094
-if __name__ == '__main__' and '__file__' in globals(): parse_command()    # help and bad options before torch loads
+if __name__ == '__main__' and '__file__' in globals(): _parse_command()    # help and bad options before torch loads
 
 # %% ../nbs/08c_data.ipynb #da7a0003
 import torch
@@ -99,14 +98,14 @@ from .chat import load_tokenizer, load_chat_data
 from .features import TargetFeatures, write_cache
 
 # %% ../nbs/08c_data.ipynb #1c4a5830
-def tokenize_command(o: DataOptions):
+def _tokenize_command(o: DataOptions):
     "`python -m dflash.data tokenize`: the counts table, and the tokenized data cached for later commands."
     tok = load_tokenizer(o.target, o.tokenizer, o.chat_template)
     ds = load_chat_data(o.data, tok, max_length=o.max_length, skip_bad_lines=o.skip_bad_lines, num_proc=o.num_proc,
                         report=True)
     print(f"tokenized: {len(ds)} samples, {ds.stats.tokens} tokens ({ds.stats.supervised_tokens} supervised)")
 
-def cache_command(o: CacheOptions):
+def _cache_command(o: CacheOptions):
     "`python -m dflash.data cache`: data checked and tokenized first, then the target loads and the shards are written."
     from accelerate import PartialState
     state = PartialState(cpu=not torch.cuda.is_available())   # gloo processes on a CPU machine
@@ -115,7 +114,7 @@ def cache_command(o: CacheOptions):
                         report=True)
     dtype = None if o.dtype == 'auto' else getattr(torch, o.dtype)
     device = o.device or (state.device if state.device.type != 'mps' else 'cpu')
-    feats = TargetFeatures(o.target, layer_ids=layer_ids(o.layers) if o.layers else None,
+    feats = TargetFeatures(o.target, layer_ids=_layer_ids(o.layers) if o.layers else None,
                            num_draft_layers=o.num_draft_layers, dtype=dtype, device=device, tokenizer=tok)
     man = write_cache(feats, ds, o.out, shard_size=o.shard_size, progress=o.progress, batch_tokens=o.batch_tokens,
                       data_info={'path': str(o.data), 'max_length': o.max_length, 'stats': ds.stats.as_dict()})
@@ -124,7 +123,7 @@ def cache_command(o: CacheOptions):
 
 def main(argv=None):
     "Run a `python -m dflash.data` subcommand: options checked first (exit 2), then its function."
-    name, opts = parse_command(argv)
+    name, opts = _parse_command(argv)
     try: return COMMANDS[name].run(opts)
     except (ValueError, FileNotFoundError) as e:                        # DataError and TemplateError are ValueErrors
         print(f"error: {e}", file=sys.stderr)

@@ -19,11 +19,11 @@ from .attention import get_backend
 from .files import write_atomic
 
 # %% auto #0
-__all__ = ['qwen3_config', 'rotate', 'compute_dtype', 'compute_input', 'RMSNorm', 'DFlashAttention', 'DFlashDecoderLayer',
-           'ContextCache', 'DFlashDrafter', 'one_block_attention', 'check_semantics']
+__all__ = ['compute_dtype', 'RMSNorm', 'DFlashAttention', 'DFlashDecoderLayer', 'ContextCache', 'DFlashDrafter',
+           'check_semantics']
 
 # %% ../nbs/05_drafter.ipynb #edb55883
-def qwen3_config(cfg: DrafterConfig) -> Qwen3Config:
+def _qwen3_config(cfg: DrafterConfig) -> Qwen3Config:
     "The transformers Qwen3 config with the drafter's sizes (for transformers' norm, MLP and RoPE)."
     return Qwen3Config(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
@@ -32,7 +32,7 @@ def qwen3_config(cfg: DrafterConfig) -> Qwen3Config:
                        max_position_embeddings=cfg.max_position_embeddings, layer_types=cfg.layer_types,
                        sliding_window=cfg.sliding_window, hidden_act='silu')
 
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     "Apply RoPE. x: (N, heads, T, D); cos, sin: (N, T, D)."
     cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x.chunk(2, dim=-1)
@@ -44,7 +44,7 @@ def compute_dtype(t: Tensor, dtype: torch.dtype | None = None) -> torch.dtype:
     if torch.is_autocast_enabled(t.device.type): return torch.get_autocast_dtype(t.device.type)
     return dtype or t.dtype
 
-def compute_input(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+def _compute_input(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     "`t` cast to its `compute_dtype` (itself when it already has it)."
     return t.to(compute_dtype(t, dtype))
 
@@ -101,10 +101,10 @@ class DFlashAttention(nn.Module):
 
     def forward(self, x, ctx, rope_blk, rope_ctx, attend) -> Tensor:
         "x: (N, T, H) normed block tokens; ctx: (N, S, H) context; rope_*: (cos, sin) -> (N, T, H)."
-        x, ctx = compute_input(x), compute_input(ctx)            # one low-precision copy each for q, k and v
-        q = rotate(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), *rope_blk)
-        k_blk = rotate(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), *rope_blk)
-        k_ctx = rotate(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), *rope_ctx)
+        x, ctx = _compute_input(x), _compute_input(ctx)            # one low-precision copy each for q, k and v
+        q = _rotate(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), *rope_blk)
+        k_blk = _rotate(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), *rope_blk)
+        k_ctx = _rotate(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), *rope_ctx)
         v_blk, v_ctx = self._heads(self.v_proj(x), self.n_kv_heads), self._heads(self.v_proj(ctx), self.n_kv_heads)
         out = attend(q, k_ctx, v_ctx, k_blk, v_blk, sliding_window=self.sliding_window,
                      layer_idx=self.layer_idx)                                           # (N, Hq, T, D)
@@ -118,7 +118,7 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.self_attn = DFlashAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.mlp = Qwen3MLP(qwen3_config(cfg))
+        self.mlp = Qwen3MLP(_qwen3_config(cfg))
 
     def attention_block(self, x, ctx, rope_blk, rope_ctx, attend) -> Tensor:
         "What attention adds to the stream x: (N, T, H)."
@@ -126,7 +126,7 @@ class DFlashDecoderLayer(nn.Module):
 
     def mlp_block(self, x) -> Tensor:
         "What the MLP adds to the stream x: (N, T, H); token by token, so any slice of tokens can go alone."
-        return self.mlp(compute_input(self.post_attention_layernorm(x)))
+        return self.mlp(_compute_input(self.post_attention_layernorm(x)))
 
     def forward(self, x, ctx, rope_blk, rope_ctx, attend) -> Tensor:
         x = x + self.attention_block(x, ctx, rope_blk, rope_ctx, attend)
@@ -154,7 +154,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(H, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(H, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(qwen3_config(config))
+        self.rotary_emb = Qwen3RotaryEmbedding(_qwen3_config(config))
         self._inv_freq32 = self.rotary_emb.inv_freq.detach().clone()   # (D/2,) fp32, kept through dtype casts
         self.set_attention(attention, **attention_options)
         for m in self.modules():
@@ -165,7 +165,8 @@ class DFlashDrafter(nn.Module):
         super()._apply(fn, recurse)
         r = self.rotary_emb
         if r.inv_freq.dtype != self._inv_freq32.dtype:
-            r.inv_freq = self._inv_freq32.to(r.inv_freq.device); r.original_inv_freq = r.inv_freq.clone()
+            r.inv_freq = self._inv_freq32.to(r.inv_freq.device)
+            r.original_inv_freq = r.inv_freq.clone()
         return self
 
     def set_attention(self, name: str, **options):
@@ -173,7 +174,7 @@ class DFlashDrafter(nn.Module):
         self.attention, self.attn_fn = name, get_backend(name, **options)
 
     def _context(self, context: Tensor) -> Tensor:               # (N, S, L·H) -> (N, S, H)
-        return self.hidden_norm(self.fc(compute_input(context, self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(_compute_input(context, self.fc.weight.dtype)))
 
     def _run(self, x, ctx, blk_pos, ctx_pos, attend) -> Tensor:
         rope_blk, rope_ctx = self.rotary_emb(x, blk_pos), self.rotary_emb(x, ctx_pos)
@@ -201,13 +202,13 @@ class DFlashDrafter(nn.Module):
         pos = torch.arange(a + B, device=context.device).expand(N, a + B)
         def attend(q, kc, vc, kb, vb, *, sliding_window, layer_idx):
             if cache is not None: kc, vc = cache.extend(layer_idx, kc, vc)
-            return one_block_attention(q, kc, vc, kb, vb, sliding_window=sliding_window)
+            return _one_block_attention(q, kc, vc, kb, vb, sliding_window=sliding_window)
         h = self._run(x, self._context(context), pos[:, a:], pos[:, start:a], attend)
         if cache is not None: cache.length = a
         return h
 
 # %% ../nbs/05_drafter.ipynb #d889a185
-def one_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, *, sliding_window: int | None = None) -> Tensor:
+def _one_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, *, sliding_window: int | None = None) -> Tensor:
     "Attention of one block (q: (N, Hq, B, D)) over its context and itself."
     a, B, g = k_ctx.shape[2], q.shape[2], q.shape[1] // k_ctx.shape[1]
     k = torch.cat([k_ctx, k_blk], 2).repeat_interleave(g, 1)      # (N, Hq, a+B, D)
@@ -234,7 +235,8 @@ def check_semantics(drafter: DFlashDrafter, context: Tensor, layout: BlockLayout
 @patch
 def save_pretrained(self: DFlashDrafter, path):
     "Write `config.json` and `model.safetensors` to directory `path`."
-    path = Path(path); path.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
     write_atomic(path / 'model.safetensors', lambda p: save_file(state, p, metadata={'format': 'pt'}))
     conf = {**self.config.to_dict(), 'dtype': str(next(self.parameters()).dtype).removeprefix('torch.')}

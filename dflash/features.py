@@ -18,8 +18,8 @@ from .files import file_sha256, json_problem, write_atomic, write_json
 from .chat import DataStats
 
 # %% auto #0
-__all__ = ['CACHE_FORMAT', 'check_target_dir', 'checksum_memo', 'weights_sha256', 'target_identity', 'target_features',
-           'TargetFeatures', 'cache_bytes_per_token', 'data_fingerprint', 'write_cache', 'CacheDataset', 'collate']
+__all__ = ['check_target_dir', 'target_identity', 'target_features', 'TargetFeatures', 'cache_bytes_per_token', 'write_cache',
+           'CacheDataset', 'collate']
 
 # %% ../nbs/08a_features.ipynb #3bfa4cc6
 _WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pt', '.pth')
@@ -41,13 +41,13 @@ def check_target_dir(path: Path):
     if not _weight_files(path): raise ValueError(f"target {path}: no weight files ({', '.join(_WEIGHT_SUFFIXES)})")
     return config
 
-def checksum_memo() -> Path:
+def _checksum_memo() -> Path:
     "Where weights checksums are remembered between processes and runs: the user's cache directory."
     return Path(os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache') / 'dflash' / 'weights-sha256.json'
 
-def weights_sha256(f: Path) -> str:
+def _weights_sha256(f: Path) -> str:
     "sha256 of a weights file, hashed once per machine: remembered by its path, size and modification time."
-    st, memo = f.stat(), checksum_memo()
+    st, memo = f.stat(), _checksum_memo()
     key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     if known := (json_problem(memo)[0] or {}).get(key): return known
     digest = file_sha256(f)
@@ -63,7 +63,7 @@ def target_identity(path) -> str:
     path, h = Path(path), hashlib.sha256()
     h.update((path / 'config.json').read_bytes())
     for f in _weight_files(path):
-        h.update(f"{f.name}:{f.stat().st_size}:{weights_sha256(f)}".encode())
+        h.update(f"{f.name}:{f.stat().st_size}:{_weights_sha256(f)}".encode())
     return h.hexdigest()[:16]
 
 # %% ../nbs/08a_features.ipynb #d1f8a1b6
@@ -128,9 +128,9 @@ def cache_bytes_per_token(context_size: int, dtype: torch.dtype = torch.bfloat16
     return context_size * torch.finfo(dtype).bits // 8 + 9
 
 # %% ../nbs/08a_features.ipynb #fcaeae7d
-CACHE_FORMAT = 'dflash-hidden-cache/1'
+_CACHE_FORMAT = 'dflash-hidden-cache/1'
 
-def data_fingerprint(dataset) -> str:
+def _data_fingerprint(dataset) -> str:
     "A hash of every sample's token ids and loss mask."
     h = hashlib.sha256()
     for i in range(len(dataset)):
@@ -178,14 +178,15 @@ _PLAN_KEYS = ('format', 'num_samples', 'num_tokens', 'shard_size', 'num_shards',
 
 def _plan(features: TargetFeatures, dataset, shard_size: int, data_info: dict) -> dict:
     n = len(dataset)
-    return {'format': CACHE_FORMAT, 'num_samples': n, 'num_tokens': sum(len(dataset[i]['input_ids']) for i in range(n)),
+    return {'format': _CACHE_FORMAT, 'num_samples': n,
+            'num_tokens': sum(len(dataset[i]['input_ids']) for i in range(n)),
             'shard_size': shard_size, 'num_shards': -(-n // shard_size), 'layer_ids': features.layer_ids,
             'hidden_size': features.hidden_size, 'context_size': features.context_size,
             'dtype': str(features.dtype).removeprefix('torch.'),
             'target': {'identity': features.identity, 'path': str(features.path),
                        'model_type': features.config.model_type,
                        'num_hidden_layers': features.config.num_hidden_layers},
-            'data': {'fingerprint': data_fingerprint(dataset), **data_info}, 'shards': [], 'complete': False}
+            'data': {'fingerprint': _data_fingerprint(dataset), **data_info}, 'shards': [], 'complete': False}
 
 def _check_resume(out: Path, plan: dict):
     "An existing manifest in `out` must be of the same target, layers, sizes and data."
@@ -204,7 +205,8 @@ def _check_resume(out: Path, plan: dict):
 
 def _done_shard(out: Path, k: int, verify: bool = False) -> dict | None:
     "The record of shard k if it is written and intact (size, and with `verify` its sha256), else None."
-    f = out / _shard_name(k); r = f.with_name(f.name + '.json')
+    f = out / _shard_name(k)
+    r = f.with_name(f.name + '.json')
     if not (f.is_file() and r.is_file()): return None
     try: rec = json.loads(r.read_text())
     except json.JSONDecodeError: return None
@@ -263,8 +265,8 @@ class CacheDataset(Dataset):
         if not mf.is_file(): raise FileNotFoundError(f"cache {path}: no manifest.json, not a dflash cache")
         try: self.manifest = m = json.loads(mf.read_text())
         except json.JSONDecodeError as e: raise ValueError(f"cache {mf}: unreadable manifest ({e})") from None
-        if m.get('format') != CACHE_FORMAT:
-            raise ValueError(f"cache {path}: format {m.get('format')!r}, expected {CACHE_FORMAT!r}")
+        if m.get('format') != _CACHE_FORMAT:
+            raise ValueError(f"cache {path}: format {m.get('format')!r}, expected {_CACHE_FORMAT!r}")
         if not m.get('complete'):
             raise ValueError(f"cache {path}: incomplete, {len(m['shards'])} of {m['num_shards']} shards written; "
                              "rerun the cache command to finish it")

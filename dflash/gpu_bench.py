@@ -23,17 +23,14 @@ from .plan import budgets, recommend_policy, plan_layout
 from .harness import METHODS, bench_many, launch_train, last_error, logged_steps
 
 # %% auto #0
-__all__ = ['PLANNER_CASES', 'PEAK_BF16_FLOPS', 'QWEN3_8B', 'FSDP_ARGS', 'MULTI_VARIANTS', 'FSDP_VARIANTS', 'FSDP_RUN',
-           'MULTI_ARGS', 'SECTIONS', 'TOTAL_BUDGET_S', 'grad_check', 'sdpa_kernels', 'attention_compare',
-           'planner_check', 'step_flops', 'peak_flops', 'qwen3_8b_drafter', 'real_step', 'timed_launch', 'run_summary',
-           'multi_process', 'Section', 'acceptance', 'machine', 'dry_run', 'run_gpu']
+__all__ = ['SECTIONS', 'run_gpu']
 
 # %% ../nbs/12a_gpu.ipynb #c36b4aa1
 def _rel(a: Tensor, b: Tensor) -> float:
     "Relative error |a - b| / |b| (Frobenius), in float32."
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
 
-def grad_check(device='cuda', backend: str = 'flex', *,
+def _grad_check(device='cuda', backend: str = 'flex', *,
                tolerances=((torch.float32, 1e-4), (torch.bfloat16, 2e-2)), windows=(None, 64), rows: int = 2,
                seq_len: int = 1000, anchors: int = 40, heads: int = 8, kv_heads: int = 2, head_dim: int = 64,
                seed: int = 7) -> list[dict]:
@@ -69,9 +66,12 @@ def _quiet_fd2():
     saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 2)
     try: yield
-    finally: os.dup2(saved, 2); os.close(saved); os.close(null)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
-def sdpa_kernels(fn, *args, backward: bool = True, **kwargs) -> list[str]:
+def _sdpa_kernels(fn, *args, backward: bool = True, **kwargs) -> list[str]:
     "Sorted names of the SDPA kernels that ran in `fn(*args, **kwargs)` (and its backward)."
     from torch.profiler import profile, ProfilerActivity
     with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU]) as prof:   # aten operators are recorded on the host
@@ -81,7 +81,7 @@ def sdpa_kernels(fn, *args, backward: bool = True, **kwargs) -> list[str]:
     return sorted({k for op, k in _KERNEL_OPS.items() if op in names})
 
 # %% ../nbs/12a_gpu.ipynb #153e0e8c
-def attention_compare(device='cuda', *, seq_len: int = 8192, anchors: int = 512,
+def _attention_compare(device='cuda', *, seq_len: int = 8192, anchors: int = 512,
                       shape: HeadShape = HeadShape(32, 8, 128, torch.bfloat16), methods=('dense', 'sdpa', 'flex'),
                       repeats: int = 3, seed: int = 0) -> list[dict]:
     "Best fwd+bwd time and peak bytes (above the inputs) per method, ratios to dense, and the SDPA kernels sdpa ran."
@@ -91,7 +91,7 @@ def attention_compare(device='cuda', *, seq_len: int = 8192, anchors: int = 512,
     lay = lay.to(device)                                  # the dense baseline builds its mask where the queries are
     fns = {m: METHODS[m]() for m in methods}
     res = bench_many(fns, qkv, lay, None, repeats)
-    kernels = {m: sdpa_kernels(fns[m], *qkv, lay) for m in methods if m != 'flex'}
+    kernels = {m: _sdpa_kernels(fns[m], *qkv, lay) for m in methods if m != 'flex'}
     for t in qkv: t.grad = None
     base = res.get('dense')
     return [dict(method=m, seq_len=seq_len, anchors=anchors, heads=f'{shape.heads}/{shape.kv_heads}',
@@ -104,10 +104,10 @@ def attention_compare(device='cuda', *, seq_len: int = 8192, anchors: int = 512,
             for m, r in res.items()]
 
 # %% ../nbs/12a_gpu.ipynb #60464bc7
-PLANNER_CASES = [(2048, 128, None), (2048, 128, 0.3), (4096, 256, None), (4096, 512, 0.3), (8192, 512, None),
+_PLANNER_CASES = [(2048, 128, None), (2048, 128, 0.3), (4096, 256, None), (4096, 512, 0.3), (8192, 512, None),
                  (8192, 512, 0.3), (8192, 1024, 0.5), (16384, 512, None), (16384, 1024, None), (16384, 1024, 0.3)]
 
-def planner_check(device='cuda', cases=PLANNER_CASES,
+def _planner_check(device='cuda', cases=_PLANNER_CASES,
                   shape: HeadShape = HeadShape(32, 8, 128, torch.bfloat16)) -> list[dict]:
     "Predicted against measured peak of the sdpa backend (fwd+bwd, above the inputs), one row per (S, anchors, budget)."
     res = []
@@ -118,7 +118,7 @@ def planner_check(device='cuda', cases=PLANNER_CASES,
         plan = plan_chunks(lay, shape, budget_bytes=budget, device=device)
         qkv = [t.to(device).requires_grad_() for t in random_qkv(lay, shape)]
         m = measure(sdpa_attention, *qkv, lay, plan=plan)
-        ran = sdpa_kernels(sdpa_attention, *qkv, lay, plan=plan)
+        ran = _sdpa_kernels(sdpa_attention, *qkv, lay, plan=plan)
         res.append(dict(seq_len=S, anchors=na, budget_frac=frac, budget_bytes=budget, chunks=len(plan.chunks),
                         predicted_bytes=plan.peak_bytes, measured_bytes=m.peak, ratio=m.peak / plan.peak_bytes,
                         kernel_planned=plan.kernel, kernels_ran=' '.join(ran), kernel_ok=ran == [plan.kernel]))
@@ -126,7 +126,7 @@ def planner_check(device='cuda', cases=PLANNER_CASES,
     return res
 
 # %% ../nbs/12a_gpu.ipynb #f8a34d1d
-def step_flops(cfg: DrafterConfig, seq_len: int, block_tokens: int, pairs: int) -> int:
+def _step_flops(cfg: DrafterConfig, seq_len: int, block_tokens: int, pairs: int) -> int:
     "Model FLOPs of one training step (formula above): `block_tokens` T = A·B, `pairs` attended over all heads."
     S, T, H, D, I = seq_len, block_tokens, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -134,21 +134,21 @@ def step_flops(cfg: DrafterConfig, seq_len: int, block_tokens: int, pairs: int) 
     return 3 * cfg.num_hidden_layers * layer + 2 * (2 * S * cfg.context_size * H) + 2 * (2 * T * H * cfg.vocab_size)
 
 # %% ../nbs/12a_gpu.ipynb #f2770ae0
-PEAK_BF16_FLOPS = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12}   # SXM parts; PCIe H100 is lower
+_PEAK_BF16_FLOPS = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12}   # SXM parts; PCIe H100 is lower
 
-def peak_flops(device_name: str) -> float | None:
+def _peak_flops(device_name: str) -> float | None:
     "Dense bf16 peak FLOP/s of a GPU by its name ('NVIDIA H200' -> 989e12), None when unknown."
-    hit = [v for k, v in PEAK_BF16_FLOPS.items() if k in device_name.upper()]
+    hit = [v for k, v in _PEAK_BF16_FLOPS.items() if k in device_name.upper()]
     return None if not hit or 'PCIE' in device_name.upper() else hit[0]
 
 # %% ../nbs/12a_gpu.ipynb #e5298300
-QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+_QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                 rope_theta=1000000.0, tie_word_embeddings=False)
 
-def qwen3_8b_drafter(layers: int = 5, **sizes) -> tuple[Qwen3Config, DrafterConfig]:
+def _qwen3_8b_drafter(layers: int = 5, **sizes) -> tuple[Qwen3Config, DrafterConfig]:
     "The Qwen3-8B target config (`sizes` override) and the drafter training derives from it."
-    tc = Qwen3Config(**{**QWEN3_8B, **sizes})
+    tc = Qwen3Config(**{**_QWEN3_8B, **sizes})
     return tc, DrafterConfig.from_target(tc, mask_token_id=tc.vocab_size - 1, num_hidden_layers=layers, block_size=16)
 
 # %% ../nbs/12a_gpu.ipynb #554e6398
@@ -157,15 +157,16 @@ def _step_once(drafter, opt, ctx, lay, embed, lm_head, objective_budget, dtype):
         s = dflash_objective(drafter(ctx, lay, embed), lay, lm_head, budget_bytes=objective_budget)
     (s.loss_sum / s.weight_sum).backward()
     torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-    opt.step(); opt.zero_grad(set_to_none=True)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     return s.loss.detach()
 
-def real_step(device='cuda', cfg: DrafterConfig | None = None, *, seq_len: int = 8000, anchors: int = 512,
+def _real_step(device='cuda', cfg: DrafterConfig | None = None, *, seq_len: int = 8000, anchors: int = 512,
               memory_bytes: int | None = None, repeats: int = 3, dtype: str = 'bf16', seed: int = 0) -> dict:
     "One trainer-like step of a drafter of `cfg` (default Qwen3-8B's): measured peak against the plan, time, MFU."
     from dflash.plan import DTYPES
     device, dt = torch.device(device), DTYPES[dtype]
-    cfg = cfg or qwen3_8b_drafter()[1]
+    cfg = cfg or _qwen3_8b_drafter()[1]
     cuda = device.type == 'cuda'
     if memory_bytes is None: memory_bytes = int(torch.cuda.mem_get_info(device)[0] * 0.9)
     t0 = time.perf_counter()
@@ -187,10 +188,14 @@ def real_step(device='cuda', cfg: DrafterConfig | None = None, *, seq_len: int =
     losses = [_step_once(*args).item()]                                                 # warm-up: creates the moments
     times, peak = [], 0
     for _ in range(repeats):
-        if cuda: torch.cuda.synchronize(device); torch.cuda.reset_peak_memory_stats(device)
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
         tracker = None if cuda else MemoryTracker()
         t = time.perf_counter()
-        if tracker is None: losses.append(_step_once(*args).item()); torch.cuda.synchronize(device)
+        if tracker is None:
+            losses.append(_step_once(*args).item())
+            torch.cuda.synchronize(device)
         else:
             with tracker:
                 held = [*drafter.parameters(), *drafter.buffers(), ctx, embed, lm_head,
@@ -203,9 +208,9 @@ def real_step(device='cuda', cfg: DrafterConfig | None = None, *, seq_len: int =
     heads = HeadShape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dt)
     pairs = plan_chunks(lay, heads, device=device).needed_work
     T = lay.num_blocks * cfg.block_size
-    flops, step_s = step_flops(cfg, seq_len, T, pairs), min(times)
+    flops, step_s = _step_flops(cfg, seq_len, T, pairs), min(times)
     name = torch.cuda.get_device_name(device) if cuda else 'cpu'
-    peak_f = peak_flops(name)
+    peak_f = _peak_flops(name)
     return dict(device=name, seq_len=seq_len, anchors=anchors, dtype=dtype, policy=str(policy),
                 checkpointed=','.join(map(str, predicted.checkpointed)) or '-', memory_bytes=memory_bytes,
                 params=sum(p.numel() for p in drafter.parameters()), predicted_bytes=predicted.total,
@@ -215,13 +220,13 @@ def real_step(device='cuda', cfg: DrafterConfig | None = None, *, seq_len: int =
                 losses=' '.join(f'{l:.4f}' for l in losses))
 
 # %% ../nbs/12a_gpu.ipynb #2f3fad5c
-def timed_launch(out, *train_args: str, threads: int = 2, **kw) -> tuple[subprocess.CompletedProcess, float]:
+def _timed_launch(out, *train_args: str, threads: int = 2, **kw) -> tuple[subprocess.CompletedProcess, float]:
     "`launch_train(out, *train_args, ...)` (`dflash.harness`), 2 threads a process: (finished launch, wall seconds)."
     t0 = time.perf_counter()
     r = launch_train(out, *train_args, threads=threads, **kw)
     return r, time.perf_counter() - t0
 
-def run_summary(out, r: subprocess.CompletedProcess, wall: float) -> dict:
+def _run_summary(out, r: subprocess.CompletedProcess, wall: float) -> dict:
     "Wall time, exit, the last error, τ and the loss curve of a finished (or failed) run in `out`."
     out = Path(out)
     s = json.loads((out / 'summary.json').read_text()) if (out / 'summary.json').is_file() else {}
@@ -234,22 +239,22 @@ def run_summary(out, r: subprocess.CompletedProcess, wall: float) -> dict:
                 losses=[float(x['loss']) for x in rows])
 
 # %% ../nbs/12a_gpu.ipynb #2a3b8fc9
-FSDP_ARGS = ['--use_fsdp', '--fsdp_version', '2']                  # accelerate's FSDP plugin, as a user turns it on
-MULTI_VARIANTS = {'1 process': (1, []), 'DDP, 2 processes': (2, []), 'FSDP2, 2 processes': (2, FSDP_ARGS)}
-FSDP_VARIANTS = {'1 process': (1, []), 'FSDP2, 1 process': (1, FSDP_ARGS)}
-FSDP_RUN = ['--max-steps', '4', '--batch-size', '8', '--max-length', '256', '--log-every', '1', '--eval-every', '0',
+_FSDP_ARGS = ['--use_fsdp', '--fsdp_version', '2']                  # accelerate's FSDP plugin, as a user turns it on
+_MULTI_VARIANTS = {'1 process': (1, []), 'DDP, 2 processes': (2, []), 'FSDP2, 2 processes': (2, _FSDP_ARGS)}
+_FSDP_VARIANTS = {'1 process': (1, []), 'FSDP2, 1 process': (1, _FSDP_ARGS)}
+_FSDP_RUN = ['--max-steps', '4', '--batch-size', '8', '--max-length', '256', '--log-every', '1', '--eval-every', '0',
             '--save-every', '0', '--spec-eval-prompts', '0', '--seed', '3']
-MULTI_ARGS = ['--max-steps', '8', '--batch-size', '8', '--log-every', '1', '--eval-every', '0', '--save-every', '0',
+_MULTI_ARGS = ['--max-steps', '8', '--batch-size', '8', '--log-every', '1', '--eval-every', '0', '--save-every', '0',
               '--spec-eval-prompts', '0', '--seed', '3']
 
-def multi_process(device='cuda', variants=MULTI_VARIANTS, train_args=MULTI_ARGS, precision: str = 'bf16',
+def _multi_process(device='cuda', variants=_MULTI_VARIANTS, train_args=_MULTI_ARGS, precision: str = 'bf16',
                   timeout: float = 300) -> list[dict]:
     "The same short run per (processes, accelerate flags); loss curves against the first variant's."
     res, tmp = [], Path(tempfile.mkdtemp(prefix='dflash-gpu-'))
     for i, (name, (n, extra)) in enumerate(variants.items()):
-        r, wall = timed_launch(tmp / f'run{i}', *train_args, processes=n, device=device, timeout=timeout,
+        r, wall = _timed_launch(tmp / f'run{i}', *train_args, processes=n, device=device, timeout=timeout,
                                accelerate_args=['--mixed_precision', precision, *extra])
-        res.append(dict(variant=name, processes=n, **run_summary(tmp / f'run{i}', r, wall)))
+        res.append(dict(variant=name, processes=n, **_run_summary(tmp / f'run{i}', r, wall)))
     ref = res[0]['losses']
     for x in res:
         same = len(x['losses']) == len(ref) and len(ref) > 0
@@ -259,7 +264,7 @@ def multi_process(device='cuda', variants=MULTI_VARIANTS, train_args=MULTI_ARGS,
 
 # %% ../nbs/12a_gpu.ipynb #b15d14d1
 @dataclass
-class Section:
+class _Section:
     "One part of the GPU proof."
     name: str
     what: str                    # what it checks, with the shapes
@@ -269,31 +274,32 @@ class Section:
 
 def _toy(device) -> list[dict]:
     out = Path(tempfile.mkdtemp(prefix='dflash-toy-')) / 'toy'
-    r, wall = timed_launch(out, device=device, accelerate_args=['--mixed_precision', 'bf16'], timeout=240)
-    row = run_summary(out, r, wall)
+    r, wall = _timed_launch(out, device=device, accelerate_args=['--mixed_precision', 'bf16'], timeout=240)
+    row = _run_summary(out, r, wall)
     return [{**row, 'losses': ' '.join(f'{v:.4f}' for v in row['losses'])}]
 
 SECTIONS = [
-    Section('flex_grad', 'flex_attention backward against eager: 2 rows, S=1000, 40 anchors, 8/2 heads of 64, '
-            'fp32 (tol 1e-4) and bf16 (tol 2e-2), full and sliding window 64', 90, 1, lambda d: grad_check(d)),
-    Section('attention', 'dense, sdpa, flex fwd+bwd at Qwen3-8B heads: 32/8 of 128, bf16, S=8192, 512 anchors, '
-            'best of 3: time, CUDA peak, the SDPA kernel that ran', 90, 1, lambda d: attention_compare(d)),
-    Section('planner', f'predicted against CUDA peak, sdpa backend, 32/8 heads of 128, bf16, '
-            f'{len(PLANNER_CASES)} cases (S 2k-16k, anchors 128-1024, budget none or 0.3-0.5): ratio and kernel',
-            60, 1, lambda d: planner_check(d)),
-    Section('step', 'Qwen3-8B-shaped drafter (5 layers, hidden 4096), S=8000, 512 anchors, bf16 autocast, fused AdamW, '
-            'checkpointing auto, 1 warm-up + 3 steps: peak against the plan, step time, tokens/s, MFU', 90, 1,
-            lambda d: [real_step(d)]),
-    Section('toy', 'the default toy run (accelerate launch -m dflash.train, bf16): wall time and tau', 110, 1, _toy),
-    Section('fsdp', "toy run, 4 steps: 1 process, and FSDP2 through accelerate's plugin on 1 GPU: loss curves equal",
-            40, 1, lambda d: multi_process(d, FSDP_VARIANTS, FSDP_RUN)),
-    Section('multi_gpu', 'toy run, 8 steps: 1 process, DDP and FSDP2 on 2 GPUs: loss curves equal, tokens/s', 150, 2,
-            lambda d: multi_process(d)),
+    _Section('flex_grad', 'flex_attention backward against eager: 2 rows, S=1000, 40 anchors, 8/2 heads of 64, '
+            'fp32 (tol 1e-4) and bf16 (tol 2e-2), full and sliding window 64', 90, 1, lambda d: _grad_check(d)),
+    _Section('attention', 'dense, sdpa, flex fwd+bwd at Qwen3-8B heads: 32/8 of 128, bf16, S=8192, 512 anchors, '
+            'best of 3: time, CUDA peak, the SDPA kernel that ran', 90, 1, lambda d: _attention_compare(d)),
+    _Section('planner', f'predicted against CUDA peak, sdpa backend, 32/8 heads of 128, bf16, '
+            f'{len(_PLANNER_CASES)} cases (S 2k-16k, anchors 128-1024, budget none or 0.3-0.5): ratio and kernel',
+            60, 1, lambda d: _planner_check(d)),
+    _Section('step', 'Qwen3-8B-shaped drafter (5 layers, hidden 4096), S=8000, 512 anchors, bf16 autocast, '
+            'fused AdamW, checkpointing auto, 1 warm-up + 3 steps: peak against the plan, step time, tokens/s, MFU',
+            90, 1,
+            lambda d: [_real_step(d)]),
+    _Section('toy', 'the default toy run (accelerate launch -m dflash.train, bf16): wall time and tau', 110, 1, _toy),
+    _Section('fsdp', "toy run, 4 steps: 1 process, and FSDP2 through accelerate's plugin on 1 GPU: loss curves equal",
+            40, 1, lambda d: _multi_process(d, _FSDP_VARIANTS, _FSDP_RUN)),
+    _Section('multi_gpu', 'toy run, 8 steps: 1 process, DDP and FSDP2 on 2 GPUs: loss curves equal, tokens/s', 150, 2,
+            lambda d: _multi_process(d)),
 ]
-TOTAL_BUDGET_S = 480
+_TOTAL_BUDGET_S = 480
 
 # %% ../nbs/12a_gpu.ipynb #f3b4b802
-def acceptance(results: dict) -> dict:
+def _acceptance(results: dict) -> dict:
     "The issue's acceptance checks on the sections that ran: True/False, or None when a section did not run."
     rows = lambda n: results.get(n, {}).get('rows') or []
     att = {r['method']: r for r in rows('attention')}
@@ -313,27 +319,31 @@ def acceptance(results: dict) -> dict:
             'FSDP2 (accelerate plugin): the losses of 1 process (1e-4)': same(fsdp) if fsdp else None}
 
 def _write(path: Path, text: str):
-    tmp = path.with_suffix(path.suffix + '.partial'); tmp.write_text(text); os.replace(tmp, path)
+    tmp = path.with_suffix(path.suffix + '.partial')
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 def _write_csv(path: Path, rows: list[dict]):
     keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(path.with_suffix('.partial'), 'w', newline='') as f:
-        w = csv.DictWriter(f, keys); w.writeheader(); w.writerows(rows)
+        w = csv.DictWriter(f, keys)
+        w.writeheader()
+        w.writerows(rows)
     os.replace(path.with_suffix('.partial'), path)
 
 # %% ../nbs/12a_gpu.ipynb #98a46cd3
-def machine() -> dict:
+def _machine() -> dict:
     "What the run ran on."
     cuda = torch.cuda.is_available()
     return dict(torch=torch.__version__, cuda=torch.version.cuda, gpus=torch.cuda.device_count() if cuda else 0,
                 gpu=torch.cuda.get_device_name(0) if cuda else None, python=sys.version.split()[0],
                 command='python -m dflash.bench gpu', started=time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime()))
 
-def dry_run(sections=SECTIONS) -> str:
+def _dry_run(sections=SECTIONS) -> str:
     "The plan: each section, what it needs and its time budget on one H200, and whether it would run here."
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     lines = [f"python -m dflash.bench gpu: {len(sections)} sections, "
-             f"at most {TOTAL_BUDGET_S // 60} minutes on one H200 "
+             f"at most {_TOTAL_BUDGET_S // 60} minutes on one H200 "
              f"(CUDA devices here: {n})"]
     for s in sections:
         here = 'runs' if n >= s.gpus else f"skips here (needs {s.gpus} CUDA device{'s' * (s.gpus > 1)})"
@@ -346,19 +356,23 @@ def run_gpu(args) -> dict:
     unknown = sorted(set(args.sections or []) - {s.name for s in SECTIONS})
     if unknown: raise ValueError(f"--sections {' '.join(unknown)}: no such section; use {[s.name for s in SECTIONS]}")
     chosen = [s for s in SECTIONS if not args.sections or s.name in args.sections]
-    if args.dry_run: print(dry_run(chosen)); return {}
-    out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        print(_dry_run(chosen))
+        return {}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    report, t_start = dict(machine=machine(), sections={}), time.perf_counter()
-    (out / 'qwen3-8b-config.json').write_text(qwen3_8b_drafter()[0].to_json_string())
+    report, t_start = dict(machine=_machine(), sections={}), time.perf_counter()
+    (out / 'qwen3-8b-config.json').write_text(_qwen3_8b_drafter()[0].to_json_string())
     for s in chosen:
         spent = time.perf_counter() - t_start
         if n < s.gpus: res = dict(status='skipped', reason=f"needs {s.gpus} CUDA device(s), this machine has {n}"
                                   + (" (torch.cuda.is_available() is False)" if n == 0 else ''))
-        elif spent > TOTAL_BUDGET_S:
-            res = dict(status='skipped', reason=f"time budget of {TOTAL_BUDGET_S} s spent ({spent:.0f} s)")
+        elif spent > _TOTAL_BUDGET_S:
+            res = dict(status='skipped', reason=f"time budget of {_TOTAL_BUDGET_S} s spent ({spent:.0f} s)")
         else:
-            print(f"{s.name}: {s.what} ...", flush=True); t0 = time.perf_counter()
+            print(f"{s.name}: {s.what} ...", flush=True)
+            t0 = time.perf_counter()
             try: res = dict(status='ran', rows=s.run('cuda'))
             except Exception as e: res = dict(status='failed', error=f"{type(e).__name__}: {e}")
             res['seconds'] = time.perf_counter() - t0
@@ -368,7 +382,7 @@ def run_gpu(args) -> dict:
         print(f"{s.name}: {res['status']}" + (f" in {res['seconds']:.0f} s" if 'seconds' in res else '')
               + (f": {res.get('reason') or res.get('error')}" if res['status'] != 'ran' else ''), flush=True)
         report['sections'][s.name] = res
-        report['acceptance'] = acceptance(report['sections'])
+        report['acceptance'] = _acceptance(report['sections'])
         report['seconds'] = time.perf_counter() - t_start
         _write(out / 'gpu.json', json.dumps(report, indent=1, default=str))
     for k, v in report['acceptance'].items(): print(f"{k}: {'not run' if v is None else 'met' if v else 'NOT met'}")

@@ -5,6 +5,7 @@
 # %% ../nbs/12_harness.ipynb #a7e50003
 from __future__ import annotations
 import contextlib, csv, dataclasses, os, re, socket, statistics, subprocess, sys, tempfile, time
+from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -13,18 +14,18 @@ from .memory import measure
 from .attention import get_backend
 
 # %% auto #0
-__all__ = ['METHODS', 'dense_attention', 'gather_attention', 'pinned_threads', 'sync_device', 'bench_many', 'physical_floor',
-           'free_port', 'launch_commands', 'launch_train', 'last_error', 'logged_steps', 'throughput']
+__all__ = ['METHODS', 'pinned_threads', 'sync_device', 'bench_many', 'physical_floor', 'launch_train', 'last_error',
+           'logged_steps', 'throughput']
 
 # %% ../nbs/12_harness.ipynb #e0bdccab
-def dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window=None) -> Tensor:
+def _dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window=None) -> Tensor:
     "Baseline: one SDPA call with the dense boolean mask over all blocks."
     k, v = torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2)    # (N, Hkv, S + A·B, D)
     mask = layout.dense_mask(sliding_window)[:, None]                    # (N, 1, A·B, S + A·B)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return out * layout.keep.repeat_interleave(layout.block_size, 1)[:, None, :, None]   # padded rows: zeros
 
-def gather_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window=None) -> Tensor:
+def _gather_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window=None) -> Tensor:
     "Baseline: per block, one SDPA call over its own prefix and block; KV heads shared by `enable_gqa`, not expanded."
     if sliding_window is not None: raise ValueError("the gather baseline covers full-attention layers only")
     N, Hq, T, D = q.shape
@@ -35,14 +36,16 @@ def gather_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, slid
         outs = []
         for i, a in enumerate(anchors[n]):
             blk = slice(i * B, (i + 1) * B)
-            if not keep[n][i]: outs.append(q.new_zeros(Hq, B, D)); continue
+            if not keep[n][i]:
+                outs.append(q.new_zeros(Hq, B, D))
+                continue
             k = torch.cat([k_ctx[n, :, :a], k_blk[n, :, blk]], 1)           # (Hkv, a + B, D)
             v = torch.cat([v_ctx[n, :, :a], v_blk[n, :, blk]], 1)
             outs.append(F.scaled_dot_product_attention(q[n, :, blk][None], k[None], v[None], enable_gqa=True)[0])
         rows.append(torch.cat(outs, 1))
     return torch.stack(rows)
 
-METHODS = {'dense': lambda **o: dense_attention, 'gather': lambda **o: gather_attention,
+METHODS = {'dense': lambda **o: _dense_attention, 'gather': lambda **o: _gather_attention,
            'sdpa': lambda **o: get_backend('sdpa', **o), 'flex': lambda **o: get_backend('flex', **o),
            'eager': lambda **o: get_backend('eager')}
 
@@ -61,7 +64,8 @@ def _step(fn, qkv, layout, sliding_window) -> tuple[float, float]:
     "(wall, CPU) seconds of one forward+backward; a fresh layout object, so the sdpa backend plans inside the step."
     dev = qkv[0].device
     for t in qkv: t.grad = None
-    sync_device(dev); t0, c0 = time.perf_counter(), time.process_time()
+    sync_device(dev)
+    t0, c0 = time.perf_counter(), time.process_time()
     out = fn(*qkv, dataclasses.replace(layout), sliding_window=sliding_window)
     out.backward(torch.ones_like(out))
     sync_device(dev)
@@ -75,7 +79,9 @@ def bench_many(fns: dict, qkv, layout, sliding_window=None, repeats: int = 3) ->
     for r in range(repeats + 1):
         for k, fn in fns.items():
             w, c = _step(fn, qkv, layout, sliding_window)
-            if r: wall[k].append(w); cpu[k].append(c)
+            if r:
+                wall[k].append(w)
+                cpu[k].append(c)
     for t in qkv: t.grad = None
     return {k: dict(time_s=statistics.median(wall[k]), cpu_s=statistics.median(cpu[k]),
                     peak_bytes=measure(fn, *qkv, layout, sliding_window=sliding_window).peak) for k, fn in fns.items()}
@@ -85,12 +91,12 @@ def physical_floor(qkv) -> int:
     return 2 * (sum(t.numel() * t.element_size() for t in qkv) + qkv[0].numel() * qkv[0].element_size())
 
 # %% ../nbs/12_harness.ipynb #ee9ae346
-def free_port() -> str:
+def _free_port() -> str:
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         return str(s.getsockname()[1])
 
-def launch_commands(out, *train_args: str, processes: int = 1, machines: int = 1, device: str = 'cpu',
+def _launch_commands(out, *train_args: str, processes: int = 1, machines: int = 1, device: str = 'cpu',
                     accelerate_args=('--mixed_precision', 'no'), port: str | None = None,
                     module: str = 'dflash.train') -> list[list[str]]:
     """One `accelerate launch [accelerate_args] -m MODULE --out OUT *train_args` per machine: `processes` in all,
@@ -98,7 +104,7 @@ def launch_commands(out, *train_args: str, processes: int = 1, machines: int = 1
     if processes % machines: raise ValueError(f"{processes} processes do not split over {machines} machines")
     plugin = any(a in accelerate_args for a in ('--use_fsdp', '--use_deepspeed'))     # they exclude --multi_gpu
     dist = ['--cpu'] if device == 'cpu' and processes == 1 else ['--multi_gpu'] if processes > 1 and not plugin else []
-    port = port or free_port()
+    port = port or _free_port()
     nodes = [['--num_machines', '1']] if machines == 1 else [
         ['--num_machines', str(machines), '--machine_rank', str(r), '--main_process_ip', '127.0.0.1']
         for r in range(machines)]
@@ -109,10 +115,10 @@ def launch_commands(out, *train_args: str, processes: int = 1, machines: int = 1
 def launch_train(out, *train_args: str, processes: int = 1, machines: int = 1, device: str = 'cpu',
                  accelerate_args=('--mixed_precision', 'no'), threads: int = 1, env: dict | None = None,
                  timeout: float = 3600, wait: bool = True, module: str = 'dflash.train'):
-    """Run `launch_commands(...)`, `threads` threads per process, `env` added to the environment: the finished launch
+    """Run `_launch_commands(...)`, `threads` threads per process, `env` added to the environment: the finished launch
     (several machines: started together, outputs joined, failures last; past `timeout`: exit -9). `wait=False`: the
     running launch of one machine, in a session of its own (so its process group can be killed)."""
-    cmds = launch_commands(out, *train_args, processes=processes, machines=machines, device=device,
+    cmds = _launch_commands(out, *train_args, processes=processes, machines=machines, device=device,
                            accelerate_args=accelerate_args, module=module)
     env = {**os.environ, 'OMP_NUM_THREADS': str(threads), 'PYTHONUNBUFFERED': '1', 'TOKENIZERS_PARALLELISM': 'false',
            **({'ACCELERATE_USE_CPU': 'true'} if device == 'cpu' else {}), **(env or {})}  # cpu: else lone processes
@@ -125,23 +131,26 @@ def launch_train(out, *train_args: str, processes: int = 1, machines: int = 1, d
         except subprocess.TimeoutExpired as e:
             text = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ''
             return subprocess.CompletedProcess(cmds[0], -9, text, f"timed out after {timeout:.0f} s")
-    logs = [tempfile.TemporaryFile('w+') for _ in cmds]                # files, not pipes: no launch blocks on output
-    procs = [subprocess.Popen(c, env=env, stdout=f, stderr=subprocess.STDOUT, text=True) for c, f in zip(cmds, logs)]
-    deadline, stopped = time.monotonic() + timeout, None
-    try:
-        while any(p.poll() is None for p in procs):       # one machine failed: the others would wait for it forever
-            if stopped is None and (any(p.returncode for p in procs) or time.monotonic() > deadline):
-                stopped = time.monotonic()
-                for p in procs: p.terminate()
-            if stopped is not None and time.monotonic() > stopped + 30:
-                for p in procs: p.kill()
-            time.sleep(0.5)
-    finally:
-        for p in procs:
-            if p.poll() is None: p.kill()
-    texts = []
-    for r, (p, f) in enumerate(zip(procs, logs)):
-        f.seek(0); texts.append((p.returncode != 0, f"[machine {r}, exit {p.returncode}]\n" + f.read())); f.close()
+    with contextlib.ExitStack() as files:
+        logs = [files.enter_context(tempfile.TemporaryFile('w+')) for _ in cmds]   # not pipes: no launch blocks
+        procs = [subprocess.Popen(c, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+                 for c, f in zip(cmds, logs)]
+        deadline, stopped = time.monotonic() + timeout, None
+        try:
+            while any(p.poll() is None for p in procs):       # one machine failed: the others would wait for it forever
+                if stopped is None and (any(p.returncode for p in procs) or time.monotonic() > deadline):
+                    stopped = time.monotonic()
+                    for p in procs: p.terminate()
+                if stopped is not None and time.monotonic() > stopped + 30:
+                    for p in procs: p.kill()
+                time.sleep(0.5)
+        finally:
+            for p in procs:
+                if p.poll() is None: p.kill()
+        texts = []
+        for r, (p, f) in enumerate(zip(procs, logs)):
+            f.seek(0)
+            texts.append((p.returncode != 0, f"[machine {r}, exit {p.returncode}]\n" + f.read()))
     code = next((p.returncode for p in procs if p.returncode), 0)
     return subprocess.CompletedProcess(cmds[0], code, '\n'.join(t for _, t in sorted(texts)), '')   # failures last
 
@@ -155,7 +164,7 @@ def last_error(output: str) -> str:
 
 def logged_steps(metrics_csv) -> list[dict]:
     "The rows of a run's metrics.csv; a step logged twice means its processes did not form one run."
-    rows = list(csv.DictReader(open(metrics_csv)))
+    rows = list(csv.DictReader(Path(metrics_csv).read_text().splitlines()))
     steps = [int(r['step']) for r in rows]
     if len(set(steps)) < len(steps):
         raise ValueError(f"{metrics_csv}: steps logged more than once; every process acted as the main process, "

@@ -11,7 +11,7 @@ from fastcore.basics import patch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['valid_anchors', 'sample_anchors', 'BlockLayout', 'HeadShape']
+__all__ = ['valid_anchors', 'BlockLayout', 'HeadShape']
 
 # %% ../nbs/01_layout.ipynb #4f4fd289
 def valid_anchors(loss_mask: Tensor) -> Tensor:
@@ -19,7 +19,7 @@ def valid_anchors(loss_mask: Tensor) -> Tensor:
     m = loss_mask.bool()
     return torch.nonzero(m[:-1] & m[1:]).flatten()
 
-def sample_anchors(loss_mask: Tensor, num_anchors: int, seed: int, epoch: int, sample_id: int) -> Tensor:
+def _sample_anchors(loss_mask: Tensor, num_anchors: int, seed: int, epoch: int, sample_id: int) -> Tensor:
     "Up to `num_anchors` valid anchors, uniform without replacement, sorted; seeded by (seed, epoch, sample_id)."
     valid = valid_anchors(loss_mask).numpy()
     if len(valid) == 0:
@@ -69,7 +69,7 @@ def from_batch(cls: BlockLayout, input_ids: Tensor, loss_mask: Tensor, *, mask_t
     input_ids, loss_mask = input_ids.cpu(), loss_mask.cpu().bool()
     N, S = input_ids.shape
     sample_ids = range(N) if sample_ids is None else [int(i) for i in sample_ids]
-    rows = [sample_anchors(loss_mask[n], num_anchors, seed, epoch, sid) for n, sid in enumerate(sample_ids)]
+    rows = [_sample_anchors(loss_mask[n], num_anchors, seed, epoch, sid) for n, sid in enumerate(sample_ids)]
     A = max(len(r) for r in rows)
     anchors = torch.zeros(N, A, dtype=torch.long)
     keep = torch.zeros(N, A, dtype=torch.bool)

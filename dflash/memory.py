@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 # %% auto #0
-__all__ = ['MemoryTracker', 'MemStats', 'fmt_bytes', 'measure', 'peak_bytes', 'saved_bytes', 'plot_peaks', 'plot_sweep']
+__all__ = ['MemoryTracker', 'fmt_bytes', 'measure', 'saved_bytes', 'plot_peaks']
 
 # %% ../nbs/02_memory.ipynb #28fdd20c
 class _NoModules:
@@ -52,7 +52,7 @@ class MemoryTracker(MemTracker):
 
 # %% ../nbs/02_memory.ipynb #e67c40ab
 @dataclass
-class MemStats:
+class _MemStats:
     "Bytes of live tensors above what was live before the call."
     peak: int        # whole call: forward, then backward if asked
     fwd_peak: int    # during forward
@@ -83,7 +83,7 @@ def _backward(out, grad_out):
         raise ValueError(f"grad_out has {len(grads)} tensors for {len(outs)} outputs that require grad")
     torch.autograd.backward(outs, grads)
 
-def _measure_tracked(fn, args, kwargs, *, backward, grad_out, path) -> MemStats:
+def _measure_tracked(fn, args, kwargs, *, backward, grad_out, path) -> _MemStats:
     tracker = MemoryTracker()
     with tracker:
         params = list(fn.parameters()) + list(fn.buffers()) if isinstance(fn, torch.nn.Module) else []
@@ -92,10 +92,10 @@ def _measure_tracked(fn, args, kwargs, *, backward, grad_out, path) -> MemStats:
         fwd_peak, after_fwd = tracker.peak, tracker.current
         if backward: _backward(out, grad_out)
         peak, end = tracker.peak, tracker.current
-    return MemStats(peak, fwd_peak, after_fwd, end, path)
+    return _MemStats(peak, fwd_peak, after_fwd, end, path)
 
 # %% ../nbs/02_memory.ipynb #db3ff758
-def _measure_cuda(fn, args, kwargs, *, backward, grad_out, device) -> MemStats:
+def _measure_cuda(fn, args, kwargs, *, backward, grad_out, device) -> _MemStats:
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -105,7 +105,7 @@ def _measure_cuda(fn, args, kwargs, *, backward, grad_out, device) -> MemStats:
     if backward: _backward(out, grad_out)
     torch.cuda.synchronize(device)
     peak, end = torch.cuda.max_memory_allocated(device) - base, torch.cuda.memory_allocated(device) - base
-    return MemStats(peak, fwd_peak, after_fwd, end, 'cuda')
+    return _MemStats(peak, fwd_peak, after_fwd, end, 'cuda')
 
 def _cuda_device(fn, args, kwargs):
     "The first CUDA device among the tensors of the call (and the parameters of `fn`), else None."
@@ -130,7 +130,7 @@ def measure(fn: Callable,          # the step to measure; called as fn(*args, **
             backward: bool = True,  # then backpropagate from every tensor output that requires grad
             mode: str = 'real',     # 'real' (CPU tracker, or CUDA allocator for CUDA args) or 'fake'
             grad_out=None,          # output gradient(s); default: ones_like of each output, counted
-            **kwargs) -> MemStats:
+            **kwargs) -> _MemStats:
     "Run `fn(*args, **kwargs)` (and its backward) and return the bytes of live tensors above the starting point."
     if mode not in ('real', 'fake'): raise ValueError(f"mode must be 'real' or 'fake', not {mode!r}")
     if mode == 'fake':
@@ -141,7 +141,7 @@ def measure(fn: Callable,          # the step to measure; called as fn(*args, **
     if device is not None: return _measure_cuda(fn, args, kwargs, backward=backward, grad_out=grad_out, device=device)
     return _measure_tracked(fn, args, kwargs, backward=backward, grad_out=grad_out, path='cpu')
 
-def peak_bytes(fn: Callable, *args, backward: bool = True, mode: str = 'real', grad_out=None, **kwargs) -> int:
+def _peak_bytes(fn: Callable, *args, backward: bool = True, mode: str = 'real', grad_out=None, **kwargs) -> int:
     "Peak bytes of tensors live while `fn(*args, **kwargs)` runs (and its backward), above what was live before."
     return measure(fn, *args, backward=backward, mode=mode, grad_out=grad_out, **kwargs).peak
 
@@ -211,7 +211,7 @@ def plot_peaks(peaks: dict, budget=None, ax=None, title: str = '', log: bool = F
     _untangle_xticks(ax, [str(k) for k in groups])
     return ax
 
-def plot_sweep(xs, series: dict, *, budget=None, ax=None, xlabel: str = 'sequence length', title: str = '',
+def _plot_sweep(xs, series: dict, *, budget=None, ax=None, xlabel: str = 'sequence length', title: str = '',
                log: bool = True):
     "Lines of peak bytes across `xs`: `{variant: [bytes per x]}`."
     import matplotlib.pyplot as plt                   # lazily: model code imports this module

@@ -13,8 +13,7 @@ from .layout import BlockLayout
 from .drafter import compute_dtype
 
 # %% auto #0
-__all__ = ['OBJECTIVE_CHUNK_COST', 'objective_bytes_per_row', 'objective_chunk_blocks', 'frugal_chunk_blocks', 'ObjectiveSums',
-           'accepted_length', 'dflash_objective']
+__all__ = ['objective_bytes_per_row', 'ObjectiveSums', 'accepted_length', 'dflash_objective']
 
 # %% ../nbs/07_objective.ipynb #3283df5a
 def objective_bytes_per_row(vocab_size: int, dtype: torch.dtype) -> int:
@@ -22,7 +21,7 @@ def objective_bytes_per_row(vocab_size: int, dtype: torch.dtype) -> int:
     e = torch.finfo(dtype).bits // 8
     return vocab_size * (4 + (e if e < 4 else 0))   # fp32 logits (softmax in place) + a low-precision copy
 
-def objective_chunk_blocks(vocab_size: int, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+def _objective_chunk_blocks(vocab_size: int, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
     "How many blocks' logits fit in `budget_bytes` at once (at least one, or an error naming the minimum)."
     per_block = (block_size - 1) * objective_bytes_per_row(vocab_size, dtype)
     if budget_bytes < per_block:
@@ -34,7 +33,7 @@ def objective_chunk_blocks(vocab_size: int, block_size: int, dtype: torch.dtype,
 
 # %% ../nbs/07_objective.ipynb #c59f8325
 _TILE_ROWS = 128                 # rows one matmul tile computes at once: a chunk of fewer costs as many
-OBJECTIVE_CHUNK_COST = 2**26     # multiply-adds the fixed costs of one chunk are worth
+_OBJECTIVE_CHUNK_COST = 2**26     # multiply-adds the fixed costs of one chunk are worth
 
 def _objective_cost(chunk: np.ndarray, blocks: int, rows_per_block: int, vocab_size: int,
                     hidden_size: int) -> np.ndarray:
@@ -42,13 +41,13 @@ def _objective_cost(chunk: np.ndarray, blocks: int, rows_per_block: int, vocab_s
     n, rest = blocks // chunk, blocks % chunk
     tiles = lambda r: -(-r // _TILE_ROWS) * _TILE_ROWS
     rows = n * tiles(chunk * rows_per_block) + (rest > 0) * tiles(rest * rows_per_block)
-    return rows * 2 * vocab_size * hidden_size + (n + (rest > 0)) * OBJECTIVE_CHUNK_COST
+    return rows * 2 * vocab_size * hidden_size + (n + (rest > 0)) * _OBJECTIVE_CHUNK_COST
 
-def frugal_chunk_blocks(blocks: int, block_size: int, *, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+def _frugal_chunk_blocks(blocks: int, block_size: int, *, vocab_size: int, hidden_size: int, dtype: torch.dtype,
                         budget_bytes: int | None = None, slack: float = 0.05) -> int:
     "Smallest chunk (blocks) whose modelled cost is within `slack` of the fastest one that fits `budget_bytes`."
     cap = blocks if budget_bytes is None else \
-        min(blocks, objective_chunk_blocks(vocab_size, block_size, dtype, budget_bytes))
+        min(blocks, _objective_chunk_blocks(vocab_size, block_size, dtype, budget_bytes))
     sizes = np.arange(1, max(cap, 1) + 1)
     cost = _objective_cost(sizes, blocks, block_size - 1, vocab_size, hidden_size)
     return int(sizes[np.argmax(cost <= (1 + slack) * cost.min())])
@@ -129,7 +128,7 @@ def dflash_objective(hidden: Tensor, layout: BlockLayout, lm_head: Tensor, *, ch
     N, A, B = layout.batch_size, layout.num_blocks, layout.block_size
     V, H = lm_head.shape
     if chunk_blocks is None:
-        chunk_blocks = frugal_chunk_blocks(N * A, B, vocab_size=V, hidden_size=H,
+        chunk_blocks = _frugal_chunk_blocks(N * A, B, vocab_size=V, hidden_size=H,
                                            dtype=compute_dtype(hidden, lm_head.dtype), budget_bytes=budget_bytes)
     h, labels = hidden.reshape(N * A, B, H), layout.labels.reshape(N * A, B)
     grad = torch.is_grad_enabled() and hidden.requires_grad

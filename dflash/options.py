@@ -12,8 +12,8 @@ import yaml
 from fastcore.basics import patch_to
 
 # %% auto #0
-__all__ = ['OptionsError', 'option', 'flag', 'allowed_text', 'check_value', 'OptionParser', 'build_options', 'parse_options',
-           'exit_bad_options', 'Command', 'usage_text', 'parse_subcommand']
+__all__ = ['OptionsError', 'option', 'flag', 'OptionParser', 'build_options', 'parse_options', 'exit_bad_options', 'Command',
+           'usage_text', 'parse_subcommand']
 
 # %% ../nbs/00a_options.ipynb #38d158e5
 class OptionsError(ValueError):
@@ -32,7 +32,7 @@ def option(default=None, help: str = '', *, ge=None, gt=None, le=None, lt=None, 
 def flag(name: str) -> str: return '--' + name.replace('_', '-')
 
 # %% ../nbs/00a_options.ipynb #0583bfbc
-def allowed_text(a: dict) -> str:
+def _allowed_text(a: dict) -> str:
     "What `option(...)`'s allowed-values metadata allows, in words."
     if a.get('choices'): return 'one of ' + ', '.join(map(str, a['choices']))
     lo = f">= {a['ge']}" if a.get('ge') is not None else f"> {a['gt']}" if a.get('gt') is not None else None
@@ -46,13 +46,13 @@ def _in_range(v, a: dict) -> bool:
     return ((a.get('ge') is None or v >= a['ge']) and (a.get('gt') is None or v > a['gt']) and
             (a.get('le') is None or v <= a['le']) and (a.get('lt') is None or v < a['lt']))
 
-def check_value(name: str, value, allowed: dict) -> str | None:
+def _check_value(name: str, value, allowed: dict) -> str | None:
     "What is wrong with `value` for option `name`, or None."
     if value is None or not allowed: return None
     if isinstance(value, list) and not value: return f"{flag(name)} = []: needs at least one value"
     for v in value if isinstance(value, list) else [value]:
         if not _in_range(v, allowed):
-            return f"{flag(name)} = {value!r}: allowed {allowed_text(allowed) or 'a finite number'}"
+            return f"{flag(name)} = {value!r}: allowed {_allowed_text(allowed) or 'a finite number'}"
         kind = allowed.get('path')
         if kind and not {'file': Path.is_file, 'dir': Path.is_dir, 'exists': Path.exists}[kind](Path(v)):
             what = {'file': 'no such file', 'dir': 'no such directory', 'exists': 'no such file or directory'}[kind]
@@ -97,7 +97,7 @@ def _converter(conv, name: str, parser, optional: bool = False):
 # %% ../nbs/00a_options.ipynb #b86ab2df
 def _help(f, default) -> str:
     "The `--help` line of field `f`: its help, ` [what it allows]` and ` (default: X)`."
-    rule = allowed_text(f.metadata.get('allowed', {}))
+    rule = _allowed_text(f.metadata.get('allowed', {}))
     shown = ' '.join(map(str, default)) if isinstance(default, tuple) else default
     return (f"{f.metadata.get('help', '')}{f' [{rule}]' if rule else ''}"
             f"{'' if default is None else f' (default: {shown})'}").replace('%', '%%')   # argparse formats % itself
@@ -162,7 +162,9 @@ def read_mapping(self, d: dict, source: str) -> dict:
     tokens, values = [], {}
     for k, v in d.items():
         a = self.actions.get(k) if isinstance(k, str) else None
-        if a is None: self.problems.append(f"{k!r} ({source}): unknown option; see --help"); continue
+        if a is None:
+            self.problems.append(f"{k!r} ({source}): unknown option; see --help")
+            continue
         if v is None:
             if _optional(self.hints[k]): values[k] = None
             else: self.problems.append(f"{k}: null ({source}): a value is needed")
@@ -178,15 +180,19 @@ def read_mapping(self, d: dict, source: str) -> dict:
 def read_yaml(self, path) -> dict:
     "Options from a YAML file; an unreadable file or bad YAML is a problem that names it."
     p = Path(path)
-    if not p.is_file(): self.problems.append(f"--config {path}: no such file"); return {}
+    if not p.is_file():
+        self.problems.append(f"--config {path}: no such file")
+        return {}
     try: d = yaml.safe_load(p.read_text(encoding='utf-8'))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         m = getattr(e, 'problem_mark', None)
         where = f" at line {m.line + 1}, column {m.column + 1}" if m else ''
-        self.problems.append(f"--config {path}: not valid YAML{where} ({getattr(e, 'problem', None) or e})"); return {}
+        self.problems.append(f"--config {path}: not valid YAML{where} ({getattr(e, 'problem', None) or e})")
+        return {}
     if d is None: return {}
     if not isinstance(d, dict):
-        self.problems.append(f"--config {path}: expected a mapping of options, got {type(d).__name__}"); return {}
+        self.problems.append(f"--config {path}: expected a mapping of options, got {type(d).__name__}")
+        return {}
     return self.read_mapping(d, str(path))
 
 @patch_to(OptionParser)
@@ -207,7 +213,7 @@ def build_options(cls, values: dict, problems=(), prog: str = '', check=None):
     problems += [f"{k!r}: unknown option" for k in unknown]
     values = {k: v for k, v in values.items() if k in names}
     for f in fields(cls):
-        if f.name in values and (p := check_value(f.name, values[f.name], f.metadata.get('allowed', {}))):
+        if f.name in values and (p := _check_value(f.name, values[f.name], f.metadata.get('allowed', {}))):
             problems.append(p)
     obj = cls(**values)
     if check: problems += check(obj)

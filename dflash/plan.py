@@ -31,9 +31,8 @@ if __name__ == '__main__' and '__file__' in globals() and {'-h', '--help'} & set
     OptionParser(PlanOptions, _PROG, _ABOUT).parse_args(['--help'])          # help before torch loads
 
 # %% auto #0
-__all__ = ['DTYPES', 'POLICIES', 'TARGET_PRESETS', 'GPU_SIZES', 'PlanOptions', 'parse_memory', 'StepMemory', 'plan_layout',
-           'budgets', 'step_memory', 'recommend_policy', 'format_table', 'recommendation', 'online_target_bytes',
-           'online_advice', 'main', 'target_drafter_config', 'memory_parts', 'fit_figure', 'fit_widget']
+__all__ = ['DTYPES', 'PlanOptions', 'parse_memory', 'plan_layout', 'budgets', 'step_memory', 'recommend_policy',
+           'online_target_bytes', 'online_advice', 'main', 'fit_widget']
 
 # %% ../nbs/07a_plan.ipynb #500a9cad
 import json, re, sys, time
@@ -66,7 +65,7 @@ DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}
 _FAKE_CHUNK_COST = 2**30          # query·key pairs one chunk costs in the fake run's plan: few, large chunks
 
 @dataclass
-class StepMemory:
+class _StepMemory:
     "Predicted bytes of one training step of one process."
     policy: object                # checkpointing policy
     checkpointed: list            # layer indices it recomputes
@@ -134,7 +133,7 @@ def budgets(cfg: DrafterConfig, seq_len: int, memory_bytes: int, dtype='bf16',
 def step_memory(cfg: DrafterConfig, seq_len: int, num_anchors: int, *, policy='none', dtype: str = 'bf16',
                 attention: str = 'sdpa', micro_batch_size: int = 1, attention_budget: int | None = None,
                 objective_budget: int | None = None, optimizer: str = 'fused',
-                memory_bytes: int | None = None) -> StepMemory:
+                memory_bytes: int | None = None) -> _StepMemory:
     "Run one training step of a drafter of `cfg` on fake tensors and return its memory."
     if dtype not in DTYPES: raise ValueError(f"dtype {dtype!r}: use one of {list(DTYPES)}")
     if optimizer not in ('fused', 'foreach'): raise ValueError(f"optimizer {optimizer!r}: use 'fused' or 'foreach'")
@@ -151,7 +150,7 @@ def step_memory(cfg: DrafterConfig, seq_len: int, num_anchors: int, *, policy='n
                             objective_budget, optimizer, t0)
 
 def _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_size, attention_budget, objective_budget,
-                 optimizer, t0) -> StepMemory:
+                 optimizer, t0) -> _StepMemory:
     opts = dict(budget_bytes=attention_budget, chunk_cost=_FAKE_CHUNK_COST) if attention == 'sdpa' else {}
     one_block = cfg.block_size * objective_bytes_per_row(cfg.vocab_size, dt)
     objective_budget = max(objective_budget, one_block)
@@ -188,15 +187,15 @@ def _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_s
     weights = sum(p.numel() for p in params) * 4
     moments = sum(s.nbytes for st in opt.state.values() for s in st.values() if isinstance(s, torch.Tensor) and s.dim())
     frozen = (embed.nbytes + lm_head.nbytes + context.nbytes)
-    return StepMemory(policy, chosen, len(drafter.layers), weights, weights, moments, frozen, fwd, fwd_bwd, step,
+    return _StepMemory(policy, chosen, len(drafter.layers), weights, weights, moments, frozen, fwd, fwd_bwd, step,
                       attention_budget or 0, objective_budget, time.perf_counter() - t0)
 
 # %% ../nbs/07a_plan.ipynb #549a5f60
-POLICIES = ('none', 2, 'all')
+_POLICIES = ('none', 2, 'all')
 
 def recommend_policy(drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int, *,
                      dtype: str = 'bf16', attention: str = 'sdpa', micro_batch_size: int = 1, optimizer: str = 'fused',
-                     policies=POLICIES, full_table: bool = False) -> tuple[object, list[StepMemory]]:
+                     policies=_POLICIES, full_table: bool = False) -> tuple[object, list[_StepMemory]]:
     "(cheapest checkpointing policy whose step fits `budget_bytes`, else the most frugal one; the rows measured)"
     a, o = budgets(drafter_config, seq_len, budget_bytes, dtype, micro_batch_size)
     table = []
@@ -211,7 +210,7 @@ def recommend_policy(drafter_config: DrafterConfig, seq_len: int, num_anchors: i
 # %% ../nbs/07a_plan.ipynb #2a2278b5
 def _gb(n: int) -> str: return f"{n / 1e9:.2f}"
 
-def format_table(table: list[StepMemory], budget_bytes: int) -> str:
+def _format_table(table: list[_StepMemory], budget_bytes: int) -> str:
     "The predicted peaks of each policy, one row each, and whether they fit `budget_bytes`."
     head = ['policy', 'recomputes', 'time overhead', 'weights', 'grads', 'AdamW', 'activations', 'step', 'frozen',
             'total', 'fits']
@@ -223,7 +222,7 @@ def format_table(table: list[StepMemory], budget_bytes: int) -> str:
     title = f"budget {_gb(budget_bytes)} GB ({fmt_bytes(budget_bytes)}); all sizes in GB (1e9 bytes)"
     return '\n'.join([title, line(head), *map(line, rows)])
 
-def recommendation(policy, table: list[StepMemory], budget_bytes: int) -> str:
+def _recommendation(policy, table: list[_StepMemory], budget_bytes: int) -> str:
     "One sentence: the policy to use, or by how much the most frugal one misses."
     r = next(t for t in table if t.policy == policy)
     if r.total <= budget_bytes:
@@ -296,7 +295,7 @@ def main(argv=None) -> int:
     try: a, _ = parse_options(PlanOptions, argv, prog=_PROG, description=_ABOUT, check=_check_plan)
     except OptionsError as e: exit_bad_options(e)
     budget = parse_memory(a.memory)
-    a.policies = [parse_policy(p) for p in a.policies] if a.policies else list(POLICIES)
+    a.policies = [parse_policy(p) for p in a.policies] if a.policies else list(_POLICIES)
     tc = _target_config(a.target_config)
     cfg = DrafterConfig.from_target(tc, mask_token_id=tc.vocab_size - 1, num_hidden_layers=a.layers,
                                     block_size=a.block_size)
@@ -308,8 +307,8 @@ def main(argv=None) -> int:
     policy, table = recommend_policy(cfg, a.seq_len, a.anchors, budget, dtype=a.dtype, attention=a.attention,
                                      micro_batch_size=a.micro_batch_size, optimizer=a.optimizer,
                                      policies=a.policies, full_table=True)
-    print(format_table(table, budget))
-    print(recommendation(policy, table, budget))
+    print(_format_table(table, budget))
+    print(_recommendation(policy, table, budget))
     print(online_advice(online_target_bytes(tc, a.seq_len, a.micro_batch_size),
                         next(r for r in table if r.policy == policy).total, budget))
     print("fake tensors with CPU kernel semantics; allocator rounding and fragmentation not counted: "
@@ -320,7 +319,7 @@ def main(argv=None) -> int:
 if __name__ == '__main__' and '__file__' in globals(): sys.exit(main())
 
 # %% ../nbs/07a_plan.ipynb #bfda98e7
-TARGET_PRESETS = {         # transformers config sizes of a few common targets
+_TARGET_PRESETS = {         # transformers config sizes of a few common targets
     'Qwen3-4B': dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
     'Qwen3-8B': dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -329,9 +328,9 @@ TARGET_PRESETS = {         # transformers config sizes of a few common targets
                          num_key_value_heads=8, head_dim=128, vocab_size=128256),
     'Qwen3-32B': dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
                       num_key_value_heads=8, head_dim=128, vocab_size=151936)}
-GPU_SIZES = ('24GB', '40GB', '48GB', '80GB', '94GB', '141GB', '192GB')
+_GPU_SIZES = ('24GB', '40GB', '48GB', '80GB', '94GB', '141GB', '192GB')
 
-def target_drafter_config(sizes: dict, layers: int = 5) -> DrafterConfig:
+def _target_drafter_config(sizes: dict, layers: int = 5) -> DrafterConfig:
     "The drafter config training would derive for a Qwen3-shaped target of these sizes."
     from transformers import Qwen3Config
     tc = Qwen3Config(**sizes, rms_norm_eps=1e-6, max_position_embeddings=40960)
@@ -340,19 +339,19 @@ def target_drafter_config(sizes: dict, layers: int = 5) -> DrafterConfig:
 # %% ../nbs/07a_plan.ipynb #dd813bb4
 _PARTS = ('weights', 'grads', 'AdamW', 'activations', 'optimizer step', 'frozen')
 
-def memory_parts(r: StepMemory) -> dict:
+def _memory_parts(r: _StepMemory) -> dict:
     "A step's total split into parts that add up to it (bytes): the bars of the fit chart."
     return dict(zip(_PARTS, (r.weights, r.grads, r.optimizer, r.activations, max(r.step_peak - r.fwd_bwd_peak, 0),
                              r.frozen)))
 
-def fit_figure(table: list[StepMemory], budget_bytes: int, chosen=None, title: str = ''):
+def _fit_figure(table: list[_StepMemory], budget_bytes: int, chosen=None, title: str = ''):
     "Stacked bars of each policy's step memory (GB) against the budget; `chosen` is marked."
     from matplotlib.figure import Figure            # not pyplot: nothing global, nothing shown by itself
     fig = Figure(figsize=(7, 0.6 * len(table) + 1.6), layout='constrained')
     ax = fig.subplots()
     for y, r in enumerate(table):
         left = 0.
-        for k, (part, b) in enumerate(memory_parts(r).items()):
+        for k, (part, b) in enumerate(_memory_parts(r).items()):
             ax.barh(y, b / 1e9, left=left, color=f'C{k}', label=part if y == 0 else None)
             left += b / 1e9
     ax.axvline(budget_bytes / 1e9, color='red', ls='--', label=f'budget {budget_bytes / 1e9:.1f} GB')
@@ -371,14 +370,14 @@ def fit_widget(*, target: str = 'Qwen3-8B', memory: str = '80GB', seq_len: int =
     import ipywidgets as W
     box = lambda w: W.Layout(width=w)
     sizes = {k: W.IntText(v, description=k.replace('num_', '').replace('_', ' '), layout=box('230px'),
-                          style={'description_width': '130px'}) for k, v in TARGET_PRESETS[target].items()}
-    preset = W.Dropdown(options=[*TARGET_PRESETS, 'custom'], value=target, description='target')
-    gpu = W.Combobox(value=memory, options=list(GPU_SIZES), description='GPU memory', ensure_option=False,
+                          style={'description_width': '130px'}) for k, v in _TARGET_PRESETS[target].items()}
+    preset = W.Dropdown(options=[*_TARGET_PRESETS, 'custom'], value=target, description='target')
+    gpu = W.Combobox(value=memory, options=list(_GPU_SIZES), description='GPU memory', ensure_option=False,
                      continuous_update=False, style={'description_width': 'initial'}, layout=box('200px'))
     seq = W.IntText(seq_len, description='seq len', layout=box('180px'))
     anc = W.IntText(anchors, description='anchors', layout=box('180px'))
     lay = W.IntText(layers, description='layers', layout=box('180px'))
-    pol = W.Dropdown(options=['auto', *map(str, POLICIES)], value=str(policy), description='policy',
+    pol = W.Dropdown(options=['auto', *map(str, _POLICIES)], value=str(policy), description='policy',
                      layout=box('200px'))
     out = W.Output()
 
@@ -396,20 +395,23 @@ def fit_widget(*, target: str = 'Qwen3-8B', memory: str = '80GB', seq_len: int =
             budget = parse_memory(gpu.value)
             bad = [x.description for x in (*sizes.values(), seq, anc, lay) if x.value < 1]
             if bad: raise ValueError(f"{', '.join(bad)}: must be at least 1")
-            cfg = target_drafter_config({k: x.value for k, x in sizes.items()}, lay.value)
+            cfg = _target_drafter_config({k: x.value for k, x in sizes.items()}, lay.value)
             best, table = recommend_policy(cfg, seq.value, anc.value, budget, full_table=True)
         except (ValueError, TypeError) as e:
             w.summary, w.table, w.png = f"cannot plan: {e}", [], b''
-            out.outputs = ({'output_type': 'stream', 'name': 'stdout', 'text': w.summary + '\n'},); return
+            out.outputs = ({'output_type': 'stream', 'name': 'stdout', 'text': w.summary + '\n'},)
+            return
         chosen = best if pol.value == 'auto' else next(r.policy for r in table if str(r.policy) == pol.value)
         r = next(t for t in table if t.policy == chosen)
-        w.summary, w.table, w.best = recommendation(best, table, budget), table, best
-        text = format_table(table, budget) + '\n' + w.summary
+        w.summary, w.table, w.best = _recommendation(best, table, budget), table, best
+        text = _format_table(table, budget) + '\n' + w.summary
         if chosen != best:
             text += f"\nwith {chosen}: {_gb(r.total)} GB, {'fits' if r.total <= budget else 'does not fit'}"
         title = f"{preset.value}: S={seq.value}, {anc.value} anchors, {lay.value} layers"
-        fig = fit_figure(table, budget, chosen, title)
-        buf = io.BytesIO(); fig.savefig(buf, format='png', dpi=80); w.png = buf.getvalue()
+        fig = _fit_figure(table, budget, chosen, title)
+        buf = io.BytesIO()
+        fig.savefig(buf, format='png', dpi=80)
+        w.png = buf.getvalue()
         out.outputs = ({'output_type': 'stream', 'name': 'stdout', 'text': text + '\n'},
                        {'output_type': 'display_data', 'metadata': {},
                         'data': {'image/png': base64.b64encode(w.png).decode(), 'text/plain': '<fit chart>'}})
@@ -417,13 +419,16 @@ def fit_widget(*, target: str = 'Qwen3-8B', memory: str = '80GB', seq_len: int =
     def use_preset(change):
         if change['new'] == 'custom': return
         hold[0] = True
-        for k, v in TARGET_PRESETS[change['new']].items(): sizes[k].value = v
-        hold[0] = False; redraw()
+        for k, v in _TARGET_PRESETS[change['new']].items(): sizes[k].value = v
+        hold[0] = False
+        redraw()
 
     def size_edited(_):
         if hold[0]: return
-        if preset.value != 'custom' and any(sizes[k].value != v for k, v in TARGET_PRESETS[preset.value].items()):
-            hold[0] = True; preset.value = 'custom'; hold[0] = False
+        if preset.value != 'custom' and any(sizes[k].value != v for k, v in _TARGET_PRESETS[preset.value].items()):
+            hold[0] = True
+            preset.value = 'custom'
+            hold[0] = False
         redraw()
 
     preset.observe(use_preset, 'value')

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from .drafter import DFlashDrafter, DFlashDecoderLayer, compute_dtype
 
 # %% auto #0
-__all__ = ['checkpointed_layers', 'parse_policy', 'checkpoint_call', 'mlp_token_bytes', 'checkpointed_layer', 'set_checkpointing']
+__all__ = ['checkpointed_layers', 'parse_policy', 'set_checkpointing']
 
 # %% ../nbs/06_recompute.ipynb #ac979e2c
 def checkpointed_layers(policy, num_layers: int) -> list[int]:
@@ -40,26 +40,26 @@ def parse_policy(policy):
 # %% ../nbs/06_recompute.ipynb #05ca46e3
 _GRAD_ANCHOR = torch.empty(0, requires_grad=True)   # an input that always requires grad
 
-def checkpoint_call(fn, *args, use_reentrant: bool = False):
+def _checkpoint_call(fn, *args, use_reentrant: bool = False):
     "`fn(*args)` under activation checkpointing; reentrant mode can never drop parameter gradients."
     if not use_reentrant: return checkpoint(fn, *args, use_reentrant=False)
     return checkpoint(lambda _anchor, *a: fn(*a), _GRAD_ANCHOR, *args, use_reentrant=True)
 
 # %% ../nbs/06_recompute.ipynb #6063f792
-def mlp_token_bytes(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> int:
+def _mlp_token_bytes(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> int:
     "Bytes one token holds at the peak of its MLP block's recomputation and backward."
     return 6 * intermediate_size * (torch.finfo(dtype).bits // 8) + 4 * 4 * hidden_size
 
-def checkpointed_layer(layer: DFlashDecoderLayer, x, ctx, rope_blk, rope_ctx, attend, *, use_reentrant: bool = False,
+def _checkpointed_layer(layer: DFlashDecoderLayer, x, ctx, rope_blk, rope_ctx, attend, *, use_reentrant: bool = False,
                        budget_bytes: int | None = None) -> Tensor:
     """`layer(x, ...)` recomputed in backward: its attention block,
     then its MLP block by token slices within `budget_bytes`."""
-    x = x + checkpoint_call(layer.attention_block, x, ctx, rope_blk, rope_ctx, attend, use_reentrant=use_reentrant)
+    x = x + _checkpoint_call(layer.attention_block, x, ctx, rope_blk, rope_ctx, attend, use_reentrant=use_reentrant)
     N, T, H = x.shape
-    per_token = N * mlp_token_bytes(H, layer.mlp.intermediate_size, compute_dtype(x))
+    per_token = N * _mlp_token_bytes(H, layer.mlp.intermediate_size, compute_dtype(x))
     slices = 1 if budget_bytes is None else -(-T // max(1, budget_bytes // per_token))
     step = -(-T // slices)                                        # equal slices: the largest sets the peak
-    parts = [s + checkpoint_call(layer.mlp_block, s, use_reentrant=use_reentrant) for s in x.split(step, 1)]
+    parts = [s + _checkpoint_call(layer.mlp_block, s, use_reentrant=use_reentrant) for s in x.split(step, 1)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, 1)                              # (N, T, H)
 
 def set_checkpointing(drafter: DFlashDrafter, policy='none', use_reentrant: bool = False,
@@ -67,7 +67,7 @@ def set_checkpointing(drafter: DFlashDrafter, policy='none', use_reentrant: bool
     "Checkpoint the drafter layers `policy` selects (MLP slices within `budget_bytes`); returns their indices."
     chosen = checkpointed_layers(policy, len(drafter.layers))
     for i, layer in enumerate(drafter.layers):
-        if i in chosen: layer.forward = functools.partial(checkpointed_layer, layer, use_reentrant=use_reentrant,
+        if i in chosen: layer.forward = functools.partial(_checkpointed_layer, layer, use_reentrant=use_reentrant,
                                                           budget_bytes=budget_bytes)
         else: layer.__dict__.pop('forward', None)
     drafter.checkpointing = (policy, use_reentrant, budget_bytes)

@@ -10,20 +10,20 @@ from pathlib import Path
 from .config import resolve_local
 from .options import Command, option, build_options, parse_options, OptionsError, exit_bad_options
 from .files import file_sha256, toy_target_dir, write_atomic
-# torch, transformers and dflash.data (which loads torch) load inside the functions that use them: `--help` answers
-# at once
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.chat (which loads torch) load inside the
+    import torch          # functions that use them, so `--help` answers at once
+    from dflash.chat import DataStats
 
 # %% auto #0
-__all__ = ['ENGINES', 'DTYPES', 'PROG', 'ROLES', 'INDEX_FORMAT', 'REGENERATE', 'RegenConfig', 'vllm_unavailable', 'check_options',
-           'validate', 'load_conversations', 'output_record', 'template_kwargs', 'end_of_turn_ids', 'prompt_ids',
-           'cut_at_stop', 'sample_next', 'TransformersEngine', 'VLLMEngine', 'round_seed', 'regenerate_batch',
-           'run_header', 'index_path', 'read_index', 'repair', 'append_batch', 'make_engine', 'regenerate',
-           'greedy_agreement', 'run_regenerate', 'main']
+__all__ = ['REGENERATE', 'RegenConfig', 'vllm_unavailable', 'load_conversations', 'end_of_turn_ids', 'prompt_ids', 'cut_at_stop',
+           'TransformersEngine', 'VLLMEngine', 'regenerate_batch', 'run_header', 'index_path', 'read_index',
+           'regenerate', 'greedy_agreement', 'main']
 
 # %% ../nbs/08b_regenerate.ipynb #924b1aed
-ENGINES = ('transformers', 'vllm')
-DTYPES = ('float32', 'float64', 'bfloat16', 'float16')
-PROG = 'python -m dflash.regenerate'
+_ENGINES = ('transformers', 'vllm')
+_DTYPES = ('float32', 'float64', 'bfloat16', 'float16')
+_PROG = 'python -m dflash.regenerate'
 
 @dataclass
 class RegenConfig:
@@ -33,7 +33,7 @@ class RegenConfig:
                                     'dataset id (local cache only); required')
     out: str | None = option(None, 'output JSONL, append-only, resumed when rerun (`OUT.index` beside it); required')
     target: str | None = option(None, 'target model directory or hub id (default: the shipped toy target)')
-    engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(ENGINES))
+    engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(_ENGINES))
     batch_size: int = option(32, 'conversations generated together (left-padded)', ge=1)
     max_new_tokens: int = option(512, 'tokens per assistant turn at most', ge=1)
     temperature: float = option(0.0, '0: greedy; > 0: sampling', ge=0)
@@ -41,7 +41,7 @@ class RegenConfig:
     seed: int = option(0, 'sampling seed (each batch and turn draws its own: reruns sample the same)', ge=0)
     thinking: str | None = option(None, "for templates with `enable_thinking` (default: the template's)",
                                   choices=['on', 'off'])
-    dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(DTYPES))
+    dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(_DTYPES))
     skip_bad_lines: bool = option(False, 'skip and count malformed lines instead of stopping')
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
 
@@ -56,7 +56,7 @@ def vllm_unavailable() -> str | None:
     if not torch.cuda.is_available(): return 'vLLM needs a CUDA GPU and none is available'
     return None
 
-def check_options(cfg: RegenConfig) -> list[str]:
+def _check_options(cfg: RegenConfig) -> list[str]:
     "Problems beyond each option's own range: required options, the data, the output path, the target, vLLM."
     p = [f"--{k} is required" for k in ('data', 'out') if getattr(cfg, k) is None]
     if cfg.data is not None:
@@ -75,13 +75,13 @@ def check_options(cfg: RegenConfig) -> list[str]:
         p.append(f"--engine vllm: {why}; use --engine transformers")
     return p
 
-def validate(cfg: RegenConfig):
-    "Raise one `OptionsError` (a ValueError) listing every bad option: each value's range, then `check_options`."
-    build_options(RegenConfig, {f.name: getattr(cfg, f.name) for f in fields(cfg)}, prog=PROG, check=check_options)
+def _validate(cfg: RegenConfig):
+    "Raise one `OptionsError` (a ValueError) listing every bad option: each value's range, then `_check_options`."
+    build_options(RegenConfig, {f.name: getattr(cfg, f.name) for f in fields(cfg)}, prog=_PROG, check=_check_options)
 
 
 # %% ../nbs/08b_regenerate.ipynb #57abc4dd
-ROLES = ('system', 'user', 'assistant')
+_ROLES = ('system', 'user', 'assistant')
 
 def load_conversations(path, skip_bad_lines: bool = False) -> tuple[list[tuple[dict, list[dict]]], DataStats]:
     "`(record, messages)` of every usable line, and what was skipped."
@@ -91,15 +91,17 @@ def load_conversations(path, skip_bad_lines: bool = False) -> tuple[list[tuple[d
         try:
             msgs = to_messages(rec, where)
             for i, m in enumerate(msgs):
-                if m['role'] not in ROLES:
-                    raise DataError(f"{where}: turn {i} has role {m['role']!r}, not one of {list(ROLES)}")
+                if m['role'] not in _ROLES:
+                    raise DataError(f"{where}: turn {i} has role {m['role']!r}, not one of {list(_ROLES)}")
         except DataError as e:
             if not skip_bad_lines: raise
-            stats.skip('bad_lines', str(e)); continue
-        out.append((rec, msgs)); stats.samples += 1
+            stats.skip('bad_lines', str(e))
+            continue
+        out.append((rec, msgs))
+        stats.samples += 1
     return out, stats
 
-def output_record(rec: dict, messages: list[dict]) -> dict:
+def _output_record(rec: dict, messages: list[dict]) -> dict:
     "The record with its turns replaced by `messages` (other keys kept; ShareGPT records become `messages` records)."
     return {**{k: v for k, v in rec.items() if k not in ('messages', 'conversations')}, 'messages': messages}
 
@@ -108,7 +110,7 @@ def _template_text(tokenizer) -> str:
     t = tokenizer.chat_template
     return (t.get('default', '') if isinstance(t, dict) else t) or ''
 
-def template_kwargs(tokenizer, thinking: str | None, name: str = 'target') -> dict:
+def _template_kwargs(tokenizer, thinking: str | None, name: str = 'target') -> dict:
     "The chat-template keyword arguments for `thinking` (on, off or None)."
     if thinking is None: return {}
     if 'enable_thinking' not in _template_text(tokenizer):
@@ -148,7 +150,7 @@ def _cache_kw(model, cache) -> dict:
     import inspect
     return {'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values': cache}
 
-def sample_next(logits, temperature: float = 0., top_p: float = 1., generator=None):
+def _sample_next(logits, temperature: float = 0., top_p: float = 1., generator=None):
     "Next tokens (n,) from last-position logits (n, V): argmax when greedy, else temperature and nucleus sampling."
     import torch
     if temperature <= 0: return logits.argmax(-1)
@@ -184,7 +186,7 @@ class TransformersEngine:
             live, nxt_pos = torch.arange(N, device=dev), pos[:, -1] + 1    # rows still generating, their next position
             out, stopped = [[] for _ in range(N)], [False] * N
             for step in range(self.max_new_tokens):
-                tok = sample_next(logits, self.temperature, self.top_p, gen)        # (n,)
+                tok = _sample_next(logits, self.temperature, self.top_p, gen)        # (n,)
                 done = torch.isin(tok, stops)
                 for r, t, d in zip(live.tolist(), tok.tolist(), done.tolist()):
                     if d: stopped[r] = True
@@ -218,7 +220,7 @@ class VLLMEngine:
         return [cut_at_stop(list(o.outputs[0].token_ids), self.stop_ids) for o in outs]
 
 # %% ../nbs/08b_regenerate.ipynb #3c5486dd
-def round_seed(seed: int, batch: int, rnd: int) -> int:
+def _round_seed(seed: int, batch: int, rnd: int) -> int:
     "The sampling seed of round `rnd` of batch `batch`."
     return int.from_bytes(hashlib.sha256(f'{seed}/{batch}/{rnd}'.encode()).digest()[:7], 'little')
 
@@ -231,15 +233,17 @@ def regenerate_batch(engine, tokenizer, convs: list[list[dict]], *, template_kw:
     for r in range(max(map(len, turns), default=0)):
         todo = [n for n in range(len(msgs)) if len(turns[n]) > r]
         prompts = [prompt_ids(tokenizer, msgs[n][:turns[n][r]], template_kw or {}) for n in todo]
-        for n, (toks, stopped) in zip(todo, engine(prompts, round_seed(seed, batch, r))):
+        for n, (toks, stopped) in zip(todo, engine(prompts, _round_seed(seed, batch, r))):
             msgs[n][turns[n][r]]['content'] = tokenizer.decode(toks, skip_special_tokens=False,
                                                                clean_up_tokenization_spaces=False)
             info['token_ids'][n].append(toks)
-            info['tokens'] += len(toks); info['turns'] += 1; info['unfinished'] += not stopped
+            info['tokens'] += len(toks)
+            info['turns'] += 1
+            info['unfinished'] += not stopped
     return msgs, info
 
 # %% ../nbs/08b_regenerate.ipynb #b383dd2b
-INDEX_FORMAT = 'dflash-regenerate/1'
+_INDEX_FORMAT = 'dflash-regenerate/1'
 
 def _sha256_file(path) -> str:
     "The checksum of a data file, or of a directory's files (names and checksums) for a saved or hub dataset."
@@ -253,7 +257,7 @@ def run_header(cfg: RegenConfig) -> dict:
     from dflash.features import target_identity
     opts = {k: getattr(cfg, k) for k in ('engine', 'batch_size', 'max_new_tokens', 'temperature', 'top_p', 'seed',
                                          'thinking', 'dtype')}
-    return {'format': INDEX_FORMAT, 'data': _sha256_file(cfg.data), 'target': target_identity(_target_dir(cfg)),
+    return {'format': _INDEX_FORMAT, 'data': _sha256_file(cfg.data), 'target': target_identity(_target_dir(cfg)),
             'options': opts}
 
 def index_path(out) -> Path: return Path(str(out) + '.index')
@@ -284,7 +288,7 @@ def read_index(out, header: dict) -> list[dict]:
         raise ValueError(f"out {out}: shorter than its index says ({done[-1]['bytes']} bytes); the file was changed")
     return done
 
-def repair(out, header: dict, done: list[dict]):
+def _repair(out, header: dict, done: list[dict]):
     "Cut `out` and its index back to the finished batches (or start both)."
     out, idx = Path(out), index_path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -292,13 +296,17 @@ def repair(out, header: dict, done: list[dict]):
     text = ''.join(json.dumps(x) + '\n' for x in [header, *done])
     write_atomic(idx, text)
 
-def append_batch(out, entry: dict, records: list[dict]):
+def _append_batch(out, entry: dict, records: list[dict]):
     "Append a finished batch's records to `out`, then its line to the index."
     with open(out, 'ab') as f:
         f.write(''.join(json.dumps(r, ensure_ascii=False) + '\n' for r in records).encode('utf-8'))
-        f.flush(); os.fsync(f.fileno()); entry = {**entry, 'bytes': f.tell()}
+        f.flush()
+        os.fsync(f.fileno())
+        entry = {**entry, 'bytes': f.tell()}
     with open(index_path(out), 'a') as f:
-        f.write(json.dumps(entry) + '\n'); f.flush(); os.fsync(f.fileno())
+        f.write(json.dumps(entry) + '\n')
+        f.flush()
+        os.fsync(f.fileno())
 
 # %% ../nbs/08b_regenerate.ipynb #6cbbe86e
 def _dtype(cfg: RegenConfig, device) -> torch.dtype:
@@ -306,7 +314,7 @@ def _dtype(cfg: RegenConfig, device) -> torch.dtype:
     if cfg.dtype: return getattr(torch, cfg.dtype)
     return torch.bfloat16 if device.type == 'cuda' else torch.float32
 
-def make_engine(cfg: RegenConfig, tokenizer, device):
+def _make_engine(cfg: RegenConfig, tokenizer, device):
     "The engine `cfg` asks for, with its stop ids."
     from transformers import AutoModelForCausalLM, GenerationConfig
     target = _target_dir(cfg)
@@ -338,7 +346,7 @@ def regenerate(cfg: RegenConfig) -> dict:
     from transformers import AutoTokenizer
     from dflash.chat import DataError
     from dflash.features import check_target_dir
-    validate(cfg)
+    _validate(cfg)
     convs, stats = load_conversations(cfg.data, cfg.skip_bad_lines)            # every line checked before loading
     if not convs: raise DataError(f"{cfg.data}: no conversation to regenerate")
     state = _state()
@@ -347,14 +355,14 @@ def regenerate(cfg: RegenConfig) -> dict:
     target = _target_dir(cfg)
     check_target_dir(target)
     tok = AutoTokenizer.from_pretrained(target)
-    tkw = template_kwargs(tok, cfg.thinking, str(target))
+    tkw = _template_kwargs(tok, cfg.thinking, str(target))
     header = run_header(cfg)
     done = read_index(cfg.out, header)
     state.wait_for_everyone()                                                          # all read before anyone writes
-    if state.is_main_process: repair(cfg.out, header, done)
+    if state.is_main_process: _repair(cfg.out, header, done)
     n_batches = -(-len(convs) // cfg.batch_size)
     todo = list(range(len(done), n_batches))
-    engine = make_engine(cfg, tok, state.device)
+    engine = _make_engine(cfg, tok, state.device)
     res = {'conversations': len(convs), 'skipped_lines': stats.bad_lines, 'batches': n_batches,
            'resumed_batches': len(done), 'regenerated': 0, 'turns': 0, 'tokens': 0, 'unfinished_turns': 0}
     first = sum(e['records'] for e in done)
@@ -367,11 +375,13 @@ def regenerate(cfg: RegenConfig) -> dict:
         for k in mine:
             batch = convs[k * cfg.batch_size:(k + 1) * cfg.batch_size]
             msgs, info = regenerate_batch(engine, tok, [m for _, m in batch], template_kw=tkw, seed=cfg.seed, batch=k)
-            part.append((k, [output_record(r, m) for (r, _), m in zip(batch, msgs)],
+            part.append((k, [_output_record(r, m) for (r, _), m in zip(batch, msgs)],
                          {x: info[x] for x in ('tokens', 'turns', 'unfinished')}))
         for k, recs, info in sorted(gather_object(part) if W > 1 else part, key=lambda x: x[0]):
-            if state.is_main_process: append_batch(cfg.out, {'batch': k, 'records': len(recs), **info}, recs)
-            res['regenerated'] += len(recs); res['turns'] += info['turns']; res['tokens'] += info['tokens']
+            if state.is_main_process: _append_batch(cfg.out, {'batch': k, 'records': len(recs), **info}, recs)
+            res['regenerated'] += len(recs)
+            res['turns'] += info['turns']
+            res['tokens'] += info['tokens']
             res['unfinished_turns'] += info['unfinished']
             bar.update(len(recs))
         bar.set_postfix(tok_s=f"{res['tokens'] / (time.perf_counter() - t0):.0f}")
@@ -393,17 +403,19 @@ def greedy_agreement(model, tokenizer, path, n: int | None = None, template_kw: 
             pred = model(ids[None].to(dev)).logits[0, :-1].argmax(-1).cpu()       # (S-1,) prediction of token t+1
             m = mask[1:]                                                            # supervised targets
             ok = (pred == ids[1:]) & m
-            hit += int(ok.sum()); total += int(m.sum())
+            hit += int(ok.sum())
+            total += int(m.sum())
             starts = torch.nonzero(m & ~torch.cat([torch.tensor([False]), m[:-1]])).flatten().tolist()
             for s in starts:                                                        # whole turns the target reproduces
                 e = s
                 while e < len(m) and m[e]: e += 1
-                turns_all += 1; turns_hit += bool(ok[s:e].all())
+                turns_all += 1
+                turns_hit += bool(ok[s:e].all())
     return {'token_agreement': hit / max(total, 1), 'tokens': total, 'turn_agreement': turns_hit / max(turns_all, 1),
             'turns': turns_all}
 
 # %% ../nbs/08b_regenerate.ipynb #5f4c3504
-def run_regenerate(cfg: RegenConfig) -> dict:
+def _run_regenerate(cfg: RegenConfig) -> dict:
     "Regenerate with checked options; a bad file or model ends as `error: ...` with exit status 2."
     try: r = regenerate(cfg)
     except (ValueError, FileNotFoundError) as e:
@@ -412,11 +424,12 @@ def run_regenerate(cfg: RegenConfig) -> dict:
     if _state().is_main_process: print('regenerated: ' + json.dumps(r))
     return r
 
-REGENERATE = Command(RegenConfig, run_regenerate, 'rewrite the assistant turns with the target itself', check_options)
+REGENERATE = Command(RegenConfig, _run_regenerate, 'rewrite the assistant turns with the target itself', _check_options)
 
 def main(argv=None) -> dict:
     "`python -m dflash.regenerate`: every option checked first (exit 2), then the corpus regenerated."
-    try: cfg, _ = parse_options(RegenConfig, argv, PROG, RegenConfig.__doc__, check=check_options)
+    try: cfg, _ = parse_options(RegenConfig, argv, prog=_PROG, description=RegenConfig.__doc__,
+                                    check=_check_options)
     except OptionsError as e: exit_bad_options(e)
     return REGENERATE.run(cfg)
 

@@ -11,8 +11,8 @@ from .options import option, flag
 from .files import model_dir_problems, json_problem
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'FIXED_ON_RESUME', 'TrainConfig', 'launch_problems', 'policy_problem', 'check_train', 'RunDirError',
-           'run_files', 'read_run', 'lock_run', 'unlock_run', 'move_aside', 'claim_run', 'resume_changes']
+__all__ = ['TrainConfig', 'launch_problems', 'policy_problem', 'check_train', 'RunDirError', 'read_run', 'unlock_run',
+           'claim_run', 'resume_changes']
 
 # %% ../nbs/09b_runs.ipynb #4745fd52
 @dataclass
@@ -130,14 +130,14 @@ def check_train(c: TrainConfig) -> list[str]:
     return probs + launch_problems()
 
 # %% ../nbs/09b_runs.ipynb #0da2b238
-RUN_FILES = ('run.json', 'checkpoints', 'metrics.csv', 'eval.csv', 'drafter', 'summary.json')
+_RUN_FILES = ('run.json', 'checkpoints', 'metrics.csv', 'eval.csv', 'drafter', 'summary.json')
 
 class RunDirError(RuntimeError):
     "A run directory that this run may not use as asked."
 
-def run_files(out) -> list[str]:
+def _run_files(out) -> list[str]:
     "The files of a run in `out` (empty: `out` holds no run)."
-    return [n for n in RUN_FILES if (Path(out) / n).exists()]
+    return [n for n in _RUN_FILES if (Path(out) / n).exists()]
 
 def read_run(out) -> dict | None:
     "The run record `out/run.json` (options, status), or None when there is none."
@@ -157,22 +157,26 @@ def _alive(pid: int) -> bool:
     try: return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0] != 'Z'
     except OSError: return True                                        # no /proc to ask: it exists
 
-def lock_run(out) -> Path:
+def _lock_run(out) -> Path:
     "Take `out/.lock` for this process; a live holder is refused, a dead one's lock is taken over."
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     lock, me = out / '.lock', {'pid': os.getpid(), 'host': socket.gethostname(), 'started': time.strftime('%FT%T')}
     tmp = out / f'.lock.{os.getpid()}'
     tmp.write_text(json.dumps(me))
     try:
         for _ in range(2):
-            try: os.link(tmp, lock); return lock
+            try:
+                os.link(tmp, lock)
+                return lock
             except FileExistsError: pass
             held, bad = json_problem(lock, 'lock')
             if bad: raise RunDirError(f"{lock}: unreadable lock ({bad}); remove it if no run uses {out}")
             if held.get('host') == me['host'] and isinstance(held.get('pid'), int) and not _alive(held['pid']):
                 print(f"{lock}: process {held['pid']} (started {held.get('started')}) is gone; "
                       "taking over its stale lock")
-                lock.unlink(missing_ok=True); continue
+                lock.unlink(missing_ok=True)
+                continue
             raise RunDirError(f"{out} is in use by process {held.get('pid')} on {held.get('host')} since "
                               f"{held.get('started')} (lock {lock})")
         raise RunDirError(f"{lock}: could not take the lock")
@@ -185,7 +189,7 @@ def unlock_run(out):
     if not bad and held.get('pid') == os.getpid() and held.get('host') == socket.gethostname(): lock.unlink()
 
 # %% ../nbs/09b_runs.ipynb #3885353e
-def move_aside(out) -> Path:
+def _move_aside(out) -> Path:
     "Rename `out` to `out.replaced-TIME` (a fresh name) and return it."
     out = Path(out)
     stamp = time.strftime('%Y%m%d-%H%M%S')
@@ -198,20 +202,20 @@ def move_aside(out) -> Path:
 def claim_run(c: TrainConfig) -> Path:
     "Lock `c.out` for this run (main process), moving an old run aside on --overwrite; refuse to train over a run."
     out = Path(c.out)
-    if c.overwrite and run_files(out):
-        lock_run(out)
-        moved = move_aside(out)
+    if c.overwrite and _run_files(out):
+        _lock_run(out)
+        moved = _move_aside(out)
         (moved / '.lock').unlink(missing_ok=True)
         print(f"--overwrite: moved the run that was in {out} to {moved}")
-    lock = lock_run(out)
-    if (found := run_files(out)) and not c.resume:
+    lock = _lock_run(out)
+    if (found := _run_files(out)) and not c.resume:
         unlock_run(out)
         raise RunDirError(f"{out} holds a run ({', '.join(found)}): pass --resume to continue it, or --overwrite to "
                           f"move it aside and start a new one")
     return lock
 
 # %% ../nbs/09b_runs.ipynb #e14d0c26
-FIXED_ON_RESUME = ('target', 'data', 'eval_data', 'cache', 'num_layers', 'target_layer_ids', 'block_size',
+_FIXED_ON_RESUME = ('target', 'data', 'eval_data', 'cache', 'num_layers', 'target_layer_ids', 'block_size',
                    'num_anchors', 'gamma', 'max_length', 'batch_size', 'seed')
 _PATHS = ('target', 'data', 'eval_data', 'cache')
 
@@ -224,7 +228,7 @@ def resume_changes(stored: dict, given: dict) -> tuple[list[str], dict]:
     refused, changed = [], {}
     for k, v in given.items():
         if k in ('resume', 'overwrite', 'out') or k not in stored or _same(k, stored[k], v): continue
-        if k in FIXED_ON_RESUME:
+        if k in _FIXED_ON_RESUME:
             refused.append(f"{flag(k)} = {v!r}: the run was started with {stored[k]!r}; a resume cannot change it "
                            f"(start a new run with --overwrite or another --out)")
         else: changed[k] = (stored[k], v)

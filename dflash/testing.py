@@ -61,7 +61,9 @@ def plain_objective(hidden: Tensor, layout: BlockLayout, lm_head: Tensor) -> tup
             for k in range(1, B):
                 sup = layout.weights[n, i, k] > 0
                 ok = bool(sup and pred[n, i, k] == layout.labels[n, i, k])
-                seen[k] += float(sup); right[k] += float(ok)
-                going = going and ok; run += int(going)
+                seen[k] += float(sup)
+                right[k] += float(ok)
+                going = going and ok
+                run += int(going)
             runs.append(run)
     return loss, right / seen.clamp(min=1), 1 + torch.tensor(runs, dtype=torch.float).mean()

@@ -4,23 +4,20 @@
 
 # %% ../nbs/09_toy.ipynb #bcc3f0b5
 from __future__ import annotations
-import json, math, random, sys, time
+import json, math, random, time
 from dataclasses import dataclass
 from pathlib import Path
 from .files import assets_dir, toy_target_dir
 from .options import Command, option, parse_subcommand, usage_text, OptionsError, exit_bad_options
-# torch, tokenizers and transformers load inside the functions that use them: `--help` answers at once
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:         # for annotations: torch, tokenizers and transformers load inside the functions that use
+    from transformers import PreTrainedTokenizerFast, Qwen3Config     # them, so `--help` answers at once
 
 # %% auto #0
-__all__ = ['WORDS', 'DAYS', 'MONTHS', 'SYSTEM_PROMPTS', 'BRIEF_PROMPT', 'WORD_TASKS', 'TASKS', 'SPECIAL_TOKENS', 'CHAT_TEMPLATE',
-           'COMMANDS', 'PROG', 'task_add', 'task_sub', 'task_mul', 'task_compare', 'task_spell', 'task_count',
-           'task_reverse', 'task_upper', 'task_ends', 'task_next_terms', 'task_count_range', 'task_sort',
-           'task_number_list', 'task_day', 'task_month', 'conversation', 'make_corpus', 'write_jsonl', 'load_jsonl',
-           'toy_splits', 'train_tokenizer', 'encode_chat', 'embedding_rows', 'toy_config', 'assistant_accuracy',
-           'train_target', 'load_toy_target', 'build', 'regenerate_corpus', 'ToyOptions', 'main']
+__all__ = ['make_corpus', 'toy_config', 'load_toy_target', 'build', 'regenerate_corpus', 'main']
 
 # %% ../nbs/09_toy.ipynb #94365d82
-WORDS = ('apple banana cherry grape lemon mango melon peach pear plum berry bread butter cheese honey pepper salt '
+_WORDS = ('apple banana cherry grape lemon mango melon peach pear plum berry bread butter cheese honey pepper salt '
          'sugar tomato potato carrot onion garlic rice pasta soup tea coffee milk water juice cat dog bird fish horse '
          'mouse rabbit tiger lion bear wolf fox zebra monkey panda turtle snake frog eagle owl duck goat sheep camel '
          'whale shark red blue green yellow orange purple black white brown pink silver golden house garden window '
@@ -29,11 +26,11 @@ WORDS = ('apple banana cherry grape lemon mango melon peach pear plum berry brea
          'valley bridge castle tower village city road train bicycle boat ship winter summer spring autumn morning '
          'evening night today music guitar piano violin drum dance story dream friend family teacher doctor farmer '
          'pilot artist singer king queen robot dragon wizard').split()
-DAYS = 'Monday Tuesday Wednesday Thursday Friday Saturday Sunday'.split()
-MONTHS = 'January February March April May June July August September October November December'.split()
-SYSTEM_PROMPTS = ('You are a helpful assistant.', 'You are a careful tutor who shows each step.',
+_DAYS = 'Monday Tuesday Wednesday Thursday Friday Saturday Sunday'.split()
+_MONTHS = 'January February March April May June July August September October November December'.split()
+_SYSTEM_PROMPTS = ('You are a helpful assistant.', 'You are a careful tutor who shows each step.',
                   'You are a friendly assistant that explains its answers.', 'You are a precise assistant.')
-BRIEF_PROMPT = 'Answer with only the result.'
+_BRIEF_PROMPT = 'Answer with only the result.'
 
 def _ask(rng, *phrasings, **kw): return rng.choice(phrasings).format(**kw)
 def _nums(xs): return ', '.join(map(str, xs))
@@ -42,66 +39,72 @@ def _spell(w): return '-'.join(w)
 # %% ../nbs/09_toy.ipynb #47b4e20d
 def _split(b): return b // 10 * 10, b % 10  # tens, ones
 
-def task_add(rng):
-    a, b = rng.randint(10, 99), rng.randint(10, 99); (t, o), s = _split(b), a + b
+def _task_add(rng):
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    (t, o), s = _split(b), a + b
     q = _ask(rng, 'What is {a} + {b}?', 'Compute {a} + {b}.', 'Add {a} and {b}.', 'What is the sum of {a} and {b}?',
              'What do you get when you add {a} and {b}?', 'Please work out {a} plus {b}.', a=a, b=b)
     step = f'{a} + {b} = {a} + {t} + {o} = {a + t} + {o} = {s}' if o else f'{a} + {b} = {s}'
     return q, f'We add the tens first, then the ones. {step}. The answer is {s}.', f'{s}', ('num', s)
 
-def task_sub(rng):
-    a = rng.randint(20, 99); b = rng.randint(10, a); (t, o), d = _split(b), a - b
+def _task_sub(rng):
+    a = rng.randint(20, 99)
+    b = rng.randint(10, a)
+    (t, o), d = _split(b), a - b
     q = _ask(rng, 'What is {a} - {b}?', 'Compute {a} - {b}.', 'Subtract {b} from {a}.', 'What is {a} minus {b}?',
              'What do you get when you take {b} away from {a}?', a=a, b=b)
     step = f'{a} - {b} = {a} - {t} - {o} = {a - t} - {o} = {d}' if o else f'{a} - {b} = {d}'
     return q, f'We take away the tens first, then the ones. {step}. The answer is {d}.', f'{d}', ('num', d)
 
-def task_mul(rng):
-    a, b = rng.randint(2, 9), rng.randint(11, 99); (t, o), p = _split(b), a * b
+def _task_mul(rng):
+    a, b = rng.randint(2, 9), rng.randint(11, 99)
+    (t, o), p = _split(b), a * b
     q = _ask(rng, 'What is {a} × {b}?', 'Compute {a} times {b}.', 'Multiply {a} by {b}.',
              'What is {a} multiplied by {b}?', 'What is the product of {a} and {b}?', a=a, b=b)
     step = f'{a} × {b} = {a} × {t} + {a} × {o} = {a * t} + {a * o} = {p}' if o else f'{a} × {b} = {p}'
     return q, f'We split {b} into tens and ones. {step}. The answer is {p}.', f'{p}', ('num', p)
 
-def task_compare(rng):
-    a, b = rng.sample(range(1, 1000), 2); hi, lo = max(a, b), min(a, b)
+def _task_compare(rng):
+    a, b = rng.sample(range(1, 1000), 2)
+    hi, lo = max(a, b), min(a, b)
     q = _ask(rng, 'Which is larger, {a} or {b}?', 'Which number is bigger: {a} or {b}?', a=a, b=b)
     return q, f'{hi} is larger than {lo}, so the larger number is {hi}.', f'{hi}', ('num', hi)
 
 # %% ../nbs/09_toy.ipynb #7aeaab36
-def task_spell(rng, w=None):
-    w = w or rng.choice(WORDS)
+def _task_spell(rng, w=None):
+    w = w or rng.choice(_WORDS)
     q = _ask(rng, 'Spell the word "{w}".', 'How do you spell "{w}"?', 'Spell "{w}" letter by letter.', w=w)
     return q, f'The word "{w}" is spelled {_spell(w)}. It has {len(w)} letters.', _spell(w), ('word', w, 'spell')
 
-def task_count(rng, w=None):
-    w = w or rng.choice(WORDS)
+def _task_count(rng, w=None):
+    w = w or rng.choice(_WORDS)
     q = _ask(rng, 'How many letters are in "{w}"?', 'Count the letters in the word "{w}".',
              'How long is the word "{w}"?', w=w)
     steps = ', '.join(f'{c} is {i}' for i, c in enumerate(w, 1))
     a = f'Counting the letters of "{w}": {steps}. So "{w}" has {len(w)} letters.'
     return q, a, f'{len(w)}', ('word', w, 'count')
 
-def task_reverse(rng, w=None):
-    w = w or rng.choice(WORDS)
+def _task_reverse(rng, w=None):
+    w = w or rng.choice(_WORDS)
     q = _ask(rng, 'Reverse the word "{w}".', 'Write "{w}" backwards.', 'What is "{w}" spelled backwards?', w=w)
     a = f'Spelled out, "{w}" is {_spell(w)}. Backwards that is {_spell(w[::-1])}. So "{w}" reversed is "{w[::-1]}".'
     return q, a, w[::-1], ('word', w, 'reverse')
 
-def task_upper(rng, w=None):
-    w = w or rng.choice(WORDS)
+def _task_upper(rng, w=None):
+    w = w or rng.choice(_WORDS)
     q = _ask(rng, 'Write "{w}" in capital letters.', 'Convert "{w}" to uppercase.', 'What is "{w}" in upper case?', w=w)
     return q, f'In capital letters, "{w}" is written "{w.upper()}".', w.upper(), ('word', w, 'upper')
 
-def task_ends(rng, w=None):
-    w = w or rng.choice(WORDS)
+def _task_ends(rng, w=None):
+    w = w or rng.choice(_WORDS)
     q = _ask(rng, 'What are the first and last letters of "{w}"?', 'Which letters start and end the word "{w}"?', w=w)
     return q, f'The word "{w}" starts with "{w[0]}" and ends with "{w[-1]}".', f'{w[0]}, {w[-1]}', ('word', w, 'ends')
 
-WORD_TASKS = {'spell': task_spell, 'count': task_count, 'reverse': task_reverse, 'upper': task_upper, 'ends': task_ends}
+_WORD_TASKS = {'spell': _task_spell, 'count': _task_count, 'reverse': _task_reverse, 'upper': _task_upper,
+               'ends': _task_ends}
 
 # %% ../nbs/09_toy.ipynb #38c10bb6
-def task_next_terms(rng):
+def _task_next_terms(rng):
     a, d, n = rng.randint(1, 50), rng.randint(2, 9), rng.randint(3, 5)
     seq, nxt = [a + i * d for i in range(n)], [a + i * d for i in range(n, n + 4)]
     q = _ask(rng, 'What comes next: {s}?', 'Continue the sequence {s}.', 'Give the next numbers after {s}.',
@@ -109,8 +112,9 @@ def task_next_terms(rng):
     return (q, f'Each number is {d} more than the one before. The next numbers are {_nums(nxt[:-1])} and {nxt[-1]}.',
             _nums(nxt), ('num', nxt[-1]))
 
-def task_count_range(rng):
-    a = rng.randint(1, 90); b = a + rng.randint(4, 12)
+def _task_count_range(rng):
+    a = rng.randint(1, 90)
+    b = a + rng.randint(4, 12)
     if rng.random() < .5:
         q, xs = _ask(rng, 'Count from {a} to {b}.', 'List the numbers from {a} to {b}.', a=a, b=b), range(a, b + 1)
         return q, f'Counting up from {a} to {b}: {_nums(xs)}.', _nums(xs), ('num', b)
@@ -118,13 +122,13 @@ def task_count_range(rng):
     xs = range(b, a - 1, -1)
     return q, f'Counting down from {b} to {a}: {_nums(xs)}.', _nums(xs), ('num', a)
 
-def task_sort(rng):
+def _task_sort(rng):
     xs = rng.sample(range(1, 10), rng.randint(3, 6))
     q = _ask(rng, 'Sort these numbers from smallest to largest: {s}.', 'Put {s} in increasing order.', s=_nums(xs))
     return q, f'From smallest to largest, the numbers are {_nums(sorted(xs))}.', _nums(sorted(xs)), None
 
-def task_number_list(rng):
-    ws = rng.sample(WORDS, rng.randint(3, 5))
+def _task_number_list(rng):
+    ws = rng.sample(_WORDS, rng.randint(3, 5))
     q = _ask(rng, 'Number these items: {s}.', 'Make a numbered list of {s}.', s=', '.join(ws))
     items = '; '.join(f'{i}. {w}' for i, w in enumerate(ws, 1))
     return q, f'Here they are, numbered: {items}. That is {len(ws)} items.', items, None
@@ -135,11 +139,11 @@ def _cycle_task(names, unit, rng):
     q = _ask(rng, 'What {u} is {k} {u}s after {x}?', 'Which {u} comes {k} {u}s after {x}?', u=unit, k=k, x=names[i])
     return q, f'Counting {k} {unit}s from {names[i]}: {", ".join(steps)}. So it is {steps[-1]}.', steps[-1], None
 
-def task_day(rng): return _cycle_task(DAYS, 'day', rng)
-def task_month(rng): return _cycle_task(MONTHS, 'month', rng)
+def _task_day(rng): return _cycle_task(_DAYS, 'day', rng)
+def _task_month(rng): return _cycle_task(_MONTHS, 'month', rng)
 
-TASKS = (task_add, task_sub, task_mul, task_compare, *WORD_TASKS.values(), task_next_terms, task_count_range,
-         task_sort, task_number_list, task_day, task_month)
+_TASKS = (_task_add, _task_sub, _task_mul, _task_compare, *_WORD_TASKS.values(), _task_next_terms, _task_count_range,
+         _task_sort, _task_number_list, _task_day, _task_month)
 
 # %% ../nbs/09_toy.ipynb #b65ed37f
 _FOLLOW_WORD = {'spell': 'Now spell it.', 'count': 'How many letters does it have?', 'reverse': 'Now reverse it.',
@@ -157,39 +161,40 @@ def _follow_up(rng, state):
         q = _ask(rng, 'Now subtract {c} from that.', 'And if we take away {c}?', c=c)
         return q, f'{v} - {c} = {v - c}. The answer is {v - c}.', f'{v - c}', ('num', v - c)
     _, w, last = state
-    name = rng.choice([n for n in WORD_TASKS if n != last])
-    _, a, brief, state = WORD_TASKS[name](rng, w)
+    name = rng.choice([n for n in _WORD_TASKS if n != last])
+    _, a, brief, state = _WORD_TASKS[name](rng, w)
     return _FOLLOW_WORD[name], a, brief, state
 
-def conversation(rng: random.Random) -> dict:
+def _conversation(rng: random.Random) -> dict:
     "One synthetic chat: `{'messages': [{'role': ..., 'content': ...}, ...]}`."
     msgs, r = [], rng.random()
     brief = r < .15
-    if brief: msgs.append({'role': 'system', 'content': BRIEF_PROMPT})
-    elif r < .75: msgs.append({'role': 'system', 'content': rng.choice(SYSTEM_PROMPTS)})
+    if brief: msgs.append({'role': 'system', 'content': _BRIEF_PROMPT})
+    elif r < .75: msgs.append({'role': 'system', 'content': rng.choice(_SYSTEM_PROMPTS)})
     state = None
     for _ in range(rng.choice((1, 1, 2, 2, 3))):
         turn = _follow_up(rng, state) if rng.random() < .6 else None
-        q, a, short, state = turn or rng.choice(TASKS)(rng)
+        q, a, short, state = turn or rng.choice(_TASKS)(rng)
         msgs += [{'role': 'user', 'content': q}, {'role': 'assistant', 'content': short + '.' if brief else a}]
     return {'messages': msgs}
 
 def make_corpus(n: int, seed: int = 0) -> list[dict]:
     "`n` conversations, the same for the same seed."
     rng = random.Random(seed)
-    return [conversation(rng) for _ in range(n)]
+    return [_conversation(rng) for _ in range(n)]
 
 # %% ../nbs/09_toy.ipynb #7aa6642b
-def write_jsonl(path, convs):
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+def _write_jsonl(path, convs):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(''.join(json.dumps(c, ensure_ascii=False) + '\n' for c in convs), encoding='utf-8')
 
-def load_jsonl(path) -> list[dict]:
+def _load_jsonl(path) -> list[dict]:
     "The records of a JSONL file, through `dflash.data`'s reader (which names a malformed line)."
     from dflash.chat import read_jsonl
     return [rec for _, rec in read_jsonl(path)]
 
-def toy_splits(n_target: int, n_train: int, n_eval: int, seed: int = 0):
+def _toy_splits(n_target: int, n_train: int, n_eval: int, seed: int = 0):
     "(target corpus, drafter train split = its first `n_train`, held-out eval split)."
     target = make_corpus(max(n_target, n_train), seed)
     seen = {json.dumps(c) for c in target}
@@ -197,8 +202,8 @@ def toy_splits(n_target: int, n_train: int, n_eval: int, seed: int = 0):
     return target, target[:n_train], held_out[:n_eval]
 
 # %% ../nbs/09_toy.ipynb #45c62625
-SPECIAL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>')
-CHAT_TEMPLATE = (
+_SPECIAL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>')
+_CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['role'] == 'assistant' %}"
@@ -208,7 +213,7 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
-def train_tokenizer(convs, vocab_size: int = 1000) -> PreTrainedTokenizerFast:
+def _train_tokenizer(convs, vocab_size: int = 1000) -> PreTrainedTokenizerFast:
     "A byte-level BPE tokenizer with Qwen's special tokens and chat template, trained on `convs`."
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -216,20 +221,20 @@ def train_tokenizer(convs, vocab_size: int = 1000) -> PreTrainedTokenizerFast:
     tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(_SPECIAL_TOKENS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tk.train_from_iterator((m['role'] + '\n' + m['content'] for c in convs for m in c['messages']), trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token='<|endoftext|>', eos_token='<|im_end|>',
-                                   chat_template=CHAT_TEMPLATE, model_max_length=4096, padding_side='right')
+                                   chat_template=_CHAT_TEMPLATE, model_max_length=4096, padding_side='right')
 
 # %% ../nbs/09_toy.ipynb #097e2907
-def encode_chat(tok, messages) -> tuple[list[int], list[int]]:
+def _encode_chat(tok, messages) -> tuple[list[int], list[int]]:
     "(input_ids, assistant mask) of a conversation rendered with the chat template."
     enc = tok.apply_chat_template(messages, return_assistant_tokens_mask=True, return_dict=True)
     return list(enc['input_ids']), list(enc['assistant_masks'])
 
 # %% ../nbs/09_toy.ipynb #26a39780
-def embedding_rows(n_tokens: int, multiple: int = 64) -> int:
+def _embedding_rows(n_tokens: int, multiple: int = 64) -> int:
     "The smallest multiple of `multiple` strictly above `n_tokens`."
     return (n_tokens // multiple + 1) * multiple
 
@@ -237,7 +242,7 @@ def toy_config(tok, *, hidden_size: int = 128, num_hidden_layers: int = 6, num_a
                num_key_value_heads: int = 2, intermediate_size: int = 384) -> Qwen3Config:
     "The toy target's Qwen3 config for tokenizer `tok`."
     from transformers import Qwen3Config
-    return Qwen3Config(vocab_size=embedding_rows(len(tok)), hidden_size=hidden_size,
+    return Qwen3Config(vocab_size=_embedding_rows(len(tok)), hidden_size=hidden_size,
                        intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
                        num_attention_heads=num_attention_heads,
                        num_key_value_heads=num_key_value_heads, head_dim=hidden_size // num_attention_heads,
@@ -256,25 +261,28 @@ def _pad(rows, pad_id):
         ids[n, :len(i)], attn[n, :len(i)], amask[n, :len(i)] = torch.tensor(i), 1, torch.tensor(a)
     return ids, attn, amask
 
-def assistant_accuracy(model, tok, convs, batch_size: int = 64) -> float:
+def _assistant_accuracy(model, tok, convs, batch_size: int = 64) -> float:
     "Teacher-forced greedy next-token accuracy on the assistant tokens of `convs`."
     import torch
-    was_training = model.training; model.eval()
-    rows = sorted((encode_chat(tok, c['messages']) for c in convs), key=lambda r: len(r[0]))
+    was_training = model.training
+    model.eval()
+    rows = sorted((_encode_chat(tok, c['messages']) for c in convs), key=lambda r: len(r[0]))
     right = total = 0
     for i in range(0, len(rows), batch_size):
         ids, attn, amask = _pad(rows[i:i + batch_size], tok.pad_token_id)
         with torch.no_grad(): logits = model(input_ids=ids, attention_mask=attn).logits
         pred = logits[:, :-1].argmax(-1)                                           # (N, S-1): guess for x[t+1]
         sel = amask[:, 1:].bool()
-        right += (pred == ids[:, 1:])[sel].sum().item(); total += sel.sum().item()
+        right += (pred == ids[:, 1:])[sel].sum().item()
+        total += sel.sum().item()
     model.train(was_training)
     return right / total
 
 # %% ../nbs/09_toy.ipynb #18174f4c
 def _batches(lengths, batch_size, rng):
     "Batches of indices, similar lengths together, in random order."
-    idx = list(range(len(lengths))); rng.shuffle(idx)
+    idx = list(range(len(lengths)))
+    rng.shuffle(idx)
     out = []
     for g in range(0, len(idx), 16 * batch_size):
         group = sorted(idx[g:g + 16 * batch_size], key=lambda i: lengths[i])
@@ -282,12 +290,12 @@ def _batches(lengths, batch_size, rng):
     rng.shuffle(out)
     return out
 
-def train_target(model, tok, convs, *, steps: int, batch_size: int = 32, lr: float = 3e-3, warmup: int = 50,
+def _train_target(model, tok, convs, *, steps: int, batch_size: int = 32, lr: float = 3e-3, warmup: int = 50,
                  seed: int = 0, eval_convs=None, eval_every: int = 200, log_every: int = 10,
                  verbose: bool = False) -> dict:
     "Train `model` on `convs` (next-token loss over whole conversations); returns the training log."
     import torch
-    rows = [encode_chat(tok, c['messages']) for c in convs]
+    rows = [_encode_chat(tok, c['messages']) for c in convs]
     lengths, rng = [len(r[0]) for r in rows], random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -300,12 +308,15 @@ def train_target(model, tok, convs, *, steps: int, batch_size: int = 32, lr: flo
         loss = model(input_ids=ids, attention_mask=attn, labels=ids.masked_fill(attn == 0, -100)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step(); opt.zero_grad(set_to_none=True); sched.step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
         if step % log_every == 0 or step == steps - 1:
-            log['step'].append(step); log['loss'].append(round(loss.item(), 4))
+            log['step'].append(step)
+            log['loss'].append(round(loss.item(), 4))
         if eval_convs and (step % eval_every == 0 or step == steps - 1) and step > 0:
             log['eval_step'].append(step)
-            log['eval_accuracy'].append(round(assistant_accuracy(model, tok, eval_convs), 4))
+            log['eval_accuracy'].append(round(_assistant_accuracy(model, tok, eval_convs), 4))
             if verbose: print(f"step {step:5d}  loss {loss.item():.3f}  "
                               f"held-out accuracy {log['eval_accuracy'][-1]:.3f}  {time.time() - t0:.0f}s", flush=True)
     model.eval()
@@ -334,15 +345,15 @@ def build(out=None, *, steps: int = 1000, batch_size: int = 32, lr: float = 3e-3
 def _build(out, steps, batch_size, lr, n_train, n_eval, vocab_size, seed, model_kw, verbose, t0):
     import torch
     from transformers import GenerationConfig, Qwen3ForCausalLM
-    target_convs, train, held_out = toy_splits(steps * batch_size, n_train, n_eval, seed)
-    write_jsonl(out / 'toy-data' / 'train.jsonl', train)
-    write_jsonl(out / 'toy-data' / 'eval.jsonl', held_out)
-    tok = train_tokenizer(target_convs, vocab_size)
+    target_convs, train, held_out = _toy_splits(steps * batch_size, n_train, n_eval, seed)
+    _write_jsonl(out / 'toy-data' / 'train.jsonl', train)
+    _write_jsonl(out / 'toy-data' / 'eval.jsonl', held_out)
+    tok = _train_tokenizer(target_convs, vocab_size)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(toy_config(tok, **(model_kw or {})))
-    log = train_target(model, tok, target_convs, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+    log = _train_target(model, tok, target_convs, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                        eval_convs=held_out[:200], eval_every=max(steps // 6, 1), verbose=verbose)
-    log['accuracy'] = round(assistant_accuracy(model, tok, held_out), 4)
+    log['accuracy'] = round(_assistant_accuracy(model, tok, held_out), 4)
     tdir = out / 'toy-target'
     model.save_pretrained(tdir)
     tok.save_pretrained(tdir)
@@ -369,32 +380,32 @@ def regenerate_corpus(out=None, batch_size: int = 256, max_new_tokens: int = 128
 
 # %% ../nbs/09_toy.ipynb #0d5af628
 @dataclass
-class ToyOptions:
+class _ToyOptions:
     "Where the toy's assets go and how the target is trained."
     out: str | None = option(None, "output folder (default: the package's assets)")
     steps: int = option(1000, 'training steps of the target', ge=1)
     seed: int = option(0, 'seed of the corpus and the training', ge=0)
     threads: int = option(1, 'torch threads (one is about as fast for a model this small, and never stalls)', ge=1)
 
-def _build_command(o: ToyOptions) -> dict: return build(o.out, steps=o.steps, seed=o.seed, threads=o.threads)
+def _build_command(o: _ToyOptions) -> dict: return build(o.out, steps=o.steps, seed=o.seed, threads=o.threads)
 
-def _regenerate_command(o: ToyOptions) -> dict:
+def _regenerate_command(o: _ToyOptions) -> dict:
     import torch
     old = torch.get_num_threads()
     torch.set_num_threads(o.threads)
     try: return regenerate_corpus(o.out)
     finally: torch.set_num_threads(old)
 
-COMMANDS = {'build': Command(ToyOptions, _build_command, 'the corpus, the tokenizer and the target'),
-            'regenerate': Command(ToyOptions, _regenerate_command, 'the corpus regenerated by the built target')}
-PROG = 'python -m dflash.toy'
+_COMMANDS = {'build': Command(_ToyOptions, _build_command, 'the corpus, the tokenizer and the target'),
+            'regenerate': Command(_ToyOptions, _regenerate_command, 'the corpus regenerated by the built target')}
+_PROG = 'python -m dflash.toy'
 
 def main(argv=None) -> dict:
     "Build the toy target (`python -m dflash.toy build [--out DIR]`), then its regenerated corpus (`... regenerate`)."
-    usage = usage_text(PROG, 'the shipped toy target and its data, rebuilt', COMMANDS)
-    try: name, opts = parse_subcommand(COMMANDS, argv, PROG, usage)
+    usage = usage_text(_PROG, 'the shipped toy target and its data, rebuilt', _COMMANDS)
+    try: name, opts = parse_subcommand(_COMMANDS, argv, _PROG, usage)
     except OptionsError as e: exit_bad_options(e)
-    return COMMANDS[name].run(opts)
+    return _COMMANDS[name].run(opts)
 
 # %% ../nbs/09_toy.ipynb #d0e70001
 if __name__ == '__main__' and '__file__' in globals(): main()

@@ -13,17 +13,16 @@ from .runs import TrainConfig, check_train, read_run, resume_changes, claim_run,
 from .files import write_json, write_atomic, toy_data_dir
 
 # %% auto #0
-__all__ = ['PROG', 'DESCRIPTION', 'configure', 'parse_config', 'toy_profile', 'spec_tau', 'main', 'draw_curves',
-           'draw_acceptance', 'draw_run']
+__all__ = ['parse_config', 'toy_profile', 'main']
 
 # %% ../nbs/11_train.ipynb #eb366dd9
-PROG = 'accelerate launch -m dflash.train'
-DESCRIPTION = ("Train a DFlash drafter. With no arguments: the toy target and corpus shipped in the package; the "
+_PROG = 'accelerate launch -m dflash.train'
+_DESCRIPTION = ("Train a DFlash drafter. With no arguments: the toy target and corpus shipped in the package; the "
                "defaults shown are that run's. With --target, options not given take the DFlash recipe's defaults.")
 
-def configure(argv=None) -> tuple[TrainConfig, dict | None, dict]:
+def _configure(argv=None) -> tuple[TrainConfig, dict | None, dict]:
     "(checked options, the run record being resumed or None, allowed changes {name: (old, new)}); one error for all."
-    p = OptionParser(TrainConfig, PROG, DESCRIPTION, help_defaults=toy_profile(resolve=False))
+    p = OptionParser(TrainConfig, _PROG, _DESCRIPTION, help_defaults=toy_profile(resolve=False))
     given = p.read(argv)
     base = toy_profile() if 'target' not in given else {}
     out = given.get('out', base.get('out', TrainConfig.out))
@@ -35,11 +34,11 @@ def configure(argv=None) -> tuple[TrainConfig, dict | None, dict]:
             base = {k: v for k, v in rec['config'].items() if k not in ('resume', 'overwrite')}
             refused, changed = resume_changes(rec['config'], given)
             problems += refused
-    return build_options(TrainConfig, {**base, **given}, problems, PROG, check_train), rec, changed
+    return build_options(TrainConfig, {**base, **given}, problems, _PROG, check_train), rec, changed
 
 def parse_config(argv=None) -> TrainConfig:
     "A checked `TrainConfig` from flags and an optional YAML file (the toy profile when no target is named)."
-    return configure(argv)[0]
+    return _configure(argv)[0]
 
 # %% ../nbs/11_train.ipynb #7588c06c
 def toy_profile(resolve: bool = True) -> dict:
@@ -50,7 +49,7 @@ def toy_profile(resolve: bool = True) -> dict:
 
 
 # %% ../nbs/11_train.ipynb #44a8a7d8
-def spec_tau(trainer) -> dict | None:
+def _spec_tau(trainer) -> dict | None:
     "Speculative-decoding acceptance on the held-out prompts (main process; None when not measurable)."
     from dflash.speculate import eval_prompts, acceptance_eval
     c, p = trainer.cfg, trainer.parts
@@ -79,17 +78,17 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool) -> 
     trainer = Trainer(cfg)
     if is_main: print(f"layer checkpointing: {trainer.policy}")
     if 'spec_before' not in record:
-        record['spec_before'] = spec_tau(trainer)
+        record['spec_before'] = _spec_tau(trainer)
         if is_main: write_json(out / 'run.json', record)
     trainer.acc.wait_for_everyone()
     metrics = trainer.fit()                              # final checkpoint and export happen before its evaluation
-    after = spec_tau(trainer)
+    after = _spec_tau(trainer)
     trainer.acc.wait_for_everyone()
     summary, before = {}, record['spec_before']
     if is_main:
         summary = {'metrics': metrics, 'spec_before': before, 'spec_after': after, 'drafter': str(out / 'drafter')}
         write_json(out / 'summary.json', summary)
-        pictures = draw_run(out, before, after)          # before 'finished': a resume of a killed run draws them
+        pictures = _draw_run(out, before, after)          # before 'finished': a resume of a killed run draws them
         write_json(out / 'run.json', {**record, 'status': 'finished', 'step': trainer.step})
         if 'eval_tau' in metrics: print(f"held-out tau (training-time estimate): {metrics['eval_tau']:.3f}")
         if before: print(f"speculative decoding tau before training: {before['tau']:.3f}")
@@ -100,7 +99,7 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool) -> 
     return summary
 
 def main(argv=None) -> dict:
-    try: cfg, rec, changed = configure(argv)
+    try: cfg, rec, changed = _configure(argv)
     except OptionsError as e: exit_bad_options(e)
     out, is_main = Path(cfg.out), int(os.environ.get('RANK', '0')) == 0
     if cfg.resume and rec and rec.get('status') == 'finished':
@@ -110,7 +109,8 @@ def main(argv=None) -> dict:
     if is_main:
         try: claim_run(cfg)
         except RunDirError as e:
-            print(f"error: {e}", file=sys.stderr); raise SystemExit(2)
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2)
     try: return _train(cfg, rec, changed, is_main)
     finally:
         if is_main: unlock_run(out)
@@ -129,7 +129,7 @@ def _save_png(fig, path) -> Path:
     write_atomic(path, buf.getvalue())
     return Path(path)
 
-def draw_curves(out) -> Path | None:
+def _draw_curves(out) -> Path | None:
     "`out/curves.png`: loss, τ and accuracy per block position over steps, from metrics.csv and eval.csv."
     from matplotlib.figure import Figure
     from matplotlib import colormaps, colors, cm
@@ -143,8 +143,10 @@ def draw_curves(out) -> Path | None:
         steps = [r['step'] for r in rows]
         a1.plot(steps, [r[pre + 'loss'] for r in rows], style, label=name)
         a2.plot(steps, [r[pre + 'tau'] for r in rows], style, label=name)
-    a1.set(xlabel='step', ylabel='loss', title='loss'); a1.legend()
-    a2.set(xlabel='step', ylabel='τ (tokens per block)', title='τ, expected acceptance length'); a2.legend()
+    a1.set(xlabel='step', ylabel='loss', title='loss')
+    a1.legend()
+    a2.set(xlabel='step', ylabel='τ (tokens per block)', title='τ, expected acceptance length')
+    a2.legend()
     rows, pre = (train, '') if train else (ev, 'eval_')
     ks = sorted(int(k[len(pre) + 4:]) for k in rows[0] if k.startswith(pre + 'acc_'))
     norm, cmap = colors.Normalize(min(ks), max(ks)), colormaps['viridis']
@@ -154,7 +156,7 @@ def draw_curves(out) -> Path | None:
     fig.colorbar(cm.ScalarMappable(norm, cmap), ax=a3, label='block position k')
     return _save_png(fig, out / 'curves.png')
 
-def draw_acceptance(out, before: dict | None, after: dict | None) -> Path | None:
+def _draw_acceptance(out, before: dict | None, after: dict | None) -> Path | None:
     "`out/acceptance.png`: histograms of the tokens accepted per verify step, before and after training."
     from matplotlib.figure import Figure
     from dflash.speculate import plot_acceptance
@@ -165,14 +167,15 @@ def draw_acceptance(out, before: dict | None, after: dict | None) -> Path | None
     for ax, (name, r) in zip(axes, runs): plot_acceptance(r['histogram'], ax, f"{name}: τ = {r['tau']:.2f}")
     return _save_png(fig, Path(out) / 'acceptance.png')
 
-def draw_run(out, before: dict | None = None, after: dict | None = None) -> dict[str, Path]:
+def _draw_run(out, before: dict | None = None, after: dict | None = None) -> dict[str, Path]:
     "Draw the pictures of the run in `out`: {what: path} of those drawn; one that fails is named on stderr."
     drawn = {}
-    for name, draw in (('training curves', lambda: draw_curves(out)),
-                       ('acceptance histogram', lambda: draw_acceptance(out, before, after))):
+    for name, draw in (('training curves', lambda: _draw_curves(out)),
+                       ('acceptance histogram', lambda: _draw_acceptance(out, before, after))):
         try: path = draw()
         except Exception as e:
-            print(f"warning: {name} not drawn: {type(e).__name__}: {e}", file=sys.stderr); continue
+            print(f"warning: {name} not drawn: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
         if path: drawn[name] = path
     return drawn
 

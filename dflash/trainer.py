@@ -34,13 +34,10 @@ from .files import json_problem, file_sha256, write_atomic, write_json, fsync_pa
 from .runs import TrainConfig, launch_problems
 
 # %% auto #0
-__all__ = ['complete_checkpoints', 'frozen_head_weights', 'RunParts', 'load_parts', 'epoch_order', 'step_samples',
-           'rank_micro_batches', 'CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'whole_state',
-           'rotate_checkpoints', 'save_checkpoint', 'load_checkpoint', 'peak_memory_mb', 'append_csv', 'sums_metrics',
-           'truncate_csv', 'csv_steps', 'online_fit', 'fsdp_settings', 'shard_drafter', 'Trainer']
+__all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'rotate_checkpoints', 'Trainer']
 
 # %% ../nbs/10_trainer.ipynb #0ebcce23
-def frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
+def _frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
     "The target's input embedding and LM head weights (V, H), read from its safetensors without loading the model."
     target_dir = Path(target_dir)
     files = sorted(target_dir.glob('*.safetensors'))
@@ -55,7 +52,7 @@ def frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
     return found['embed_tokens'], found.get('lm_head', found['embed_tokens'])   # tied embeddings: one matrix
 
 @dataclass
-class RunParts:
+class _RunParts:
     "Everything a process needs to train: tokenizer, target features or cache, datasets, drafter config."
     tokenizer: object
     features: TargetFeatures | None      # None in offline mode
@@ -65,7 +62,7 @@ class RunParts:
     eval: object | None
     drafter_config: DrafterConfig
 
-def load_parts(cfg: TrainConfig, device) -> RunParts:
+def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     "Resolve the target and data of `cfg` (defaults: the toy) and build the datasets."
     from dflash.chat import load_chat_data
     toy = cfg.target is None
@@ -77,7 +74,7 @@ def load_parts(cfg: TrainConfig, device) -> RunParts:
     tok = AutoTokenizer.from_pretrained(target)
     dkw = dict(num_hidden_layers=cfg.num_layers, block_size=cfg.block_size)
     if cfg.cache:
-        features, ev, (embed, lm_head) = None, None, frozen_head_weights(target)
+        features, ev, (embed, lm_head) = None, None, _frozen_head_weights(target)
         train = CacheDataset(cfg.cache, target)
         ids = train.manifest['layer_ids']
         if cfg.target_layer_ids is not None and list(cfg.target_layer_ids) != ids:
@@ -95,22 +92,22 @@ def load_parts(cfg: TrainConfig, device) -> RunParts:
         dcfg = features.drafter_config(**dkw)
     if len(train) < cfg.batch_size:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(train)} samples)")
-    return RunParts(tok, features, embed, lm_head, train, ev, dcfg)
+    return _RunParts(tok, features, embed, lm_head, train, ev, dcfg)
 
 # %% ../nbs/10_trainer.ipynb #ebc581f4
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     "The sample order of an epoch: a permutation seeded by (seed, epoch)."
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(n, generator=g).tolist()
 
-def step_samples(n: int, batch_size: int, seed: int, step: int) -> tuple[int, list[int]]:
+def _step_samples(n: int, batch_size: int, seed: int, step: int) -> tuple[int, list[int]]:
     "(epoch, sample ids) of global step `step`: consecutive slices of each epoch's order, the last partial one dropped."
     per_epoch = n // batch_size
     if per_epoch == 0: raise ValueError(f"batch_size {batch_size} is larger than the dataset ({n} samples)")
     epoch, k = divmod(step, per_epoch)
-    return epoch, epoch_order(n, seed, epoch)[k * batch_size:(k + 1) * batch_size]
+    return epoch, _epoch_order(n, seed, epoch)[k * batch_size:(k + 1) * batch_size]
 
-def rank_micro_batches(ids: list[int], rank: int, world: int, micro: int) -> list[list[int]]:
+def _rank_micro_batches(ids: list[int], rank: int, world: int, micro: int) -> list[list[int]]:
     "The micro-batches of process `rank`: every `world`-th sample of the global batch, `micro` at a time."
     mine = ids[rank::world]
     return [mine[i:i + micro] for i in range(0, len(mine), micro)]
@@ -142,10 +139,10 @@ def verify_checkpoint(d) -> dict:
             raise CheckpointError(f"{p}: corrupt (size or SHA-256 differs from trainer_state.json)")
     return st
 
-complete_checkpoints = checkpoint_dirs
+_complete_checkpoints = checkpoint_dirs
 
 # %% ../nbs/10_trainer.ipynb #9d7168c8
-def whole_state(**kw) -> StateDictOptions:
+def _whole_state(**kw) -> StateDictOptions:
     "State dict options for whole tensors: gathered from every process's shards when processes run together."
     together = torch.distributed.is_available() and torch.distributed.is_initialized()
     return StateDictOptions(full_state_dict=together, **kw)
@@ -177,15 +174,16 @@ def rotate_checkpoints(out, keep: int):
     for old in found[:-keep]:
         if not good or old != good[-1]: shutil.rmtree(old)
 
-def save_checkpoint(accelerator: Accelerator, out, step: int, model, opt, sched, *, state: dict, keep: int):
+def _save_checkpoint(accelerator: Accelerator, out, step: int, model, opt, sched, *, state: dict, keep: int):
     "Write weights, optimizer, schedule and `state` as `out/checkpoints/step-N`, flushed and whole; rotate old ones."
     d = Path(out) / 'checkpoints'
     tmp, final = d / f'.step-{step:07d}.partial', d / f'step-{step:07d}'
-    gathered = whole_state(cpu_offload=True)         # every process takes part; the main process gets the tensors
+    gathered = _whole_state(cpu_offload=True)         # every process takes part; the main process gets the tensors
     weights = get_model_state_dict(model, options=gathered)
     moments = get_optimizer_state_dict(model, getattr(opt, 'optimizer', opt), options=gathered)
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         tensors, opt_meta = _flat_optimizer(moments)
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / 'model.safetensors')
         save_file(tensors, tmp / 'optimizer.safetensors')
@@ -196,16 +194,19 @@ def save_checkpoint(accelerator: Accelerator, out, step: int, model, opt, sched,
         write_json(tmp / 'trainer_state.json', {**state, 'optimizer': opt_meta, 'scheduler': sched.state_dict(),
                                                 'files': files})
         old = d / f'.step-{step:07d}.replaced'    # the same step from before a resume that fell back past it
-        if final.exists(): shutil.rmtree(old, ignore_errors=True); os.replace(final, old)
-        os.replace(tmp, final); fsync_path(d)
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        fsync_path(d)
         shutil.rmtree(old, ignore_errors=True)
         rotate_checkpoints(out, keep)
     accelerator.wait_for_everyone()
 
-def load_checkpoint(accelerator: Accelerator, d, model, opt, sched) -> dict:
+def _load_checkpoint(accelerator: Accelerator, d, model, opt, sched) -> dict:
     "Verify checkpoint `d` and load it into model, optimizer and schedule (safetensors and JSON only); its state."
     st = verify_checkpoint(d)
-    whole = whole_state()                             # every process reads the whole tensors and keeps its shard
+    whole = _whole_state()                             # every process reads the whole tensors and keeps its shard
     set_model_state_dict(model, load_file(Path(d) / 'model.safetensors'), options=whole)
     set_optimizer_state_dict(model, getattr(opt, 'optimizer', opt),
                              _nested_optimizer(load_file(Path(d) / 'optimizer.safetensors'), st['optimizer']),
@@ -214,12 +215,12 @@ def load_checkpoint(accelerator: Accelerator, d, model, opt, sched) -> dict:
     return st
 
 # %% ../nbs/10_trainer.ipynb #507a1840
-def peak_memory_mb(device) -> float:
+def _peak_memory_mb(device) -> float:
     "Peak memory so far: the CUDA allocator's on GPU, the process's peak RSS on CPU."
     if device.type == 'cuda': return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
 
-def append_csv(path, row: dict):
+def _append_csv(path, row: dict):
     "Append `row` to a CSV file, writing the header when the file is new."
     path = Path(path)
     new = not path.is_file()
@@ -228,13 +229,13 @@ def append_csv(path, row: dict):
         if new: w.writeheader()
         w.writerow(row)
 
-def sums_metrics(s: ObjectiveSums, prefix: str = '') -> dict:
+def _sums_metrics(s: ObjectiveSums, prefix: str = '') -> dict:
     "Loss, tau and accuracy per block position (k >= 1) of global sums, as plain floats."
     m = {f'{prefix}loss': s.loss.item(), f'{prefix}tau': s.tau.item()}
     m.update({f'{prefix}acc_{k}': a for k, a in enumerate(s.accuracy.tolist()) if k >= 1})
     return m
 
-def truncate_csv(path, last_step: int):
+def _truncate_csv(path, last_step: int):
     "Drop the rows of a metrics CSV after `last_step` (a resume continues from there), rewriting it whole."
     path = Path(path)
     if not path.is_file(): return
@@ -245,13 +246,13 @@ def truncate_csv(path, last_step: int):
     lines = [','.join(rows[0])] + [','.join(r) for r in keep]
     write_atomic(path, '\n'.join(lines) + '\n')
 
-def csv_steps(path) -> list[int]:
+def _csv_steps(path) -> list[int]:
     "The steps logged in a metrics CSV."
     if not Path(path).is_file(): return []
     return [int(float(r['step'])) for r in csv.DictReader(open(path, newline=''))]
 
 # %% ../nbs/10_trainer.ipynb #6042605f
-def online_fit(target_config, drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int, *,
+def _online_fit(target_config, drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int, *,
                dtype: str = 'bf16', attention: str = 'sdpa', micro_batch_size: int = 1,
                policy='auto') -> tuple[bool, str]:
     "(whether the step and the online target fit `budget_bytes` together, the plan's sentence with the figures)"
@@ -275,7 +276,7 @@ def online_fit(target_config, drafter_config: DrafterConfig, seq_len: int, num_a
 # %% ../nbs/10_trainer.ipynb #d2a16c6e
 _PLAN_DTYPE = {'bf16': 'bf16', 'fp16': 'fp16'}                    # accelerate's mixed precision -> the plan's dtype
 
-def fsdp_settings(acc: Accelerator) -> dict | None:
+def _fsdp_settings(acc: Accelerator) -> dict | None:
     "`fully_shard`'s arguments from the user's FSDP settings (accelerate config or launch flags); None: no FSDP."
     if acc.distributed_type.value != 'FSDP' and not parse_flag_from_env('ACCELERATE_USE_FSDP'): return None
     if not torch.distributed.is_initialized(): return None        # one process, no process group: nothing to shard
@@ -283,7 +284,7 @@ def fsdp_settings(acc: Accelerator) -> dict | None:
     if parse_flag_from_env('FSDP_OFFLOAD_PARAMS'): kw['offload_policy'] = CPUOffloadPolicy()
     return kw
 
-def shard_drafter(drafter: DFlashDrafter, **settings) -> DFlashDrafter:
+def _shard_drafter(drafter: DFlashDrafter, **settings) -> DFlashDrafter:
     "FSDP2 over all processes: each decoder layer its own unit, then the rest (fc, norms) at the root."
     for layer in drafter.layers: fully_shard(layer, **settings)
     return fully_shard(drafter, **settings)
@@ -294,7 +295,7 @@ def _refuse_online_misfit(cfg: TrainConfig, acc: Accelerator):
     dcfg = DrafterConfig.from_target(tc, mask_token_id=tc.vocab_size - 1, num_hidden_layers=cfg.num_layers,
                                      block_size=cfg.block_size)
     budget = int(free_bytes(acc.device) * cfg.memory_fraction)
-    fits, why = online_fit(tc, dcfg, cfg.max_length, cfg.num_anchors, budget,
+    fits, why = _online_fit(tc, dcfg, cfg.max_length, cfg.num_anchors, budget,
                            dtype=_PLAN_DTYPE.get(acc.mixed_precision, 'fp32'), attention=cfg.attention,
                            micro_batch_size=cfg.micro_batch_size, policy=parse_policy(cfg.checkpointing))
     if not fits: raise MemoryError(f"online training does not fit on {acc.device}: {why}")
@@ -312,7 +313,7 @@ class Trainer:
         self.acc = acc = accelerator or Accelerator(cpu=not gpu, mixed_precision=precision,
                                                     log_with='tensorboard', project_dir=str(self.out))
         gpu = acc.device.type == 'cuda'
-        self.fsdp = fsdp_settings(acc)
+        self.fsdp = _fsdp_settings(acc)
         if cfg.batch_size % acc.num_processes:
             raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the number of processes "
                              f"({acc.num_processes})")
@@ -320,7 +321,7 @@ class Trainer:
         if gpu and cfg.cache is None: _refuse_online_misfit(cfg, acc)   # before the target loads
         with acc.local_main_process_first():     # one process per machine hashes the target's weights, the rest
             target_identity(resolve_local(cfg.target) if cfg.target else toy_target_dir())     # read its checksums
-        self.parts = p = load_parts(cfg, acc.device)
+        self.parts = p = _load_parts(cfg, acc.device)
         budget, dtype = int(free_bytes(acc.device) * cfg.memory_fraction), _PLAN_DTYPE.get(acc.mixed_precision, 'fp32')
         attention_budget, self.objective_budget = budgets(p.drafter_config, cfg.max_length, budget, dtype,
                                                           cfg.micro_batch_size)
@@ -331,7 +332,7 @@ class Trainer:
         options = {'budget_bytes': attention_budget} if cfg.attention == 'sdpa' else {}
         drafter = DFlashDrafter(p.drafter_config, cfg.attention, **options)      # the same on every process (seeded)
         set_checkpointing(drafter, self.policy, budget_bytes=attention_budget)
-        if self.fsdp is not None: drafter = shard_drafter(drafter, **self.fsdp)  # before the optimizer sees it
+        if self.fsdp is not None: drafter = _shard_drafter(drafter, **self.fsdp)  # before the optimizer sees it
         opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=gpu or None)
         self.total_steps = cfg.max_steps or max(1, int(cfg.epochs * (len(p.train) // cfg.batch_size)))
         self.sched = get_cosine_schedule_with_warmup(opt, round(cfg.warmup_ratio * self.total_steps), self.total_steps)
@@ -378,9 +379,9 @@ def _reduce(self: Trainer, s: ObjectiveSums) -> ObjectiveSums:
 def train_step(self: Trainer) -> dict:
     "One optimizer step; returns its metrics (global over processes)."
     c, acc, t0 = self.cfg, self.acc, time.perf_counter()
-    epoch, ids = step_samples(len(self.parts.train), c.batch_size, c.seed, self.step)
+    epoch, ids = _step_samples(len(self.parts.train), c.batch_size, c.seed, self.step)
     micro = [self._micro_batch(self.parts.train, m, epoch)
-             for m in rank_micro_batches(ids, acc.process_index, acc.num_processes, c.micro_batch_size)]
+             for m in _rank_micro_batches(ids, acc.process_index, acc.num_processes, c.micro_batch_size)]
     W = acc.reduce(sum(lay.weights.sum() for _, lay in micro).float().reshape(1), 'sum')
     total, tokens = None, sum(int(b['attention_mask'].sum()) for b, _ in micro)
     for i, (b, lay) in enumerate(micro):
@@ -395,7 +396,9 @@ def train_step(self: Trainer) -> dict:
     if isinstance(grad_norm, DTensor): grad_norm = grad_norm.full_tensor()      # sharded gradients: the global norm
     lr = self.sched.get_last_lr()[0]
     if torch.isfinite(g.loss_sum) and torch.isfinite(grad_norm):
-        self.opt.step(); self.sched.step(); self.bad_steps = 0
+        self.opt.step()
+        self.sched.step()
+        self.bad_steps = 0
     else:
         self.bad_steps += 1
         if self.bad_steps >= c.max_bad_steps:
@@ -405,9 +408,9 @@ def train_step(self: Trainer) -> dict:
     self.opt.zero_grad(set_to_none=True)
     self.step += 1
     tokens = int(acc.reduce(torch.tensor([tokens], device=acc.device), 'sum')[0])
-    return {'step': self.step, 'epoch': epoch, 'processes': acc.num_processes, **sums_metrics(g), 'lr': lr,
+    return {'step': self.step, 'epoch': epoch, 'processes': acc.num_processes, **_sums_metrics(g), 'lr': lr,
             'grad_norm': float(grad_norm),
-            'tokens_per_s': tokens / (time.perf_counter() - t0), 'peak_mem_mb': peak_memory_mb(acc.device),
+            'tokens_per_s': tokens / (time.perf_counter() - t0), 'peak_mem_mb': _peak_memory_mb(acc.device),
             'skipped': self.bad_steps}
 
 # %% ../nbs/10_trainer.ipynb #f61a2c8d
@@ -422,10 +425,10 @@ def evaluate(self: Trainer) -> dict:
     z = lambda *s: torch.zeros(s, device=dev)
     total = ObjectiveSums(z(), z(), z(B), z(B), z(), z())      # a process with no sample adds zeros
     n = len(ev) if c.eval_samples is None else min(c.eval_samples, len(ev))
-    for m in rank_micro_batches(list(range(n)), acc.process_index, acc.num_processes, c.eval_batch_size):
+    for m in _rank_micro_batches(list(range(n)), acc.process_index, acc.num_processes, c.eval_batch_size):
         total = total + self._sums(*self._micro_batch(ev, m, epoch=0))
     self.model.train()
-    return sums_metrics(self._reduce(total), prefix='eval_')
+    return _sums_metrics(self._reduce(total), prefix='eval_')
 
 # %% ../nbs/10_trainer.ipynb #ddf1d485
 @patch
@@ -433,7 +436,7 @@ def save(self: Trainer, final: bool = False):
     if self.bad_steps and not final:
         if self.acc.is_main_process: print(f"step {self.step}: no checkpoint during {self.bad_steps} non-finite steps")
         return
-    save_checkpoint(self.acc, self.out, self.step, self.model, self.opt, self.sched,
+    _save_checkpoint(self.acc, self.out, self.step, self.model, self.opt, self.sched,
                     state={'step': self.step, 'bad_steps': self.bad_steps}, keep=self.cfg.keep_checkpoints)
 
 @patch
@@ -450,7 +453,7 @@ def resume(self: Trainer) -> Path | None:
     "Load the newest intact checkpoint in `out` (None: there is none); corrupt ones are named and skipped."
     found, problems = checkpoint_dirs(self.out), []
     for d in reversed(found):
-        try: st = load_checkpoint(self.acc, d, self.model, self.opt, self.sched)
+        try: st = _load_checkpoint(self.acc, d, self.model, self.opt, self.sched)
         except (CheckpointError, OSError, ValueError, KeyError, RuntimeError) as e:
             problems.append(f"{d.name}: {e}")
             if self.acc.is_main_process: print(f"checkpoint {d} is unusable ({e}); trying an older one")
@@ -466,7 +469,7 @@ def resume(self: Trainer) -> Path | None:
 def whole_drafter(self: Trainer) -> DFlashDrafter | None:
     "The drafter as one whole module on the main process, None on the others; every process calls it (FSDP gathers)."
     if self.fsdp is None: return self.acc.unwrap_model(self.model) if self.acc.is_main_process else None
-    weights = get_model_state_dict(self.model, options=whole_state(cpu_offload=True))
+    weights = get_model_state_dict(self.model, options=_whole_state(cpu_offload=True))
     if not self.acc.is_main_process: return None
     whole = DFlashDrafter(self.parts.drafter_config, self.cfg.attention)
     whole.load_state_dict(weights)
@@ -483,7 +486,8 @@ def export(self: Trainer):
         for f in tmp.iterdir(): fsync_path(f)
         shutil.rmtree(old, ignore_errors=True)
         if final.exists(): os.rename(final, old)
-        os.rename(tmp, final); fsync_path(self.out)
+        os.rename(tmp, final)
+        fsync_path(self.out)
         shutil.rmtree(old, ignore_errors=True)
     self.acc.wait_for_everyone()
 
@@ -491,7 +495,8 @@ def export(self: Trainer):
 def _eval_and_log(self: Trainer) -> dict:
     ev = self.evaluate()
     if self.acc.is_main_process and ev:
-        append_csv(self.out / 'eval.csv', {'step': self.step, **ev}); self.acc.log(ev, step=self.step)
+        _append_csv(self.out / 'eval.csv', {'step': self.step, **ev})
+        self.acc.log(ev, step=self.step)
     return ev
 
 @patch
@@ -502,7 +507,7 @@ def fit(self: Trainer) -> dict:
     if c.resume and (where := self.resume()):
         if main:
             print(f"resumed from {where} at step {self.step}")
-            for f in ('metrics.csv', 'eval.csv'): truncate_csv(self.out / f, self.step)
+            for f in ('metrics.csv', 'eval.csv'): _truncate_csv(self.out / f, self.step)
     acc.wait_for_everyone()
     resumed_at = self.step
     acc.init_trackers('tensorboard', config={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
@@ -510,7 +515,7 @@ def fit(self: Trainer) -> dict:
                       init_kwargs={'tensorboard': {'purge_step': resumed_at + 1}} if resumed_at else {})
     eval_due = lambda s: (c.eval_every and s % c.eval_every == 0) or s == self.total_steps
     ev = {}
-    logged = csv_steps(self.out / 'eval.csv')
+    logged = _csv_steps(self.out / 'eval.csv')
     if 0 < resumed_at < self.total_steps and eval_due(resumed_at) and resumed_at not in logged:
         ev = self._eval_and_log()                              # killed between that checkpoint and its evaluation
     bar = tqdm(total=self.total_steps, initial=self.step, disable=not (main and c.progress_bar), desc='training',
@@ -518,11 +523,13 @@ def fit(self: Trainer) -> dict:
     last = {}
     while self.step < self.total_steps:
         last = self.train_step()
-        bar.update(1); bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}",
+        bar.update(1)
+        bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}",
                                        tok_s=f"{last['tokens_per_s']:.0f}")
         done = self.step == self.total_steps
         if main and ((c.log_every and self.step % c.log_every == 0) or done):
-            append_csv(self.out / 'metrics.csv', last); acc.log(last, step=self.step)
+            _append_csv(self.out / 'metrics.csv', last)
+            acc.log(last, step=self.step)
         if done: break
         if c.save_every and self.step % c.save_every == 0: self.save()
         if eval_due(self.step): ev = self._eval_and_log()
@@ -534,7 +541,7 @@ def fit(self: Trainer) -> dict:
     if self.step not in logged: ev = self._eval_and_log()     # 3. the final evaluation (unless logged before)
     for t in acc.trackers: t.finish()                      # flush TensorBoard; the process group stays up
     acc.wait_for_everyone()
-    if not last and main and (rows := list(csv.DictReader(open(self.out / 'metrics.csv')))):
+    if not last and main and (rows := list(csv.DictReader((self.out / 'metrics.csv').read_text().splitlines()))):
         last = {k: float(v) for k, v in rows[-1].items()}      # resumed after the last step: its logged metrics
     return {**last, **ev, 'mixed_precision': acc.mixed_precision, 'distributed_type': acc.distributed_type.value,
             'fsdp': self.fsdp is not None}
