@@ -4,15 +4,15 @@
 
 # %% ../nbs/04_attention.ipynb #d9eab9be
 from __future__ import annotations
-import math
 from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from .layout import BlockLayout, HeadShape
+from .testing import eager_attention
 
 # %% auto #0
-__all__ = ['BACKENDS', 'register_backend', 'get_backend', 'eager_attention', 'sdpa_attention']
+__all__ = ['BACKENDS', 'register_backend', 'get_backend', 'sdpa_attention']
 
 # %% ../nbs/04_attention.ipynb #3a222b55
 _AttentionFn = Callable[..., Tensor]   # (q, k_ctx, v_ctx, k_blk, v_blk, layout, *, sliding_window=None) -> out
@@ -32,22 +32,8 @@ def get_backend(name: str, **options) -> _AttentionFn:
     return BACKENDS[name](**options)
 
 # %% ../nbs/04_attention.ipynb #90c5f244
-def eager_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *,
-                    sliding_window: int | None = None) -> Tensor:
-    "Reference block attention: dense mask, expanded KV heads, float32 math."
-    g = q.shape[1] // k_ctx.shape[1]                                     # query heads per KV head
-    k = torch.cat([k_ctx, k_blk], dim=2).repeat_interleave(g, dim=1)      # (N, Hq, S + A·B, D)
-    v = torch.cat([v_ctx, v_blk], dim=2).repeat_interleave(g, dim=1)
-    mask = layout.dense_mask(sliding_window)[:, None]                     # (N, 1, A·B, S + A·B)
-    with torch.autocast(q.device.type, enabled=False):                   # float32, also under mixed precision
-        scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])
-        scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
-        probs = scores.softmax(-1) * mask                                 # rows with no key -> 0
-        out = probs @ v.float()                                           # (N, Hq, A·B, D)
-    return out.to(torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else q.dtype)
-
 @register_backend('eager')
-def _eager() -> _AttentionFn: return eager_attention
+def _eager() -> _AttentionFn: return eager_attention        # the reference (`01a_testing`): dense mask, float32 math
 
 # %% ../nbs/04_attention.ipynb #d9c92aba
 import weakref

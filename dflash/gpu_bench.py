@@ -15,7 +15,8 @@ from .layout import HeadShape
 from .memory import measure, MemoryTracker
 from .chunking import plan_chunks, probe_kernel
 from .testing import random_layout, random_qkv
-from .attention import get_backend, eager_attention, sdpa_attention
+from .attention import get_backend, sdpa_attention
+from .testing import eager_attention
 from .drafter import DFlashDrafter
 from .recompute import set_checkpointing
 from .objective import dflash_objective

@@ -4,13 +4,14 @@
 
 # %% ../nbs/01a_testing.ipynb #19045697
 from __future__ import annotations
+import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from .layout import BlockLayout, HeadShape
 
 # %% auto #0
-__all__ = ['random_layout', 'random_qkv', 'drafter_grads', 'plain_objective']
+__all__ = ['random_layout', 'random_qkv', 'eager_attention', 'drafter_grads', 'plain_objective']
 
 # %% ../nbs/01a_testing.ipynb #8a41e255
 def random_layout(N: int, S: int, n_anchors: int, *, B: int = 16, seed: int = 0,
@@ -30,6 +31,21 @@ def random_qkv(layout: BlockLayout, shape: HeadShape, *, requires_grad: bool = F
     Hq, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     shapes = [(N, Hq, T, D), (N, Hkv, S, D), (N, Hkv, S, D), (N, Hkv, T, D), (N, Hkv, T, D)]
     return tuple(torch.randn(s, generator=generator, dtype=shape.dtype).requires_grad_(requires_grad) for s in shapes)
+
+# %% ../nbs/01a_testing.ipynb #a7e60002
+def eager_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *,
+                    sliding_window: int | None = None) -> Tensor:
+    "Reference block attention: dense mask, expanded KV heads, float32 math."
+    g = q.shape[1] // k_ctx.shape[1]                                     # query heads per KV head
+    k = torch.cat([k_ctx, k_blk], dim=2).repeat_interleave(g, dim=1)      # (N, Hq, S + A·B, D)
+    v = torch.cat([v_ctx, v_blk], dim=2).repeat_interleave(g, dim=1)
+    mask = layout.dense_mask(sliding_window)[:, None]                     # (N, 1, A·B, S + A·B)
+    with torch.autocast(q.device.type, enabled=False):                   # float32, also under mixed precision
+        scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+        probs = scores.softmax(-1) * mask                                 # rows with no key -> 0
+        out = probs @ v.float()                                           # (N, Hq, A·B, D)
+    return out.to(torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else q.dtype)
 
 # %% ../nbs/01a_testing.ipynb #e53b3a3c
 def drafter_grads(drafter: nn.Module, context, layout, embed, lm_head, *, loss_fn=None) -> dict[str, Tensor]:
