@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 # %% auto #0
-__all__ = ['MemoryTracker', 'fmt_bytes', 'measure', 'saved_bytes', 'plot_peaks']
+__all__ = ['MemoryTracker', 'fmt_bytes', 'measure', 'saved_bytes', 'plot_peaks', 'policy_peaks']
 
 # %% ../nbs/02_memory.ipynb #28fdd20c
 class _NoModules:
@@ -224,3 +224,13 @@ def _plot_sweep(xs, series: dict, *, budget=None, ax=None, xlabel: str = 'sequen
     if log: ax.set_yscale('log')
     ax.legend(fontsize=8)
     return ax
+
+# %% ../nbs/02_memory.ipynb #e0a10002
+def policy_peaks(run, policies=('none', 2, 'all')) -> dict:
+    "{policy: {forward no_grad, forward autograd, forward+backward}} from `run(policy, backward)` -> MemStats."
+    out = {}
+    for p in policies:
+        with torch.no_grad(): ng = run(p, False)
+        st = run(p, True)
+        out[f'{p}'] = {'forward, no_grad': ng.peak, 'forward, autograd': st.fwd_peak, 'forward+backward': st.peak}
+    return out

@@ -101,3 +101,17 @@ def test_dflash_command_help_is_the_modules_help(command):
     console, module = (subprocess.run(c, capture_output=True, text=True, cwd=PKG.parent, timeout=60) for c in commands)
     assert console.returncode == module.returncode == 0, (console.stderr, module.stderr)
     assert console.stdout == module.stdout and console.stdout.startswith('usage:')
+
+
+def test_notebooks_import_only_earlier_notebooks():
+    "A notebook reads top to bottom after the ones before it: no cell, exported or not, imports a later notebook."
+    import json
+    order = {p.stem: _notebook_of(p) for p in MODULES if p.stem != '__init__'}
+    later = []
+    for nb in sorted((PKG.parent / 'nbs').glob('[0-9]*.ipynb')):
+        for cell in json.loads(nb.read_text())['cells']:
+            code = ''.join(cell['source'])
+            for m in re.finditer(r'(?:from dflash\.(\w+) import|import dflash\.(\w+))', code):
+                mod = m.group(1) or m.group(2)
+                if mod in order and order[mod] > nb.stem: later.append(f"{nb.stem} imports {mod} ({order[mod]})")
+    assert not later, later
