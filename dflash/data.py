@@ -42,6 +42,8 @@ class CacheOptions(DataOptions):
                         choices=['auto', 'float32', 'bfloat16', 'float16'])
     device: str | None = option(None, "device (default: this process's accelerator, else cpu)")
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
+    threads: int | None = option(None, 'CPU threads per process (default: OMP_NUM_THREADS if you set it, else the cores '
+                                       "available split over this machine's processes)", ge=1)
 
 # %% ../nbs/08c_data.ipynb #27f8d72a
 _DATA_SUFFIXES = ('.jsonl', '.json', '.parquet')
@@ -94,6 +96,7 @@ if __name__ == '__main__' and '__file__' in globals(): _parse_command()    # hel
 
 # %% ../nbs/08c_data.ipynb #da7a0003
 import torch
+from .threads import use_threads
 from .chat import load_tokenizer, load_chat_data
 from .features import TargetFeatures, write_cache
 
@@ -109,6 +112,9 @@ def _cache_command(o: CacheOptions):
     "`python -m dflash.data cache`: data checked and tokenized first, then the target loads and the shards are written."
     from accelerate import PartialState
     state = PartialState(cpu=not torch.cuda.is_available())   # gloo processes on a CPU machine
+    if state.device.type == 'cpu':
+        threads, why = use_threads(o.threads)
+        if state.is_main_process: print(f"CPU threads: {threads} per process ({why})")
     tok = load_tokenizer(o.target, o.tokenizer, o.chat_template)
     ds = load_chat_data(o.data, tok, max_length=o.max_length, skip_bad_lines=o.skip_bad_lines, num_proc=o.num_proc,
                         report=True)

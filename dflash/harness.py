@@ -14,8 +14,8 @@ from .memory import measure
 from .attention import get_backend
 
 # %% auto #0
-__all__ = ['METHODS', 'pinned_threads', 'sync_device', 'bench_many', 'physical_floor', 'launch_train', 'last_error',
-           'logged_steps', 'throughput']
+__all__ = ['METHODS', 'pinned_threads', 'sync_device', 'bench_many', 'physical_floor', 'launch_commands', 'launch_train',
+           'last_error', 'logged_steps', 'throughput']
 
 # %% ../nbs/12_harness.ipynb #e0bdccab
 def _dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window=None) -> Tensor:
@@ -96,7 +96,7 @@ def _free_port() -> str:
         s.bind(('127.0.0.1', 0))
         return str(s.getsockname()[1])
 
-def _launch_commands(out, *train_args: str, processes: int = 1, machines: int = 1, device: str = 'cpu',
+def launch_commands(out, *train_args: str, processes: int = 1, machines: int = 1, device: str = 'cpu',
                     accelerate_args=('--mixed_precision', 'no'), port: str | None = None,
                     module: str = 'dflash.train') -> list[list[str]]:
     """One `accelerate launch [accelerate_args] -m MODULE --out OUT *train_args` per machine: `processes` in all,
@@ -115,10 +115,10 @@ def _launch_commands(out, *train_args: str, processes: int = 1, machines: int = 
 def launch_train(out, *train_args: str, processes: int = 1, machines: int = 1, device: str = 'cpu',
                  accelerate_args=('--mixed_precision', 'no'), threads: int = 1, env: dict | None = None,
                  timeout: float = 3600, wait: bool = True, module: str = 'dflash.train'):
-    """Run `_launch_commands(...)`, `threads` threads per process, `env` added to the environment: the finished launch
+    """Run `launch_commands(...)`, `threads` threads per process, `env` added to the environment: the finished launch
     (several machines: started together, outputs joined, failures last; past `timeout`: exit -9). `wait=False`: the
     running launch of one machine, in a session of its own (so its process group can be killed)."""
-    cmds = _launch_commands(out, *train_args, processes=processes, machines=machines, device=device,
+    cmds = launch_commands(out, *train_args, processes=processes, machines=machines, device=device,
                            accelerate_args=accelerate_args, module=module)
     env = {**os.environ, 'OMP_NUM_THREADS': str(threads), 'PYTHONUNBUFFERED': '1', 'TOKENIZERS_PARALLELISM': 'false',
            **({'ACCELERATE_USE_CPU': 'true'} if device == 'cpu' else {}), **(env or {})}  # cpu: else lone processes

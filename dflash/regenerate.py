@@ -44,6 +44,8 @@ class RegenConfig:
     dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(_DTYPES))
     skip_bad_lines: bool = option(False, 'skip and count malformed lines instead of stopping')
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
+    threads: int | None = option(None, 'CPU threads per process (default: OMP_NUM_THREADS if you set it, else the cores '
+                                       "available split over this machine's processes)", ge=1)
 
 def _target_dir(cfg: RegenConfig) -> Path:
     if cfg.target is not None: return resolve_local(cfg.target)                # a hub id: the local cache only
@@ -417,6 +419,9 @@ def greedy_agreement(model, tokenizer, path, n: int | None = None, template_kw: 
 # %% ../nbs/08b_regenerate.ipynb #5f4c3504
 def _run_regenerate(cfg: RegenConfig) -> dict:
     "Regenerate with checked options; a bad file or model ends as `error: ...` with exit status 2."
+    import torch
+    from dflash.threads import use_threads
+    if not torch.cuda.is_available(): print(f"CPU threads: %d per process (%s)" % use_threads(cfg.threads))
     try: r = regenerate(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

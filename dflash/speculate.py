@@ -29,6 +29,8 @@ class SpeculateOptions:
                                choices=['float32', 'bfloat16', 'float16'])
     out: str | None = option(None, 'directory for acceptance.json and acceptance.png (default: none)')
     progress: bool = option(True, 'show a progress bar: prompts done, tokens/s, running tau (--no-progress: none)')
+    threads: int | None = option(None, 'CPU threads (default: OMP_NUM_THREADS if you set it, else the cores available)',
+                                 ge=1)
 
 def _check_speculate(o: SpeculateOptions) -> list[str]:
     "Problems beyond each option's range: required options, and the model directories read without loading them."
@@ -66,6 +68,7 @@ from transformers import DynamicCache, GenerationConfig
 from .drafter import DFlashDrafter, ContextCache
 from .chat import read_jsonl, to_messages
 from .features import target_features
+from .threads import use_threads
 
 # %% ../nbs/09a_speculate.ipynb #5491609a
 def _check_compatible(drafter_config: DrafterConfig, target_config, block_size: int | None = None,
@@ -211,6 +214,8 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     a = _parse_speculate(argv)
     dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    threads, why = use_threads(a.threads, 1) if dev.type == 'cpu' else (torch.get_num_threads(), 'left as is on a GPU')
+    print(f"CPU threads: {threads} ({why})")
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev.type == 'cuda' else torch.float32)
     target_cfg_path = Path(a.target) / 'config.json'
     if not target_cfg_path.is_file(): raise FileNotFoundError(f"{a.target}: no config.json, not a model directory")
@@ -224,6 +229,7 @@ def main(argv=None) -> dict:
     if not prompts: raise ValueError(f"{a.data}: no conversation with a turn before an assistant turn")
     r = acceptance_eval(target, drafter, prompts, max_new_tokens=a.max_new_tokens, block_size=a.block_size,
                         stop_token_ids=[tok.eos_token_id], baseline=True, progress=a.progress)
+    r['threads'] = threads
     print(f"prompts {len(prompts)}  tokens {r['tokens']}  verify steps {r['steps']}")
     print(f"tau (mean acceptance length) {r['tau']:.3f}")
     print("histogram (tokens per step: steps) " + '  '.join(f"{k}:{n}" for k, n in enumerate(r['histogram'], 1)))

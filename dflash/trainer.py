@@ -5,7 +5,7 @@
 # %% ../nbs/10_trainer.ipynb #132bd6a8
 from __future__ import annotations
 import csv, os, re, resource, shutil, time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 import torch
@@ -313,6 +313,7 @@ class Trainer:
         self.acc = acc = accelerator or Accelerator(cpu=not gpu, mixed_precision=precision,
                                                     log_with='tensorboard', project_dir=str(self.out))
         gpu = acc.device.type == 'cuda'
+        self.seconds = {}                            # wall seconds of fit's phases beyond the steps (`_timed`)
         self.fsdp = _fsdp_settings(acc)
         if cfg.batch_size % acc.num_processes:
             raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the number of processes "
@@ -431,13 +432,21 @@ def evaluate(self: Trainer) -> dict:
     return _sums_metrics(self._reduce(total), prefix='eval_')
 
 # %% ../nbs/10_trainer.ipynb #ddf1d485
+@contextmanager
+def _timed(seconds: dict, name: str):
+    "Add the wall seconds the block takes to `seconds[name]`."
+    t0 = time.perf_counter()
+    try: yield
+    finally: seconds[name] = seconds.get(name, 0.) + time.perf_counter() - t0
+
 @patch
 def save(self: Trainer, final: bool = False):
     if self.bad_steps and not final:
         if self.acc.is_main_process: print(f"step {self.step}: no checkpoint during {self.bad_steps} non-finite steps")
         return
-    _save_checkpoint(self.acc, self.out, self.step, self.model, self.opt, self.sched,
-                    state={'step': self.step, 'bad_steps': self.bad_steps}, keep=self.cfg.keep_checkpoints)
+    with _timed(self.seconds, 'checkpoints'):
+        _save_checkpoint(self.acc, self.out, self.step, self.model, self.opt, self.sched,
+                         state={'step': self.step, 'bad_steps': self.bad_steps}, keep=self.cfg.keep_checkpoints)
 
 @patch
 def _apply_options(self: Trainer):
@@ -478,22 +487,23 @@ def whole_drafter(self: Trainer) -> DFlashDrafter | None:
 @patch
 def export(self: Trainer):
     "Write the drafter in the DFlash format to `out/drafter`, whole: a hidden directory, flushed, renamed."
-    drafter = self.whole_drafter()
-    if self.acc.is_main_process:
-        tmp, final, old = self.out / '.drafter.partial', self.out / 'drafter', self.out / '.drafter.old'
-        shutil.rmtree(tmp, ignore_errors=True)
-        drafter.save_pretrained(tmp)
-        for f in tmp.iterdir(): fsync_path(f)
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists(): os.rename(final, old)
-        os.rename(tmp, final)
-        fsync_path(self.out)
-        shutil.rmtree(old, ignore_errors=True)
-    self.acc.wait_for_everyone()
+    with _timed(self.seconds, 'export'):
+        drafter = self.whole_drafter()
+        if self.acc.is_main_process:
+            tmp, final, old = self.out / '.drafter.partial', self.out / 'drafter', self.out / '.drafter.old'
+            shutil.rmtree(tmp, ignore_errors=True)
+            drafter.save_pretrained(tmp)
+            for f in tmp.iterdir(): fsync_path(f)
+            shutil.rmtree(old, ignore_errors=True)
+            if final.exists(): os.rename(final, old)
+            os.rename(tmp, final)
+            fsync_path(self.out)
+            shutil.rmtree(old, ignore_errors=True)
+        self.acc.wait_for_everyone()
 
 @patch
 def _eval_and_log(self: Trainer) -> dict:
-    ev = self.evaluate()
+    with _timed(self.seconds, 'held-out evaluations'): ev = self.evaluate()
     if self.acc.is_main_process and ev:
         _append_csv(self.out / 'eval.csv', {'step': self.step, **ev})
         self.acc.log(ev, step=self.step)

@@ -78,6 +78,8 @@ OPTION_CASES = [
     (['--max-bad-steps', '0'], "--max-bad-steps = 0: allowed >= 1"),
     (['--spec-eval-prompts', '-1'], "--spec-eval-prompts = -1: allowed >= 0"),
     (['--spec-new-tokens', '0'], "--spec-new-tokens = 0: allowed >= 1"),
+    (['--threads', '0'], "--threads = 0: allowed >= 1"),
+    (['--threads', '-1'], "--threads = -1: allowed >= 1"),
     (['--attention', 'dense'], "--attention = 'dense': allowed one of sdpa, flex, eager"),
     (['--checkpointing', 'sometimes'], "--checkpointing = 'sometimes': allowed auto, none, all"),
     (['--checkpointing', '[0,-1]'], "--checkpointing = '[0,-1]': allowed"),

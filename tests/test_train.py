@@ -189,3 +189,22 @@ def test_help_loads_no_heavy_module():
     code = "import sys, dflash.train; print(sorted({'torch', 'matplotlib', 'accelerate'} & set(sys.modules)))"
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == '[]', r.stdout + r.stderr
+
+
+@pytest.mark.parametrize('how', ['launcher default', 'user OMP_NUM_THREADS', '--threads'])
+def test_cpu_threads_follow_the_users_choice(tmp_path, how):
+    """`accelerate launch` gives its process OMP_NUM_THREADS=1 when nobody chose: the trainer then takes the cores
+    available; an OMP_NUM_THREADS the user set before launching, or `--threads`, wins."""
+    from dflash.harness import launch_commands
+    from dflash.threads import cores_available
+    args = [*SMALL, '--max-steps', '1', *(['--threads', '1'] if how == '--threads' else [])]
+    cmd = launch_commands(tmp_path / 'run', *args)[0]
+    env = {k: v for k, v in os.environ.items() if k != 'OMP_NUM_THREADS'}
+    if how == 'user OMP_NUM_THREADS': env['OMP_NUM_THREADS'] = '1'
+    r = subprocess.run(cmd, env={**env, 'ACCELERATE_USE_CPU': 'true'}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    want = {'launcher default': f"CPU threads: {cores_available()} per process ({cores_available()} cores / 1 process)",
+            'user OMP_NUM_THREADS': "CPU threads: 1 per process (OMP_NUM_THREADS)",
+            '--threads': "CPU threads: 1 per process (--threads)"}[how]
+    assert want in r.stdout, r.stdout[-2000:]
+    assert json.loads((tmp_path / 'run' / 'summary.json').read_text())['threads'] == int(want.split()[2])
