@@ -44,8 +44,8 @@ class RegenConfig:
     dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(_DTYPES))
     skip_bad_lines: bool = option(False, 'skip and count malformed lines instead of stopping')
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
-    threads: int | None = option(None, 'CPU threads per process (default: OMP_NUM_THREADS if you set it, else the cores '
-                                       "available split over this machine's processes)", ge=1)
+    threads: int | None = option(None, 'CPU threads per process (default: OMP_NUM_THREADS if you set it, else the '
+                                       "cores available split over this machine's processes)", ge=1)
 
 def _target_dir(cfg: RegenConfig) -> Path:
     if cfg.target is not None: return resolve_local(cfg.target)                # a hub id: the local cache only

@@ -4,17 +4,21 @@
 
 # %% ../nbs/09b_runs.ipynb #6b350687
 from __future__ import annotations
-import json, os, socket, time
+import importlib.util, json, os, socket, time
 from dataclasses import dataclass
 from pathlib import Path
 from .options import option, flag
 from .files import model_dir_problems, json_problem
 
 # %% auto #0
-__all__ = ['TrainConfig', 'launch_problems', 'policy_problem', 'check_train', 'RunDirError', 'read_run', 'unlock_run',
+__all__ = ['TRACKERS', 'TrainConfig', 'launch_problems', 'policy_problem', 'check_train', 'RunDirError', 'read_run', 'unlock_run',
            'claim_run', 'resume_changes']
 
 # %% ../nbs/09b_runs.ipynb #4745fd52
+TRACKERS = {'tensorboard': 'tensorboard', 'none': None, 'all': None, 'wandb': 'wandb', 'mlflow': 'mlflow',
+            'comet_ml': 'comet_ml', 'aim': 'aim', 'clearml': 'clearml', 'dvclive': 'dvclive', 'swanlab': 'swanlab',
+            'trackio': 'trackio'}     # `--report-to` values and the package each needs (accelerate's trackers)
+
 @dataclass
 class TrainConfig:
     target: str | None = option(None, "local target model directory (default: the shipped toy target)")
@@ -56,6 +60,8 @@ class TrainConfig:
     keep_checkpoints: int = option(2, "checkpoints kept (older ones are deleted)", ge=1)
     max_bad_steps: int = option(10, "consecutive non-finite steps before the run stops", ge=1)
     progress_bar: bool = option(True, "show a progress bar (main process)")
+    report_to: str = option('tensorboard', "where the metrics go besides metrics.csv and eval.csv: a tracker "
+                                           "accelerate knows, all of those installed, or none", choices=list(TRACKERS))
     resume: bool = option(False, "continue the run in `out` from its newest intact checkpoint")
     overwrite: bool = option(False, "move a run already in `out` aside (to OUT.replaced-TIME) and start a new one")
     spec_eval_prompts: int = option(16, "held-out prompts for speculative-decoding tau before/after training (0: skip)",
@@ -127,6 +133,9 @@ def check_train(c: TrainConfig) -> list[str]:
     elif c.batch_size >= 1 and c.micro_batch_size > c.batch_size // world:
         probs.append(f"--micro-batch-size = {c.micro_batch_size}: allowed <= batch_size / processes "
                      f"({c.batch_size // world})")
+    if (package := TRACKERS.get(c.report_to)) and importlib.util.find_spec(package) is None:
+        probs.append(f"--report-to = {c.report_to!r}: the {package} package is not installed (pip install {package}); "
+                     f"or report to tensorboard or none")
     if c.block_size > c.max_length:
         probs.append(f"--block-size = {c.block_size}: allowed <= max_length ({c.max_length})")
     if (p := policy_problem(str(c.checkpointing))): probs.append(p)

@@ -311,7 +311,8 @@ class Trainer:
         launched = 'ACCELERATE_MIXED_PRECISION' in os.environ      # set by accelerate launch: the user's choice wins
         precision = None if launched else 'bf16' if gpu else 'no'
         self.acc = acc = accelerator or Accelerator(cpu=not gpu, mixed_precision=precision,
-                                                    log_with='tensorboard', project_dir=str(self.out))
+                                                    log_with=None if cfg.report_to == 'none' else cfg.report_to,
+                                                    project_dir=str(self.out))
         gpu = acc.device.type == 'cuda'
         self.seconds = {}                            # wall seconds of fit's phases beyond the steps (`_timed`)
         self.fsdp = _fsdp_settings(acc)
@@ -520,7 +521,8 @@ def fit(self: Trainer) -> dict:
             for f in ('metrics.csv', 'eval.csv'): _truncate_csv(self.out / f, self.step)
     acc.wait_for_everyone()
     resumed_at = self.step
-    acc.init_trackers('tensorboard', config={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+    project = 'tensorboard' if c.report_to == 'tensorboard' else 'dflash'    # tensorboard alone: out/tensorboard
+    acc.init_trackers(project, config={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                                              for k, v in asdict(c).items()},
                       init_kwargs={'tensorboard': {'purge_step': resumed_at + 1}} if resumed_at else {})
     eval_due = lambda s: (c.eval_every and s % c.eval_every == 0) or s == self.total_steps

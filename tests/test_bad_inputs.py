@@ -621,3 +621,15 @@ def test_command_exits_2_with_the_error(tmp_path, module, argv, expect):
     r = subprocess.run([sys.executable, '-m', module, *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and expect in r.stderr and 'Traceback' not in r.stderr, r.stderr
     assert list(tmp_path.iterdir()) == [], "nothing written"
+
+
+def test_report_to_a_tracker_not_installed_is_refused(tmp_path, capsys, monkeypatch):
+    "A tracker whose package is missing: exit 2 with the options' error, before the target loads or `out` is made."
+    import importlib.util
+    from dflash.runs import TRACKERS
+    missing = [t for t, package in TRACKERS.items() if package and importlib.util.find_spec(package) is None]
+    if not missing: pytest.skip("every tracker package accelerate knows is installed here")
+    monkeypatch.chdir(tmp_path)
+    refused(capsys, train_main, ['--out', str(tmp_path / 'run'), '--report-to', missing[0]],
+            f"--report-to = {missing[0]!r}: the {TRACKERS[missing[0]]} package is not installed")
+    assert not (tmp_path / 'run').exists()

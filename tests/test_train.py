@@ -208,3 +208,14 @@ def test_cpu_threads_follow_the_users_choice(tmp_path, how):
             '--threads': "CPU threads: 1 per process (--threads)"}[how]
     assert want in r.stdout, r.stdout[-2000:]
     assert json.loads((tmp_path / 'run' / 'summary.json').read_text())['threads'] == int(want.split()[2])
+
+
+@pytest.mark.parametrize('tracker', ['none', 'tensorboard'])
+def test_report_to_chooses_the_tracker(tmp_path, tracker):
+    "`--report-to none` writes no tracker directory, `tensorboard` its own; the CSVs and curves are written either way."
+    r = launch(tmp_path / 'run', *SMALL, '--max-steps', '2', '--report-to', tracker)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    written = sorted(p.name for p in (tmp_path / 'run').iterdir())
+    assert {'metrics.csv', 'curves.png', 'summary.json'} <= set(written), written
+    assert ('tensorboard' in written) == (tracker == 'tensorboard') and 'dflash' not in written, written
+
