@@ -10,6 +10,7 @@ from pathlib import Path
 from .config import resolve_local
 from .options import Command, option, parse_subcommand, usage_text, OptionsError, exit_bad_options
 from .regenerate import REGENERATE
+from .threads import threads_option
 
 
 # %% auto #0
@@ -42,8 +43,7 @@ class CacheOptions(DataOptions):
                         choices=['auto', 'float32', 'bfloat16', 'float16'])
     device: str | None = option(None, "device (default: this process's accelerator, else cpu)")
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
-    threads: int | None = option(None, 'CPU threads per process (default: OMP_NUM_THREADS if you set it, else the '
-                                       "cores available split over this machine's processes)", ge=1)
+    threads: int | None = threads_option()
 
 # %% ../nbs/08c_data.ipynb #27f8d72a
 _DATA_SUFFIXES = ('.jsonl', '.json', '.parquet')

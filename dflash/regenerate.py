@@ -10,6 +10,7 @@ from pathlib import Path
 from .config import resolve_local
 from .options import Command, option, build_options, parse_options, OptionsError, exit_bad_options
 from .files import file_sha256, toy_target_dir, write_atomic
+from .threads import threads_option, use_threads
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.chat (which loads torch) load inside the
     import torch          # functions that use them, so `--help` answers at once
@@ -44,8 +45,7 @@ class RegenConfig:
     dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(_DTYPES))
     skip_bad_lines: bool = option(False, 'skip and count malformed lines instead of stopping')
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
-    threads: int | None = option(None, 'CPU threads per process (default: OMP_NUM_THREADS if you set it, else the '
-                                       "cores available split over this machine's processes)", ge=1)
+    threads: int | None = threads_option()
 
 def _target_dir(cfg: RegenConfig) -> Path:
     if cfg.target is not None: return resolve_local(cfg.target)                # a hub id: the local cache only
@@ -420,8 +420,9 @@ def greedy_agreement(model, tokenizer, path, n: int | None = None, template_kw: 
 def _run_regenerate(cfg: RegenConfig) -> dict:
     "Regenerate with checked options; a bad file or model ends as `error: ...` with exit status 2."
     import torch
-    from dflash.threads import use_threads
-    if not torch.cuda.is_available(): print(f"CPU threads: %d per process (%s)" % use_threads(cfg.threads))
+    if not torch.cuda.is_available():
+        threads, why = use_threads(cfg.threads)
+        print(f"CPU threads: {threads} per process ({why})")
     try: r = regenerate(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -8,6 +8,7 @@ import importlib.util, json, os, socket, time
 from dataclasses import dataclass
 from pathlib import Path
 from .options import option, flag
+from .threads import threads_option
 from .files import model_dir_problems, json_problem
 
 # %% auto #0
@@ -48,9 +49,7 @@ class TrainConfig:
     checkpointing: str = option('auto', "layer checkpointing: auto (cheapest that fits), none, all, every k-th (k), "
                                         "or a list like [0,2]")
     memory_fraction: float = option(0.9, "share of free device memory the attention planner may use", gt=0, le=1)
-    threads: int | None = option(None, "CPU threads per process on a machine without a GPU (default: OMP_NUM_THREADS "
-                                       "if you set it, else the cores available split over this machine's processes)",
-                                 ge=1)
+    threads: int | None = threads_option()
     seed: int = option(0, "seeds init, data order and anchors", ge=0)
     log_every: int = option(10, "steps between metric rows (0: only the last step)", ge=0)
     eval_every: int = option(200, "steps between evaluations (0: only at the end)", ge=0)

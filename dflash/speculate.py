@@ -9,6 +9,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from .config import DrafterConfig
 from .options import option, parse_options, OptionsError, exit_bad_options
+from .threads import threads_option
 from .files import json_problem, model_dir_problems, safetensors_problem
 
 # %% auto #0
@@ -29,8 +30,7 @@ class SpeculateOptions:
                                choices=['float32', 'bfloat16', 'float16'])
     out: str | None = option(None, 'directory for acceptance.json and acceptance.png (default: none)')
     progress: bool = option(True, 'show a progress bar: prompts done, tokens/s, running tau (--no-progress: none)')
-    threads: int | None = option(None, 'CPU threads (default: OMP_NUM_THREADS if you set it, else the cores available)',
-                                 ge=1)
+    threads: int | None = threads_option()
 
 def _check_speculate(o: SpeculateOptions) -> list[str]:
     "Problems beyond each option's range: required options, and the model directories read without loading them."

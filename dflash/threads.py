@@ -6,9 +6,10 @@
 from __future__ import annotations
 import os
 from pathlib import Path
+from .options import option
 
 # %% auto #0
-__all__ = ['user_omp_threads', 'cores_available', 'choose_threads', 'use_threads']
+__all__ = ['user_omp_threads', 'cores_available', 'choose_threads', 'use_threads', 'threads_option']
 
 # %% ../nbs/00c_threads.ipynb #b7e40006
 def _parent_launch(pid: int | None = None) -> tuple[dict, list[str]] | None:
@@ -56,3 +57,9 @@ def use_threads(requested: int | None = None, local_processes: int | None = None
     n, why = choose_threads(requested, local_processes)
     torch.set_num_threads(n)
     return n, why
+
+# %% ../nbs/00c_threads.ipynb #b7e4000e
+def threads_option():
+    "The `--threads` option of a command that runs torch on the CPU: unset, `choose_threads` decides."
+    return option(None, "CPU threads per process on a machine without a GPU (default: OMP_NUM_THREADS if you set it, "
+                        "else the cores available split over this machine's processes)", ge=1)

@@ -68,7 +68,7 @@ def _spec_tau(trainer) -> dict | None:
 def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool) -> dict:
     t_start = time.perf_counter()
     import torch                                         # torch, transformers, accelerate: only now
-    from dflash.trainer import Trainer
+    from dflash.trainer import Trainer, timed
     from dflash.threads import use_threads
     gpu = torch.cuda.is_available()
     threads, why = use_threads(cfg.threads) if not gpu else (torch.get_num_threads(), 'left as is on a GPU')
@@ -84,27 +84,21 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool) -> 
     seconds = {'start-up, target and data': time.perf_counter() - t_start}
     if is_main: print(f"layer checkpointing: {trainer.policy}; CPU threads: {threads} per process ({why})")
     if 'spec_before' not in record:
-        t0 = time.perf_counter()
-        record['spec_before'] = _spec_tau(trainer)
-        seconds['tau before training'] = time.perf_counter() - t0
+        with timed(seconds, 'tau before training'): record['spec_before'] = _spec_tau(trainer)
         if is_main: write_json(out / 'run.json', record)
     trainer.acc.wait_for_everyone()
     t0 = time.perf_counter()
     metrics = trainer.fit()                              # final checkpoint and export happen before its evaluation
     seconds['training steps'] = time.perf_counter() - t0 - sum(trainer.seconds.values())
     seconds.update(trainer.seconds)
-    t0 = time.perf_counter()
-    after = _spec_tau(trainer)
-    seconds['tau after training'] = time.perf_counter() - t0
+    with timed(seconds, 'tau after training'): after = _spec_tau(trainer)
     trainer.acc.wait_for_everyone()
     summary, before = {}, record['spec_before']
     if is_main:
         summary = {'metrics': metrics, 'spec_before': before, 'spec_after': after, 'drafter': str(out / 'drafter'),
                    'threads': threads, 'seconds': {k: round(v, 1) for k, v in seconds.items()}}
         write_json(out / 'summary.json', summary)
-        t0 = time.perf_counter()
-        pictures = _draw_run(out, before, after)          # before 'finished': a resume of a killed run draws them
-        seconds['plots'] = time.perf_counter() - t0
+        with timed(seconds, 'plots'): pictures = _draw_run(out, before, after)   # before 'finished': resumes draw
         write_json(out / 'run.json', {**record, 'status': 'finished', 'step': trainer.step})
         if 'eval_tau' in metrics: print(f"held-out tau (training-time estimate): {metrics['eval_tau']:.3f}")
         if before: print(f"speculative decoding tau before training: {before['tau']:.3f}")

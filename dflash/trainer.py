@@ -34,7 +34,7 @@ from .files import json_problem, file_sha256, write_atomic, write_json, fsync_pa
 from .runs import TrainConfig, launch_problems
 
 # %% auto #0
-__all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'rotate_checkpoints', 'Trainer']
+__all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'rotate_checkpoints', 'Trainer', 'timed']
 
 # %% ../nbs/10_trainer.ipynb #0ebcce23
 def _frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
@@ -314,7 +314,7 @@ class Trainer:
                                                     log_with=None if cfg.report_to == 'none' else cfg.report_to,
                                                     project_dir=str(self.out))
         gpu = acc.device.type == 'cuda'
-        self.seconds = {}                            # wall seconds of fit's phases beyond the steps (`_timed`)
+        self.seconds = {}                            # wall seconds of fit's phases beyond the steps (`timed`)
         self.fsdp = _fsdp_settings(acc)
         if cfg.batch_size % acc.num_processes:
             raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the number of processes "
@@ -434,7 +434,7 @@ def evaluate(self: Trainer) -> dict:
 
 # %% ../nbs/10_trainer.ipynb #ddf1d485
 @contextmanager
-def _timed(seconds: dict, name: str):
+def timed(seconds: dict, name: str):
     "Add the wall seconds the block takes to `seconds[name]`."
     t0 = time.perf_counter()
     try: yield
@@ -445,7 +445,7 @@ def save(self: Trainer, final: bool = False):
     if self.bad_steps and not final:
         if self.acc.is_main_process: print(f"step {self.step}: no checkpoint during {self.bad_steps} non-finite steps")
         return
-    with _timed(self.seconds, 'checkpoints'):
+    with timed(self.seconds, 'checkpoints'):
         _save_checkpoint(self.acc, self.out, self.step, self.model, self.opt, self.sched,
                          state={'step': self.step, 'bad_steps': self.bad_steps}, keep=self.cfg.keep_checkpoints)
 
@@ -488,7 +488,7 @@ def whole_drafter(self: Trainer) -> DFlashDrafter | None:
 @patch
 def export(self: Trainer):
     "Write the drafter in the DFlash format to `out/drafter`, whole: a hidden directory, flushed, renamed."
-    with _timed(self.seconds, 'export'):
+    with timed(self.seconds, 'export'):
         drafter = self.whole_drafter()
         if self.acc.is_main_process:
             tmp, final, old = self.out / '.drafter.partial', self.out / 'drafter', self.out / '.drafter.old'
@@ -504,7 +504,7 @@ def export(self: Trainer):
 
 @patch
 def _eval_and_log(self: Trainer) -> dict:
-    with _timed(self.seconds, 'held-out evaluations'): ev = self.evaluate()
+    with timed(self.seconds, 'held-out evaluations'): ev = self.evaluate()
     if self.acc.is_main_process and ev:
         _append_csv(self.out / 'eval.csv', {'step': self.step, **ev})
         self.acc.log(ev, step=self.step)
