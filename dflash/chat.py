@@ -174,7 +174,8 @@ def _turn_markers(tokenizer, **template_kw) -> tuple[str, str, re.Pattern]:
         text = _render(tokenizer, four, **template_kw)
         sep = text[text.find(u1) + len(u1):text.find(a1)]               # between a user's words and a reply's
         head = next((G[:k] for k in range(len(G), 0, -1) if G[:k] in sep), '')
-        if not head: head = next((s for s in special if sep.endswith(s)), '')   # no generation prompt (Mistral)
+        if not head:                      # no generation prompt (Mistral): the special token that ends the user turn
+            head = next((s for s in special if sep.rstrip().endswith(s)), '')
         rest = G[len(head):] if G.startswith(head) else ''
         _MARKERS[key] = (head, rest, re.compile('|'.join(map(re.escape, special))))
     return _MARKERS[key]

@@ -7,13 +7,17 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from .options import option, OptionParser
+from .files import assets_dir
 
 _PROG = 'python -m dflash.plan'
 _ABOUT = 'Predict the peak memory of a drafter training step per checkpointing policy and recommend one.'
 
 @dataclass
 class PlanOptions:
-    target_config: str | None = option(None, "the target's transformers config.json (or its directory); required")
+    target_config: str | None = option(None, "the target: its transformers config.json, the directory holding it, or "
+                                             "the name of a size shipped with dflash: " +
+                                             ', '.join(sorted(p.name for p in (assets_dir() / 'targets').iterdir()
+                                                              if p.is_dir())) + "; required")
     seq_len: int = option(8000, 'tokens per sequence', ge=1)
     anchors: int = option(512, 'blocks per sequence', ge=1)
     memory: str = option('80GiB', 'GPU memory for training: 80GiB, 96GB, 24000MiB, ...')
@@ -26,13 +30,16 @@ class PlanOptions:
     optimizer: str = option('fused', 'AdamW implementation', choices=['fused', 'foreach'])
     policies: list[str] | None = option(None, "policies to try, fastest first: none, k (every k-th layer), all "
                                               "(default: none 2 all)")
+    fits_table: str | None = option(None, "instead of one plan: write the 'What fits where' table (every shipped "
+                                          "target, S 3072 and 8192, 512 anchors, 5 layers, bf16, on 24, 48, 80 and "
+                                          "141 GB) into this Markdown file, between its two fits-table markers")
 
 if __name__ == '__main__' and '__file__' in globals() and {'-h', '--help'} & set(sys.argv[1:]):
     OptionParser(PlanOptions, _PROG, _ABOUT).parse_args(['--help'])          # help before torch loads
 
 # %% auto #0
 __all__ = ['DTYPES', 'PlanOptions', 'parse_memory', 'plan_layout', 'budgets', 'step_memory', 'recommend_policy',
-           'online_target_bytes', 'online_advice', 'main', 'fit_widget']
+           'online_target_bytes', 'online_advice', 'shipped_targets', 'fits_table', 'main', 'fit_widget']
 
 # %% ../nbs/07a_plan.ipynb #500a9cad
 import json, re, sys, time
@@ -46,6 +53,7 @@ from .drafter import DFlashDrafter
 from .recompute import set_checkpointing, parse_policy
 from .objective import dflash_objective, objective_bytes_per_row
 from .memory import MemoryTracker, fmt_bytes
+from .files import write_atomic
 
 # %% ../nbs/07a_plan.ipynb #3b47ea57
 _UNITS = {'': 1, 'b': 1, 'kb': 10**3, 'mb': 10**6, 'gb': 10**9, 'tb': 10**12,
@@ -258,17 +266,64 @@ def online_advice(online: dict, step_total: int, budget_bytes: int) -> str:
     return head + (f"does not fit in {_gb(budget_bytes)} GB; write the offline cache once "
                    "(python -m dflash.data cache --target T --data D --out CACHE) and train with --cache CACHE")
 
-# %% ../nbs/07a_plan.ipynb #dbcad539
+# %% ../nbs/07a_plan.ipynb #43839bb6
+def shipped_targets() -> dict[str, Path]:
+    "The targets whose published `config.json` ships with dflash (sizes only, no weights), by name."
+    return {p.parent.name: p for p in sorted((assets_dir() / 'targets').glob('*/config.json'))}
+
+def _config_path(target_config) -> Path:
+    "The `config.json` that `--target-config` names: a file, the directory holding it, or a shipped target's name."
+    p = Path(target_config)
+    if p.is_dir(): return p / 'config.json'
+    if p.exists(): return p
+    return shipped_targets().get(str(target_config).lower(), p)
+
 def _target_config(path):
-    "A transformers config from a `config.json` file or a directory holding one."
+    "A transformers config from a `config.json` file, a directory holding one, or a shipped target's name."
     from transformers import AutoConfig
-    p = Path(path)
-    if p.is_dir(): p = p / 'config.json'
+    p = _config_path(path)
     if not p.is_file(): raise FileNotFoundError(f"--target-config {path}: no such config.json")
     d = json.loads(p.read_text())
     if 'model_type' not in d: raise ValueError(f"--target-config {path}: no 'model_type', not a transformers config")
     return AutoConfig.for_model(**d)
 
+
+# %% ../nbs/07a_plan.ipynb #1cbf7548
+_FITS_MARKERS = ('<!-- fits-table: written by python -m dflash.plan --fits-table README.md -->', '<!-- /fits-table -->')
+
+def _fit_cell(cfg: DrafterConfig, seq_len: int, anchors: int, budget: int, extra: int = 0) -> str:
+    "The policy and peak (GB) of a step that must fit `budget` next to `extra` bytes, or the peak it misses with."
+    try:
+        policy, table = recommend_policy(cfg, seq_len, anchors, budget - extra)
+        r = next(t for t in table if t.policy == policy)
+    except ValueError:                                   # not even the weights and moments fit: the most frugal step
+        r = step_memory(cfg, seq_len, anchors, policy=_POLICIES[-1])
+    total = f"{(r.total + extra) / 1e9:.1f} GB"
+    return f"`{policy}` · {total}" if r.total <= budget - extra else f"✗ {total}"
+
+def fits_table(*, targets=None, seq_lens=(3072, 8192), anchors: int = 512,
+               memories=('24GB', '48GB', '80GB', '141GB'), layers: int = 5) -> str:
+    "A Markdown table: per shipped target (smallest first), sequence length and mode, the policy and peak per GPU size."
+    head = ['target', 'S', 'mode', *(m.replace('GB', ' GB') for m in memories)]
+    rows = [head, ['---'] * len(head)]
+    configs = {name: _target_config(name) for name in targets or shipped_targets()}
+    for name, tc in sorted(configs.items(), key=lambda kv: online_target_bytes(kv[1], 1)['weights']):   # small first
+        cfg = DrafterConfig.from_target(tc, mask_token_id=tc.vocab_size - 1, num_hidden_layers=layers)
+        for s in seq_lens:
+            extra = online_target_bytes(tc, s)['extra']
+            for mode, x in (('offline', 0), ('online', extra)):
+                rows.append([name, str(s), mode, *(_fit_cell(cfg, s, anchors, parse_memory(m), x) for m in memories)])
+    return '\n'.join('| ' + ' | '.join(r) + ' |' for r in rows)
+
+# %% ../nbs/07a_plan.ipynb #1db10b52
+def _write_fits_table(path, table: str):
+    "Replace what lies between the fits-table markers of the Markdown file `path` with `table`."
+    text = Path(path).read_text()
+    start, end = text.find(_FITS_MARKERS[0]), text.find(_FITS_MARKERS[1])
+    if start < 0 or end < start: raise ValueError(f"{path}: no '{_FITS_MARKERS[0]}' ... '{_FITS_MARKERS[1]}' section")
+    write_atomic(path, text[:start + len(_FITS_MARKERS[0])] + '\n' + table + '\n' + text[end:])
+
+# %% ../nbs/07a_plan.ipynb #dbcad539
 from .options import parse_options, OptionsError, exit_bad_options
 from .files import json_problem
 from .recompute import checkpointed_layers
@@ -276,10 +331,20 @@ from .recompute import checkpointed_layers
 def _check_plan(o: PlanOptions) -> list[str]:
     "Problems of the plan's options beyond each one's range: the config file, the memory size, the policies."
     probs = []
-    if o.target_config is None: probs.append("--target-config is required")
+    if o.fits_table is not None:
+        p = Path(o.fits_table)
+        if not p.is_file(): probs.append(f"--fits-table {p}: no such file")
+        elif any(m not in p.read_text() for m in _FITS_MARKERS):
+            probs.append(f"--fits-table {p}: no fits-table markers; put these two lines where the table goes: "
+                         f"{_FITS_MARKERS[0]} and {_FITS_MARKERS[1]}")
+        if o.target_config is not None:
+            probs.append("--fits-table plans every shipped target: leave out --target-config")
+    elif o.target_config is None: probs.append("--target-config is required (or --fits-table FILE)")
+    elif not _config_path(o.target_config).exists():
+        probs.append(f"--target-config {o.target_config}: no such file or directory, nor a shipped target "
+                     f"({', '.join(shipped_targets())})")
     else:
-        p = Path(o.target_config)
-        d, bad = json_problem(p / 'config.json' if p.is_dir() else p, 'config.json')
+        d, bad = json_problem(_config_path(o.target_config), 'config.json')
         if bad: probs.append(f"--target-config: {bad}")
         elif 'model_type' not in d:
             probs.append(f"--target-config {o.target_config}: no 'model_type', not a transformers config")
@@ -294,6 +359,10 @@ def main(argv=None) -> int:
     "Predict the peak memory of a drafter training step per checkpointing policy and recommend one."
     try: a, _ = parse_options(PlanOptions, argv, prog=_PROG, description=_ABOUT, check=_check_plan)
     except OptionsError as e: exit_bad_options(e)
+    if a.fits_table:
+        _write_fits_table(a.fits_table, fits_table())
+        print(f"wrote the fits table of {len(shipped_targets())} targets into {a.fits_table}")
+        return 0
     budget = parse_memory(a.memory)
     a.policies = [parse_policy(p) for p in a.policies] if a.policies else list(_POLICIES)
     tc = _target_config(a.target_config)
@@ -319,15 +388,9 @@ def main(argv=None) -> int:
 if __name__ == '__main__' and '__file__' in globals(): sys.exit(main())
 
 # %% ../nbs/07a_plan.ipynb #bfda98e7
-_TARGET_PRESETS = {         # transformers config sizes of a few common targets
-    'Qwen3-4B': dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    'Qwen3-8B': dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    'Llama-3.1-8B': dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=128, vocab_size=128256),
-    'Qwen3-32B': dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-                      num_key_value_heads=8, head_dim=128, vocab_size=151936)}
+_SIZES = ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads',
+          'head_dim', 'vocab_size')
+_TARGET_PRESETS = {name: {k: getattr(_target_config(name), k) for k in _SIZES} for name in shipped_targets()}
 _GPU_SIZES = ('24GB', '40GB', '48GB', '80GB', '94GB', '141GB', '192GB')
 
 def _target_drafter_config(sizes: dict, layers: int = 5) -> DrafterConfig:
@@ -362,7 +425,7 @@ def _fit_figure(table: list[_StepMemory], budget_bytes: int, chosen=None, title:
     return fig
 
 # %% ../nbs/07a_plan.ipynb #bc49df7d
-def fit_widget(*, target: str = 'Qwen3-8B', memory: str = '80GB', seq_len: int = 8000, anchors: int = 512,
+def fit_widget(*, target: str = 'qwen3-8b', memory: str = '80GB', seq_len: int = 8000, anchors: int = 512,
                policy: str = 'auto', layers: int = 5):
     """Will my run fit? Pick a target (preset or sizes), GPU memory, sequence length, anchors and a policy: the table,
     the recommendation and a chart of each policy's step against the budget. Shows its first state at once."""

@@ -213,7 +213,7 @@ def plan_config(tmp_path_factory):
     (['--policies', '0'], "--policies: checkpointing policy 0: every k-th layer needs k >= 1"),
     (['--micro-batch-size', 'two'], "--micro-batch-size = 'two' (command line): not an integer"),
     (['--target-config', '{d}/garbage.json'], "not valid JSON"),
-    (['--target-config', '{d}/missing.json'], "no such config.json"),
+    (['--target-config', '{d}/missing.json'], "missing.json: no such file or directory, nor a shipped target"),
 ], ids=['seq-len-0', 'anchors-negative', 'layers-0', 'block-1', 'memory-unit', 'dtype', 'policy-0', 'micro-text',
         'garbage-config', 'missing-config'])
 def test_plan_bad_option(capsys, plan_config, argv, expect):

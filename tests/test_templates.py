@@ -1,5 +1,5 @@
-"Assistant masks on the official chat templates of Qwen3, Qwen2.5, Llama 3.3 and Mistral (tests/fixtures/templates)."
-import json
+"Assistant masks on the official chat templates of Qwen3, Qwen2.5, Llama 3.3 and Mistral (Nemo, v0.3) (tests/fixtures/templates)."
+import json, re
 from pathlib import Path
 import numpy as np
 import pytest
@@ -18,12 +18,13 @@ def template_tokenizer(bpe, name):
     ends = {'qwen3': dict(eos_token='<|im_end|>', pad_token='<|endoftext|>'),
             'qwen2.5': dict(eos_token='<|im_end|>', pad_token='<|endoftext|>'),
             'llama3.3': dict(bos_token='<|begin_of_text|>', eos_token='<|eot_id|>'),
-            'mistral-nemo': dict(bos_token='<s>', eos_token='</s>')}[name]
+            'mistral-nemo': dict(bos_token='<s>', eos_token='</s>'),
+            'mistral-v0.3': dict(bos_token='<s>', eos_token='</s>')}[name]
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, **ends)
     if name.startswith('qwen'):   # Qwen's tokenizers: these are added tokens, not special ones
         tok.add_tokens(['<think>', '</think>', '<tool_call>', '</tool_call>', '<tool_response>', '</tool_response>'])
     if name == 'llama3.3': tok.add_special_tokens({'additional_special_tokens': ['<|eom_id|>', '<|python_tag|>']})
-    if name == 'mistral-nemo':
+    if name.startswith('mistral'):
         control = ['[INST]', '[/INST]', '[TOOL_CALLS]', '[AVAILABLE_TOOLS]', '[/AVAILABLE_TOOLS]', '[TOOL_RESULTS]',
                    '[/TOOL_RESULTS]']
         tok.add_special_tokens({'additional_special_tokens': control})
@@ -31,9 +32,12 @@ def template_tokenizer(bpe, name):
     return tok
 
 
+TEMPLATES = ('qwen3', 'qwen2.5', 'llama3.3', 'mistral-nemo', 'mistral-v0.3')
+
+
 @pytest.fixture(scope='module')
 def toks(chat_bpe):
-    return {n: template_tokenizer(chat_bpe, n) for n in ('qwen3', 'qwen2.5', 'llama3.3', 'mistral-nemo')}
+    return {n: template_tokenizer(chat_bpe, n) for n in TEMPLATES}
 
 
 def masked_runs(tok, ids, mask):
@@ -118,17 +122,33 @@ def test_mistral_without_generation_prompt(toks):
     check(toks['mistral-nemo'], msgs, ['the dog</s>', 'the dog and the cat</s>'])
 
 
-@pytest.mark.parametrize('name', ['qwen3', 'qwen2.5', 'llama3.3', 'mistral-nemo'])
+def test_mistral_v03_supervises_the_leading_space(toks):
+    """Mistral v0.3 renders each reply as ' ' + reply + '</s>' after [/INST], and its prompt ends at [/INST]: the
+    space is the target's first character. Replies starting with a digit make it a token of its own ('Ġ', '4', ...),
+    which must be supervised like the rest: the masked tokens are exactly the rendered reply and its '</s>'."""
+    tok = toks['mistral-v0.3']
+    msgs = [{'role': 'system', 'content': 'be brief'}, *chat('the cat', '42 dogs run', 'why', '7 because')]
+    ids, _ = tokenize_chat(tok, msgs)
+    pieces = tok.convert_ids_to_tokens(ids.tolist())
+    assert [pieces[i + 1] for i, t in enumerate(pieces) if t == '[/INST]'] == ['Ġ', 'Ġ']     # the spaces stand alone
+    text = tok.apply_chat_template(msgs, tokenize=False)
+    replies = [text[m.end():text.index('</s>', m.end()) + len('</s>')] for m in re.finditer(re.escape('[/INST]'), text)]
+    assert replies == [' 42 dogs run</s>', ' 7 because</s>']
+    check(tok, msgs, replies)
+
+
+@pytest.mark.parametrize('name', TEMPLATES)
 def test_many_random_conversations(toks, name):
     "Random multi-turn chats (replies that repeat the user's words included): each reply and its end of turn."
     from conftest import chat_sentence
     tok, rng = toks[name], np.random.default_rng(3)
-    eot = {'qwen3': '<|im_end|>', 'qwen2.5': '<|im_end|>', 'llama3.3': '<|eot_id|>', 'mistral-nemo': '</s>'}[name]
+    eot = {'qwen3': '<|im_end|>', 'qwen2.5': '<|im_end|>', 'llama3.3': '<|eot_id|>', 'mistral-nemo': '</s>',
+           'mistral-v0.3': '</s>'}[name]
     for _ in range(20):
         turns = [chat_sentence(rng) for _ in range(2 * int(rng.integers(1, 4)))]
         turns[1] = turns[0]                                                   # a reply equal to its question
         msgs = chat(*turns)
-        want = [t + eot for t in turns[1::2]]
+        want = [(' ' if name == 'mistral-v0.3' else '') + t + eot for t in turns[1::2]]
         if name == 'qwen3': want[-1] = '<think>\n\n</think>\n\n' + want[-1]
         check(tok, msgs, want)
 
