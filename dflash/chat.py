@@ -86,8 +86,9 @@ def read_jsonl(path, skip_bad_lines: bool = False, stats: DataStats | None = Non
                 try: json.dumps(rec, ensure_ascii=False).encode('utf-8')
                 except UnicodeEncodeError as e: raise DataError(f"{where}: text that is not valid Unicode ({e.reason}: "
                                                                 f"{e.object[e.start:e.end]!r})") from None
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                e = DataError(f"{where}: malformed JSON line ({e})")
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+                why = 'nested deeper than the JSON reader goes' if isinstance(e, RecursionError) else e
+                e = DataError(f"{where}: malformed JSON line ({why})")
                 if not skip_bad_lines: raise e from None
                 stats.skip('bad_lines', str(e))
                 continue
