@@ -10,7 +10,7 @@ from pathlib import Path
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['default_target_layer_ids', 'hf_hub_cache', 'resolve_local', 'DrafterConfig']
+__all__ = ['default_target_layer_ids', 'hf_hub_cache', 'resolve_local', 'DrafterConfig', 'mlp_width']
 
 # %% ../nbs/00_config.ipynb #2292cdbd
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -136,17 +136,25 @@ def _mask_token_id(tokenizer, vocab_size):
     raise ValueError(f"mask_token_id: the tokenizer has no mask token and uses all {vocab_size} embedding rows; "
                      "pass mask_token_id=...")
 
+def mlp_width(tc) -> int:
+    "The MLP width of a target's text config: `intermediate_size`, GPT-2's `n_inner`, or 4x the hidden size."
+    return getattr(tc, 'intermediate_size', None) or getattr(tc, 'n_inner', None) or 4 * tc.hidden_size
+
 @patch(cls_method=True)
 def from_target(cls: DrafterConfig, target_config, tokenizer=None, mask_token_id: int | None = None,
                 **kw) -> DrafterConfig:
-    "A drafter config for `target_config` (a transformers config); `kw` sets drafter fields."
-    tc = target_config
+    """A drafter config for `target_config` (a transformers config; a multimodal one's text config is used); `kw` sets
+    drafter fields. Sizes a config does not name take the usual defaults: an MLP of 4x the hidden size (GPT-2's
+    `n_inner=None`), its layer norm's epsilon for the RMS norms."""
+    tc = target_config.get_text_config()
     heads = tc.num_attention_heads
+    eps = next((getattr(tc, k) for k in ('rms_norm_eps', 'layer_norm_epsilon', 'layer_norm_eps')
+                if getattr(tc, k, None)), 1e-6)
     return cls(hidden_size=tc.hidden_size, num_attention_heads=heads,
                num_key_value_heads=getattr(tc, 'num_key_value_heads', None) or heads,
                head_dim=getattr(tc, 'head_dim', None) or tc.hidden_size // heads,
-               intermediate_size=tc.intermediate_size, vocab_size=tc.vocab_size,
-               num_target_layers=tc.num_hidden_layers, rms_norm_eps=tc.rms_norm_eps,
+               intermediate_size=mlp_width(tc), vocab_size=tc.vocab_size,
+               num_target_layers=tc.num_hidden_layers, rms_norm_eps=eps,
                rope_parameters=_rope_parameters(tc),
                max_position_embeddings=getattr(tc, 'max_position_embeddings', 40960),
                mask_token_id=mask_token_id if mask_token_id is not None else _mask_token_id(tokenizer, tc.vocab_size),

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from .config import DrafterConfig
+from .config import DrafterConfig, mlp_width
 from .layout import BlockLayout
 from .drafter import DFlashDrafter
 from .recompute import set_checkpointing, parse_policy
@@ -238,21 +238,23 @@ def _recommendation(policy, table: list[_StepMemory], budget_bytes: int) -> str:
                 f"({_gb(budget_bytes - r.total)} GB spare), time overhead {r.overhead}")
     return (f"no policy fits: the most frugal ({policy}) needs {_gb(r.total)} GB, "
             f"{_gb(r.total - budget_bytes)} GB over "
-            f"{_gb(budget_bytes)} GB; shorten --seq-len or --anchors, or shard the optimizer (FSDP/DeepSpeed)")
+            f"{_gb(budget_bytes)} GB; shorten --seq-len or --anchors, or shard the drafter over the GPUs (FSDP2)")
 
 # %% ../nbs/07a_plan.ipynb #0985cd10
 def online_target_bytes(target_config, seq_len: int, micro_batch_size: int = 1, dtype: str = 'bf16') -> dict:
     """Bytes the frozen target adds on each process in online mode: weights beyond the shared embedding and LM head,
     and its feature forward."""
     from transformers import AutoModelForCausalLM
-    with torch.device('meta'): model = AutoModelForCausalLM.from_config(target_config)
-    es, c = torch.empty((), dtype=DTYPES[dtype]).element_size(), target_config
+    c = target_config.get_text_config()                 # a multimodal target: its language model
+    with torch.device('meta'): model = AutoModelForCausalLM.from_config(c)
+    es = torch.empty((), dtype=DTYPES[dtype]).element_size()
     weights = sum(p.numel() for p in model.parameters()) * es
     shared = {id(m.weight): m.weight.numel() * es
               for m in (model.get_input_embeddings(), model.get_output_embeddings())}
     D = getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads
-    per_token = (c.num_hidden_layers + 1) * c.hidden_size + 2 * c.hidden_size + 3 * c.intermediate_size \
-        + (c.num_attention_heads + 2 * c.num_key_value_heads) * D    # all hidden states + one layer's temporaries
+    kv = getattr(c, 'num_key_value_heads', None) or c.num_attention_heads
+    per_token = (c.num_hidden_layers + 1) * c.hidden_size + 2 * c.hidden_size + 3 * mlp_width(c) \
+        + (c.num_attention_heads + 2 * kv) * D                        # all hidden states + one layer's temporaries
     activations = micro_batch_size * seq_len * per_token * es
     rest = weights - sum(shared.values())
     return dict(weights=weights, rest=rest, activations=activations, extra=rest + activations)
@@ -279,13 +281,13 @@ def _config_path(target_config) -> Path:
     return shipped_targets().get(str(target_config).lower(), p)
 
 def _target_config(path):
-    "A transformers config from a `config.json` file, a directory holding one, or a shipped target's name."
+    "The (text) config of a `config.json` file, a directory holding one, or a shipped target's name."
     from transformers import AutoConfig
     p = _config_path(path)
     if not p.is_file(): raise FileNotFoundError(f"--target-config {path}: no such config.json")
     d = json.loads(p.read_text())
     if 'model_type' not in d: raise ValueError(f"--target-config {path}: no 'model_type', not a transformers config")
-    return AutoConfig.for_model(**d)
+    return AutoConfig.for_model(**d).get_text_config()          # a multimodal target: its language model
 
 
 # %% ../nbs/07a_plan.ipynb #1cbf7548
@@ -373,16 +375,19 @@ def main(argv=None) -> int:
           f"intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}; S={a.seq_len}, "
           f"{a.anchors} blocks of {a.block_size}, x{a.micro_batch_size}; "
           f"{a.dtype} autocast, fp32 weights, {a.optimizer} AdamW")
-    policy, table = recommend_policy(cfg, a.seq_len, a.anchors, budget, dtype=a.dtype, attention=a.attention,
-                                     micro_batch_size=a.micro_batch_size, optimizer=a.optimizer,
-                                     policies=a.policies, full_table=True)
+    opts = dict(dtype=a.dtype, attention=a.attention, micro_batch_size=a.micro_batch_size, optimizer=a.optimizer)
+    try: policy, table = recommend_policy(cfg, a.seq_len, a.anchors, budget, policies=a.policies, full_table=True, **opts)
+    except ValueError as e:                      # not even the weights and moments fit: the steps at a budget that does
+        print(f"does not fit: {e}")
+        table = [step_memory(cfg, a.seq_len, a.anchors, policy=p, **opts) for p in a.policies]
+        policy = min(table, key=lambda r: r.total).policy
     print(_format_table(table, budget))
     print(_recommendation(policy, table, budget))
     print(online_advice(online_target_bytes(tc, a.seq_len, a.micro_batch_size),
                         next(r for r in table if r.policy == policy).total, budget))
     print("fake tensors with CPU kernel semantics; allocator rounding and fragmentation not counted: "
           "keep a few % spare")
-    return 0 if next(r for r in table if r.policy == policy).total <= budget else 1
+    return 0 if next(r for r in table if r.policy == policy).total <= budget else 3
 
 # %% ../nbs/07a_plan.ipynb #3eed0329
 if __name__ == '__main__' and '__file__' in globals(): sys.exit(main())
