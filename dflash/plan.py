@@ -13,7 +13,8 @@ _ABOUT = 'Predict the peak memory of a drafter training step per checkpointing p
 
 @dataclass
 class PlanOptions:
-    target_config: str | None = option(None, "the target's transformers config.json (or its directory); required")
+    target_config: str | None = option(None, "the target's transformers config.json, or the model holding it: a local "
+                                             "directory or a hub id (local Hugging Face cache only); required")
     seq_len: int = option(8000, 'tokens per sequence', ge=1)
     anchors: int = option(512, 'blocks per sequence', ge=1)
     memory: str = option('80GiB', 'GPU memory for training: 80GiB, 96GB, 24000MiB, ...')
@@ -259,18 +260,22 @@ def online_advice(online: dict, step_total: int, budget_bytes: int) -> str:
                    "(python -m dflash.data cache --target T --data D --out CACHE) and train with --cache CACHE")
 
 # %% ../nbs/07a_plan.ipynb #dbcad539
+def _config_file(name) -> Path:
+    "The `config.json` named by `--target-config`: a JSON file as it is, else that of a model directory or hub id."
+    p = Path(name).expanduser()
+    return p if p.is_file() or p.suffix == '.json' else resolve_local(name) / 'config.json'
+
 def _target_config(path):
-    "A transformers config from a `config.json` file or a directory holding one."
+    "A transformers config from a `config.json` file, or a model directory or hub id holding one."
     from transformers import AutoConfig
-    p = Path(path)
-    if p.is_dir(): p = p / 'config.json'
+    p = _config_file(path)
     if not p.is_file(): raise FileNotFoundError(f"--target-config {path}: no such config.json")
     d = json.loads(p.read_text())
     if 'model_type' not in d: raise ValueError(f"--target-config {path}: no 'model_type', not a transformers config")
     return AutoConfig.for_model(**d)
 
 from .options import parse_options, OptionsError, exit_bad_options
-from .files import json_problem
+from .files import json_problem, resolve_local
 from .recompute import checkpointed_layers
 
 def _check_plan(o: PlanOptions) -> list[str]:
@@ -278,8 +283,8 @@ def _check_plan(o: PlanOptions) -> list[str]:
     probs = []
     if o.target_config is None: probs.append("--target-config is required")
     else:
-        p = Path(o.target_config)
-        d, bad = json_problem(p / 'config.json' if p.is_dir() else p, 'config.json')
+        try: d, bad = json_problem(_config_file(o.target_config), 'config.json')
+        except FileNotFoundError as e: d, bad = None, str(e)
         if bad: probs.append(f"--target-config: {bad}")
         elif 'model_type' not in d:
             probs.append(f"--target-config {o.target_config}: no 'model_type', not a transformers config")

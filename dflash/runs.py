@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from .options import option, flag
 from .threads import threads_option
-from .files import model_dir_problems, json_problem
+from .files import model_dir_problems, json_problem, resolve_local
 
 # %% auto #0
 __all__ = ['TRACKERS', 'TrainConfig', 'launch_problems', 'policy_problem', 'check_train', 'RunDirError', 'read_run', 'unlock_run',
@@ -22,7 +22,8 @@ TRACKERS = {'tensorboard': 'tensorboard', 'none': None, 'all': None, 'wandb': 'w
 
 @dataclass
 class TrainConfig:
-    target: str | None = option(None, "local target model directory (default: the shipped toy target)")
+    target: str | None = option(None, "target model: a local directory or a hub id (local Hugging Face cache only) "
+                                      "(default: the shipped toy target)")
     data: str | None = option(None, "chat data for training, JSONL (the toy run's: in the package's assets)",
                               path='file')
     eval_data: str | None = option(None, "held-out chat JSONL (none: no held-out evaluation)",
@@ -115,9 +116,9 @@ def check_train(c: TrainConfig) -> list[str]:
     if Path(c.out).exists() and not Path(c.out).is_dir():
         probs.append(f"--out = {c.out!r}: exists and is not a directory")
     if c.target is not None:
-        probs += model_dir_problems(c.target, '--target')
+        probs += (bad := model_dir_problems(c.target, '--target'))
         if c.data is None and c.cache is None: probs.append("--target needs --data FILE (chat JSONL) or --cache DIR")
-        conf, _ = json_problem(Path(c.target) / 'config.json')
+        conf = None if bad else json_problem(resolve_local(c.target) / 'config.json')[0]
         n = (conf or {}).get('num_hidden_layers')
         if isinstance(n, int) and c.target_layer_ids and max(c.target_layer_ids) >= n:
             probs.append(f"--target-layer-ids = {c.target_layer_ids}: allowed 0..{n - 1} (the target has {n} layers)")

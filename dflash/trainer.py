@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from accelerate import Accelerator
 from accelerate.utils import set_seed, parse_flag_from_env
 from transformers import AutoConfig, AutoTokenizer, get_cosine_schedule_with_warmup
-from .config import DrafterConfig, resolve_local
+from .config import DrafterConfig
 from .layout import BlockLayout
 from .drafter import DFlashDrafter
 from .recompute import set_checkpointing, parse_policy
@@ -30,7 +30,8 @@ from .chunking import free_bytes
 from .objective import dflash_objective, ObjectiveSums
 from .chat import ChatDataset
 from .features import CacheDataset, TargetFeatures, collate, target_identity
-from .files import json_problem, file_sha256, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir
+from .files import (json_problem, file_sha256, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir,
+                          resolve_local)
 from .runs import TrainConfig, launch_problems
 
 # %% auto #0

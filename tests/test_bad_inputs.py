@@ -179,7 +179,7 @@ def test_bad_target_directory(tmp_path, capsys, files, kind, expect):
     (['--data', '{empty}'], "--data = '{empty}': empty file (no conversation)"),
     (['--eval-data', '{empty}'], "--eval-data = '{empty}': empty file (no conversation)"),
     (['--cache', '{dir}'], "manifest.json"),
-    (['--target', '/no/such/model', '--data', '{train}'], "--target = '/no/such/model': no such directory"),
+    (['--target', '/no/such/model', '--data', '{train}'], "--target: model '/no/such/model': no such path"),
 ], ids=['target-without-data', 'layer-id-out-of-range', 'empty-data', 'empty-eval-data', 'cache-without-manifest',
         'missing-target'])
 def test_bad_paths(tmp_path, capsys, files, argv, expect):
