@@ -290,3 +290,19 @@ def test_sigterm_checkpoints_releases_and_resumes_exactly(tmp_path, request, to,
     want, got = load_file(straight / 'drafter' / 'model.safetensors'), load_file(run / 'drafter' / 'model.safetensors')
     assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert losses(run) == losses(straight)
+
+
+def test_sigint_without_save_on_signal_stops_and_releases(tmp_path):
+    "Ctrl-C (SIGINT) with --save-on-signal false: the step ends, nothing is checkpointed, the lock is released, exit 75."
+    run = tmp_path / 'run'
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'TOKENIZERS_PARALLELISM': 'false'}
+    proc = subprocess.Popen([sys.executable, '-m', 'dflash.train', '--out', str(run), *KILL_ARGS, '--save-every', '0',
+                             '--save-on-signal', 'false'], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    _until(lambda: (run / 'metrics.csv').is_file() or proc.poll() is not None, 600, "a step logged")
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 75, out
+    assert re.search(r"stopped by SIGINT after step \d of 8: not checkpointed \(--save-on-signal false\)", out), out
+    assert 'Traceback' not in out and 'KeyboardInterrupt' not in out, out
+    assert not (run / 'checkpoints').exists() and not (run / '.lock').exists()
