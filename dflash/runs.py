@@ -295,11 +295,14 @@ EXIT_PREEMPTED = 75            # sysexits' EX_TEMPFAIL: stopped on request at a 
 class Preempted(Exception):
     "The run stopped at a step boundary on a signal or its launcher's exit; the message says what was saved."
 
+_LAUNCHER_VARS = ('ACCELERATE_DYNAMO_BACKEND', 'TORCHELASTIC_RUN_ID')   # what accelerate launch, torchrun set
+
 class StopRequest:
-    """While in a `with` block: the first SIGTERM or SIGINT, or the exit of this process's parent (the launcher; checked
-    every `watch_every` seconds), asks the run to stop at the next step boundary (`bool(stop)`, `stop.reason`). Another
-    signal within `grace_s` seconds is the same request (a launcher forwarding what its process group already got);
-    one after that exits at once, status 128 + its number, after `on_exit`. Leaving the block restores the handlers."""
+    """While in a `with` block: the first SIGTERM or SIGINT, or the exit of the launcher that started this process
+    (checked every `watch_every` seconds), asks the run to stop at the next step boundary (`bool(stop)`, `stop.reason`).
+    Another signal within `grace_s` seconds is the same request (a launcher forwarding what its process group already
+    got); one after that exits at once, status 128 + its number, after `on_exit`. Leaving the block restores the
+    handlers."""
     def __init__(self, on_exit=None, grace_s: float = 2.0, watch_every: float = 0.5):
         self.reason, self.at, self.on_exit, self.grace_s, self.watch_every = None, None, on_exit, grace_s, watch_every
         self._done = threading.Event()
@@ -325,7 +328,8 @@ class StopRequest:
 
     def __enter__(self) -> StopRequest:
         self._before = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}  # main thread
-        threading.Thread(target=self._watch, args=(os.getppid(),), daemon=True, name='dflash-parent-watch').start()
+        if any(v in os.environ for v in _LAUNCHER_VARS):    # a launcher's child (not a shell's: nohup outlives that)
+            threading.Thread(target=self._watch, args=(os.getppid(),), daemon=True, name='dflash-launcher-watch').start()
         return self
 
     def __exit__(self, *exc):
