@@ -174,12 +174,21 @@ def _alive(pid: int) -> bool:
 
 LOCK_HEARTBEAT_S, LOCK_STALE_S = 30, 600      # a run beats every 30 s; another host's lock unbeaten for 10 min is stale
 
+def _pid_start(pid: int) -> str | None:
+    "When process `pid` started (the boot's id and clock ticks since boot, from /proc), or None where it cannot tell."
+    try:
+        boot = Path('/proc/sys/kernel/random/boot_id').read_text().strip()
+        return f"{boot}:{Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError): return None
+
 def _stale(held: dict) -> str | None:
     "Why lock record `held` no longer holds its run (its process is gone; another host's heartbeat stopped), or None."
     if held.get('host') == socket.gethostname():
-        pid = held.get('pid')
-        return f"process {pid} (started {held.get('started')}) is gone" if isinstance(pid, int) and not _alive(pid) \
-            else None
+        pid, gone = held.get('pid'), f"process {held.get('pid')} (started {held.get('started')}) is gone"
+        if not isinstance(pid, int): return None
+        if not _alive(pid): return gone
+        now = _pid_start(pid)             # a restarted container: the same host name, its pids handed out again
+        return f"{gone}; its pid is another process's now" if held.get('pid_start') not in (None, now) else None
     beat = held.get('heartbeat')
     if isinstance(beat, (int, float)) and (age := time.time() - beat) > LOCK_STALE_S:
         return (f"process {held.get('pid')} on {held.get('host')} last beat {age:.0f} s ago "
@@ -191,7 +200,8 @@ def _lock_run(out) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     lock = out / '.lock'
-    me = {'pid': os.getpid(), 'host': socket.gethostname(), 'started': time.strftime('%FT%T'), 'heartbeat': time.time()}
+    me = {'pid': os.getpid(), 'host': socket.gethostname(), 'started': time.strftime('%FT%T'),
+          'pid_start': _pid_start(os.getpid()), 'heartbeat': time.time()}
     tmp = out / f'.lock.{os.getpid()}'
     tmp.write_text(json.dumps(me))
     try:
