@@ -126,7 +126,11 @@ def main(argv=None) -> dict:
             raise SystemExit(2)
     with StopRequest(on_exit=(lambda: unlock_run(out)) if is_main else None) as stop:    # SIGTERM, SIGINT, no launcher
         try: return _train(cfg, rec, changed, is_main, stop)
-        except Preempted as e: stopped = e
+        except Preempted as e:
+            stopped = e
+            if is_main and (now := read_run(out)):                          # recorded while the lock is held
+                stops = [*now.get('stops', []), {'at': time.strftime('%FT%T'), 'what': str(e)}]
+                write_json(out / 'run.json', {**now, 'status': 'stopped', 'stops': stops})
         finally:
             if is_main: unlock_run(out)
     if is_main: print(f"{stopped}; {out} is released: continue with --resume (exit status {EXIT_PREEMPTED})")

@@ -281,6 +281,8 @@ def test_sigterm_checkpoints_releases_and_resumes_exactly(tmp_path, request, to,
     assert 2 <= stopped < 8 and m[2] == str(run / 'checkpoints' / f'step-{stopped:07d}'), out
     assert [d.name for d in (run / 'checkpoints').iterdir()] == [f'step-{stopped:07d}']
     assert not (run / '.lock').exists() and not (run / 'drafter').exists()
+    record = json.loads((run / 'run.json').read_text())
+    assert record['status'] == 'stopped' and m[0].startswith(record['stops'][0]['what'])
     (run / '.lock').write_text(json.dumps({'pid': 1, 'host': 'elsewhere', 'started': 'then',
                                            'heartbeat': time.time() - 3600}))   # another host's run, long silent
     resumed = launch(run, *KILL_ARGS, '--resume', processes=processes)
@@ -290,6 +292,8 @@ def test_sigterm_checkpoints_releases_and_resumes_exactly(tmp_path, request, to,
     want, got = load_file(straight / 'drafter' / 'model.safetensors'), load_file(run / 'drafter' / 'model.safetensors')
     assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert losses(run) == losses(straight)
+    record = json.loads((run / 'run.json').read_text())
+    assert record['status'] == 'finished' and len(record['stops']) == 1, record
 
 
 def test_sigint_without_save_on_signal_stops_and_releases(tmp_path):
