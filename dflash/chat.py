@@ -10,10 +10,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from .config import resolve_local, hf_hub_cache
 from torch import Tensor
 from .layout import valid_anchors
-from .files import file_sha256
+from .files import file_sha256, hf_hub_cache, resolve_local
 
 # %% auto #0
 __all__ = ['DataError', 'DataStats', 'read_jsonl', 'to_messages', 'tokenize_chat', 'tokenize_conversation', 'load_tokenizer',

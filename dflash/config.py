@@ -4,13 +4,13 @@
 
 # %% ../nbs/00_config.ipynb #816dff45
 from __future__ import annotations
-import json, math, os, re
+import json, math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['default_target_layer_ids', 'hf_hub_cache', 'resolve_local', 'DrafterConfig', 'mlp_width']
+__all__ = ['default_target_layer_ids', 'DrafterConfig', 'mlp_width']
 
 # %% ../nbs/00_config.ipynb #2292cdbd
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -22,32 +22,6 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     ids = [int(round(1 + i * (T - 4) / (L - 1))) for i in range(L)]
     if len(set(ids)) == L and all(0 <= i < T for i in ids): return ids
     return [math.floor(i * (T - 1) / (L - 1) + 0.5) for i in range(L)]     # steps of >= 1: distinct
-
-# %% ../nbs/00_config.ipynb #857aeacb
-def hf_hub_cache() -> Path:
-    "The local Hugging Face hub cache: `HF_HUB_CACHE`, else `HF_HOME`/hub, else `~/.cache/huggingface/hub`."
-    if os.environ.get('HF_HUB_CACHE'): return Path(os.environ['HF_HUB_CACHE']).expanduser()
-    home = os.environ.get('HF_HOME') or os.path.join(os.environ.get('XDG_CACHE_HOME', '~/.cache'), 'huggingface')
-    return Path(home).expanduser() / 'hub'
-
-_HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$')
-
-def resolve_local(name, kind: str = 'model') -> Path:
-    """The local path of `name`: itself when it exists, else the snapshot of hub id `name` (`owner/repo[@revision]`,
-    `kind` 'model' or 'dataset') in the local hub cache. Never downloads; `FileNotFoundError` names where it looked."""
-    p = Path(name).expanduser()
-    if p.exists(): return p
-    repo, _, rev = str(name).partition('@')
-    where = f"no such path ({p.absolute()})"
-    if _HUB_ID.match(repo):
-        d = hf_hub_cache() / f"{kind}s--{repo.replace('/', '--')}"
-        ref = d / 'refs' / (rev or 'main')
-        snap = d / 'snapshots' / (ref.read_text().strip() if ref.is_file() else rev or 'main')
-        if snap.is_dir(): return snap
-        where += f", and hub id {repo!r} is not in the local Hugging Face cache (no {snap})"
-    how = f"huggingface-cli download {repo}{' --repo-type dataset' if kind == 'dataset' else ''}"
-    raise FileNotFoundError(f"{kind} {str(name)!r}: {where}; nothing is downloaded: pass a local directory, or fetch "
-                            f"it first ({how})")
 
 # %% ../nbs/00_config.ipynb #52cd7208
 _LAYER_TYPES = ('full_attention', 'sliding_attention')

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from .config import resolve_local
+from .files import model_dir_problems, resolve_local
 from .options import Command, option, parse_subcommand, usage_text, OptionsError, exit_bad_options
 from .regenerate import REGENERATE
 from .threads import threads_option
@@ -49,11 +49,13 @@ class CacheOptions(DataOptions):
 _DATA_SUFFIXES = ('.jsonl', '.json', '.parquet')
 
 def _check_data(o: DataOptions) -> list[str]:
-    "Problems beyond each value's range: required options, a target that is not here, a data file that is not."
+    """Problems beyond each value's range: required options, a target or tokenizer that is not here (a directory, or a
+    hub id in the local cache) or whose files are broken, a data file that is not here."""
     probs = [f"{flag} is required" for flag, v in (('--target', o.target), ('--data', o.data)) if v is None]
-    if o.target is not None:
-        try: resolve_local(o.target)
-        except FileNotFoundError as e: probs.append(f"--target: {e}")
+    if o.target is not None: probs += model_dir_problems(o.target, '--target')
+    if o.tokenizer is not None:
+        try: resolve_local(o.tokenizer)
+        except FileNotFoundError as e: probs.append(f"--tokenizer: {e}")
     if o.data is not None and Path(o.data).suffix in _DATA_SUFFIXES and not Path(o.data).exists():
         probs.append(f"--data = {o.data!r}: no such file")
     return probs

@@ -13,10 +13,10 @@ from fastcore.basics import patch
 from safetensors.torch import save_file, load_file
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding
-from .config import DrafterConfig, resolve_local
+from .config import DrafterConfig
 from .layout import BlockLayout
 from .attention import get_backend
-from .files import write_atomic
+from .files import resolve_local, write_atomic
 
 # %% auto #0
 __all__ = ['compute_dtype', 'RMSNorm', 'DFlashAttention', 'DFlashDecoderLayer', 'ContextCache', 'DFlashDrafter',

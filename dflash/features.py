@@ -13,8 +13,8 @@ from torch.utils.data import Dataset
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
-from .config import DrafterConfig, default_target_layer_ids, resolve_local
-from .files import file_sha256, json_problem, write_atomic, write_json
+from .config import DrafterConfig, default_target_layer_ids
+from .files import file_sha256, json_problem, resolve_local, write_atomic, write_json
 from .chat import DataStats
 
 # %% auto #0

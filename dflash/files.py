@@ -4,13 +4,13 @@
 
 # %% ../nbs/00b_files.ipynb #f11e0003
 from __future__ import annotations
-import hashlib, importlib.resources, json, os, struct
+import hashlib, importlib.resources, json, os, re, struct
 from pathlib import Path
 from typing import Callable
 
 # %% auto #0
-__all__ = ['fsync_path', 'write_atomic', 'write_json', 'json_problem', 'safetensors_problem', 'model_dir_problems', 'file_sha256',
-           'assets_dir', 'toy_target_dir', 'toy_data_dir']
+__all__ = ['fsync_path', 'write_atomic', 'write_json', 'hf_hub_cache', 'resolve_local', 'json_problem', 'safetensors_problem',
+           'model_dir_problems', 'file_sha256', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
 
 # %% ../nbs/00b_files.ipynb #99b1472b
 def fsync_path(path):
@@ -33,6 +33,35 @@ def write_atomic(path, data: str | bytes | Callable):
     fsync_path(path.parent)
 
 def write_json(path, obj): write_atomic(path, json.dumps(obj, indent=1) + '\n')
+
+# %% ../nbs/00b_files.ipynb #857aeacb
+def hf_hub_cache() -> Path:
+    "The local Hugging Face hub cache: `HF_HUB_CACHE`, else `HF_HOME`/hub, else `~/.cache/huggingface/hub`."
+    if os.environ.get('HF_HUB_CACHE'): return Path(os.environ['HF_HUB_CACHE']).expanduser()
+    home = os.environ.get('HF_HOME') or os.path.join(os.environ.get('XDG_CACHE_HOME', '~/.cache'), 'huggingface')
+    return Path(home).expanduser() / 'hub'
+
+_HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$')
+
+def resolve_local(name, kind: str = 'model') -> Path:
+    """The local path of `name`: itself when it exists, else the snapshot of hub id `name` (`owner/repo[@revision]`,
+    `kind` 'model' or 'dataset') in the local hub cache. Never downloads; `FileNotFoundError` names where it looked."""
+    p = Path(name).expanduser()
+    if p.exists(): return p
+    repo, _, rev = str(name).partition('@')
+    where = f"no such path ({p.absolute()})"
+    if not _HUB_ID.match(repo):
+        raise FileNotFoundError(f"{kind} {str(name)!r}: {where}; pass a local path, or a hub id (owner/name) held in "
+                                f"the local Hugging Face cache")
+    d = hf_hub_cache() / f"{kind}s--{repo.replace('/', '--')}"
+    ref = d / 'refs' / (rev or 'main')
+    snap = d / 'snapshots' / (ref.read_text().strip() if ref.is_file() else rev or 'main')
+    if snap.is_dir(): return snap
+    how = (f"hf download {repo}{' --repo-type dataset' if kind == 'dataset' else ''}"
+           f"{f' --revision {rev}' if rev else ''}")
+    raise FileNotFoundError(f"{kind} {str(name)!r}: {where}, and hub id {repo!r} is not in the local Hugging Face "
+                            f"cache (no {snap}); nothing is downloaded: pass a local directory, fetch it first "
+                            f"({how}), or set HF_HUB_CACHE (or HF_HOME) to the cache that holds it")
 
 # %% ../nbs/00b_files.ipynb #3656bb5a
 def json_problem(path, what: str = 'file') -> tuple[dict | None, str | None]:
@@ -66,9 +95,11 @@ def safetensors_problem(path) -> str | None:
     return None
 
 def model_dir_problems(path, name: str) -> list[str]:
-    "What is wrong with a transformers model directory, read without loading it: config.json and safetensors headers."
-    p = Path(path)
-    if not p.is_dir(): return [f"{name} = {str(path)!r}: no such directory"]
+    """What is wrong with a transformers model named by option `name` (a local directory or a hub id in the local
+    cache, `resolve_local`), read without loading it: config.json and safetensors headers."""
+    try: p = resolve_local(path)
+    except FileNotFoundError as e: return [f"{name}: {e}"]
+    if not p.is_dir(): return [f"{name} = {str(path)!r}: not a directory"]
     d, bad = json_problem(p / 'config.json', 'config.json')
     probs = [f"{name}: {bad}"] if bad else []
     if d is not None and 'model_type' not in d: probs.append(f"{name}: {p / 'config.json'}: no 'model_type' field")

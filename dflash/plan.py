@@ -14,8 +14,9 @@ _ABOUT = 'Predict the peak memory of a drafter training step per checkpointing p
 
 @dataclass
 class PlanOptions:
-    target_config: str | None = option(None, "the target: its transformers config.json, the directory holding it, or "
-                                             "the name of a size shipped with dflash: " +
+    target_config: str | None = option(None, "the target: its transformers config.json, the model holding it (a local "
+                                             "directory or a hub id in the local Hugging Face cache), or the name of a "
+                                             "size shipped with dflash: " +
                                              ', '.join(sorted(p.name for p in (assets_dir() / 'targets').iterdir()
                                                               if p.is_dir())) + "; required")
     seq_len: int = option(8000, 'tokens per sequence', ge=1)
@@ -53,7 +54,7 @@ from .drafter import DFlashDrafter
 from .recompute import set_checkpointing, parse_policy
 from .objective import dflash_objective, objective_bytes_per_row
 from .memory import MemoryTracker, fmt_bytes
-from .files import write_atomic
+from .files import write_atomic, resolve_local
 
 # %% ../nbs/07a_plan.ipynb #3b47ea57
 _UNITS = {'': 1, 'b': 1, 'kb': 10**3, 'mb': 10**6, 'gb': 10**9, 'tb': 10**12,
@@ -274,11 +275,13 @@ def shipped_targets() -> dict[str, Path]:
     return {p.parent.name: p for p in sorted((assets_dir() / 'targets').glob('*/config.json'))}
 
 def _config_path(target_config) -> Path:
-    "The `config.json` that `--target-config` names: a file, the directory holding it, or a shipped target's name."
-    p = Path(target_config)
-    if p.is_dir(): return p / 'config.json'
-    if p.exists(): return p
-    return shipped_targets().get(str(target_config).lower(), p)
+    """The `config.json` that `--target-config` names: a JSON file, a shipped target's name, or that of a model directory
+    or hub id in the local Hugging Face cache (`FileNotFoundError`, naming where it looked, when there is none)."""
+    p = Path(target_config).expanduser()
+    if p.is_file() or p.suffix == '.json': return p
+    name = str(target_config).lower()
+    if not p.exists() and name in shipped_targets(): return shipped_targets()[name]
+    return resolve_local(target_config) / 'config.json'
 
 def _target_config(path):
     "The (text) config of a `config.json` file, a directory holding one, or a shipped target's name."
@@ -342,11 +345,9 @@ def _check_plan(o: PlanOptions) -> list[str]:
         if o.target_config is not None:
             probs.append("--fits-table plans every shipped target: leave out --target-config")
     elif o.target_config is None: probs.append("--target-config is required (or --fits-table FILE)")
-    elif not _config_path(o.target_config).exists():
-        probs.append(f"--target-config {o.target_config}: no such file or directory, nor a shipped target "
-                     f"({', '.join(shipped_targets())})")
     else:
-        d, bad = json_problem(_config_path(o.target_config), 'config.json')
+        try: d, bad = json_problem(_config_path(o.target_config), 'config.json')
+        except FileNotFoundError as e: d, bad = None, f"{e}; the shipped targets are {', '.join(shipped_targets())}"
         if bad: probs.append(f"--target-config: {bad}")
         elif 'model_type' not in d:
             probs.append(f"--target-config {o.target_config}: no 'model_type', not a transformers config")

@@ -7,9 +7,8 @@ from __future__ import annotations
 import hashlib, importlib.util, json, os, sys, time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from .config import resolve_local
 from .options import Command, option, build_options, parse_options, OptionsError, exit_bad_options
-from .files import file_sha256, toy_target_dir, write_atomic
+from .files import file_sha256, model_dir_problems, resolve_local, toy_target_dir, write_atomic
 from .threads import threads_option, use_threads
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.chat (which loads torch) load inside the
@@ -33,7 +32,8 @@ class RegenConfig:
     data: str | None = option(None, 'chat data to regenerate: JSONL, JSON, parquet, a directory of them, or a hub '
                                     'dataset id (local cache only); required')
     out: str | None = option(None, 'output JSONL, append-only, resumed when rerun (`OUT.index` beside it); required')
-    target: str | None = option(None, 'target model directory or hub id (default: the shipped toy target)')
+    target: str | None = option(None, 'target model directory or hub id (local Hugging Face cache only) '
+                                      '(default: the shipped toy target)')
     engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(_ENGINES))
     batch_size: int = option(32, 'conversations generated together (left-padded)', ge=1)
     max_new_tokens: int = option(512, 'tokens per assistant turn at most', ge=1)
@@ -69,10 +69,7 @@ def _check_options(cfg: RegenConfig) -> list[str]:
                 p.append(f"--out = {cfg.out!r}: must differ from --data")
     if cfg.out is not None and Path(cfg.out).is_dir():
         p.append(f"--out = {cfg.out!r}: is a directory, expected a JSONL file path")
-    try: t = _target_dir(cfg)
-    except FileNotFoundError as e: p.append(f"--target: {e}")
-    else:
-        if not (t / 'config.json').is_file(): p.append(f"--target {t}: no config.json, not a local model directory")
+    if cfg.target is not None: p += model_dir_problems(cfg.target, '--target')   # a directory or a hub id, readable
     if cfg.engine == 'vllm' and (why := vllm_unavailable()):
         p.append(f"--engine vllm: {why}; use --engine transformers")
     return p

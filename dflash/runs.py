@@ -4,16 +4,17 @@
 
 # %% ../nbs/09b_runs.ipynb #6b350687
 from __future__ import annotations
-import importlib.util, json, os, socket, time
+import importlib.util, json, os, signal, socket, threading, time
 from dataclasses import dataclass
 from pathlib import Path
 from .options import option, flag
 from .threads import threads_option
-from .files import model_dir_problems, json_problem
+from .files import model_dir_problems, json_problem, resolve_local, write_json
 
 # %% auto #0
-__all__ = ['TRACKERS', 'TrainConfig', 'launch_problems', 'policy_problem', 'check_train', 'RunDirError', 'read_run', 'unlock_run',
-           'claim_run', 'resume_changes']
+__all__ = ['TRACKERS', 'LOCK_HEARTBEAT_S', 'LOCK_STALE_S', 'EXIT_PREEMPTED', 'TrainConfig', 'launch_problems', 'policy_problem',
+           'check_train', 'RunDirError', 'read_run', 'unlock_run', 'claim_run', 'resume_changes', 'Preempted',
+           'StopRequest']
 
 # %% ../nbs/09b_runs.ipynb #4745fd52
 TRACKERS = {'tensorboard': 'tensorboard', 'none': None, 'all': None, 'wandb': 'wandb', 'mlflow': 'mlflow',
@@ -22,7 +23,8 @@ TRACKERS = {'tensorboard': 'tensorboard', 'none': None, 'all': None, 'wandb': 'w
 
 @dataclass
 class TrainConfig:
-    target: str | None = option(None, "local target model directory (default: the shipped toy target)")
+    target: str | None = option(None, "target model: a local directory or a hub id (local Hugging Face cache only) "
+                                      "(default: the shipped toy target)")
     data: str | None = option(None, "chat data for training, JSONL (the toy run's: in the package's assets)",
                               path='file')
     eval_data: str | None = option(None, "held-out chat JSONL (none: no held-out evaluation)",
@@ -57,6 +59,8 @@ class TrainConfig:
     eval_batch_size: int = option(8, "sequences per evaluation forward on one process", ge=1)
     save_every: int = option(500, "steps between checkpoints (0: only at the end)", ge=0)
     keep_checkpoints: int = option(2, "checkpoints kept (older ones are deleted)", ge=1)
+    save_on_signal: bool = option(True, "on SIGTERM or SIGINT (or the launcher's exit): finish the step, checkpoint "
+                                        "it, release the run directory and exit with status 75 (resume with --resume)")
     max_bad_steps: int = option(10, "consecutive non-finite steps before the run stops", ge=1)
     progress_bar: bool = option(True, "show a progress bar (main process)")
     report_to: str = option('tensorboard', "where the metrics go besides metrics.csv and eval.csv: a tracker "
@@ -115,9 +119,9 @@ def check_train(c: TrainConfig) -> list[str]:
     if Path(c.out).exists() and not Path(c.out).is_dir():
         probs.append(f"--out = {c.out!r}: exists and is not a directory")
     if c.target is not None:
-        probs += model_dir_problems(c.target, '--target')
+        probs += (bad := model_dir_problems(c.target, '--target'))
         if c.data is None and c.cache is None: probs.append("--target needs --data FILE (chat JSONL) or --cache DIR")
-        conf, _ = json_problem(Path(c.target) / 'config.json')
+        conf = None if bad else json_problem(resolve_local(c.target) / 'config.json')[0]
         n = (conf or {}).get('num_hidden_layers')
         if isinstance(n, int) and c.target_layer_ids and max(c.target_layer_ids) >= n:
             probs.append(f"--target-layer-ids = {c.target_layer_ids}: allowed 0..{n - 1} (the target has {n} layers)")
@@ -168,11 +172,36 @@ def _alive(pid: int) -> bool:
     try: return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0] != 'Z'
     except OSError: return True                                        # no /proc to ask: it exists
 
+LOCK_HEARTBEAT_S, LOCK_STALE_S = 30, 600      # a run beats every 30 s; another host's lock unbeaten for 10 min is stale
+
+def _pid_start(pid: int) -> str | None:
+    "When process `pid` started (the boot's id and clock ticks since boot, from /proc), or None where it cannot tell."
+    try:
+        boot = Path('/proc/sys/kernel/random/boot_id').read_text().strip()
+        return f"{boot}:{Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError): return None
+
+def _stale(held: dict) -> str | None:
+    "Why lock record `held` no longer holds its run (its process is gone; another host's heartbeat stopped), or None."
+    if held.get('host') == socket.gethostname():
+        pid, gone = held.get('pid'), f"process {held.get('pid')} (started {held.get('started')}) is gone"
+        if not isinstance(pid, int): return None
+        if not _alive(pid): return gone
+        now = _pid_start(pid)             # a restarted container: the same host name, its pids handed out again
+        return f"{gone}; its pid is another process's now" if held.get('pid_start') not in (None, now) else None
+    beat = held.get('heartbeat')
+    if isinstance(beat, (int, float)) and (age := time.time() - beat) > LOCK_STALE_S:
+        return (f"process {held.get('pid')} on {held.get('host')} last beat {age:.0f} s ago "
+                f"(stale after {LOCK_STALE_S} s)")
+    return None
+
 def _lock_run(out) -> Path:
-    "Take `out/.lock` for this process; a live holder is refused, a dead one's lock is taken over."
+    "Take `out/.lock` for this process; a live holder is refused, a stale one's lock is taken over (`_stale`)."
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    lock, me = out / '.lock', {'pid': os.getpid(), 'host': socket.gethostname(), 'started': time.strftime('%FT%T')}
+    lock = out / '.lock'
+    me = {'pid': os.getpid(), 'host': socket.gethostname(), 'started': time.strftime('%FT%T'),
+          'pid_start': _pid_start(os.getpid()), 'heartbeat': time.time()}
     tmp = out / f'.lock.{os.getpid()}'
     tmp.write_text(json.dumps(me))
     try:
@@ -183,21 +212,44 @@ def _lock_run(out) -> Path:
             except FileExistsError: pass
             held, bad = json_problem(lock, 'lock')
             if bad: raise RunDirError(f"{lock}: unreadable lock ({bad}); remove it if no run uses {out}")
-            if held.get('host') == me['host'] and isinstance(held.get('pid'), int) and not _alive(held['pid']):
-                print(f"{lock}: process {held['pid']} (started {held.get('started')}) is gone; "
-                      "taking over its stale lock")
+            if why := _stale(held):
+                print(f"{lock}: {why}; taking over its stale lock")
                 lock.unlink(missing_ok=True)
                 continue
+            unknown = '' if held.get('host') == me['host'] or 'heartbeat' in held else \
+                "; it has no heartbeat to tell whether it still runs: remove the lock if no run uses the directory"
             raise RunDirError(f"{out} is in use by process {held.get('pid')} on {held.get('host')} since "
-                              f"{held.get('started')} (lock {lock})")
+                              f"{held.get('started')} (lock {lock}){unknown}")
         raise RunDirError(f"{lock}: could not take the lock")
     finally: tmp.unlink(missing_ok=True)
 
-def unlock_run(out):
-    "Remove `out/.lock` if this process holds it."
-    lock = Path(out) / '.lock'
+_LOCK_FILES = threading.RLock()                 # the heartbeat's rewrite and the release never interleave
+_BEATING: dict[Path, threading.Event] = {}
+
+def _mine(lock: Path) -> dict | None:
+    "The lock record in `lock` when this process holds it, else None."
     held, bad = json_problem(lock, 'lock')
-    if not bad and held.get('pid') == os.getpid() and held.get('host') == socket.gethostname(): lock.unlink()
+    return held if not bad and held.get('pid') == os.getpid() and held.get('host') == socket.gethostname() else None
+
+def _heartbeat(lock: Path, stop: threading.Event, every: float):
+    while not stop.wait(every):
+        with _LOCK_FILES:
+            if (held := _mine(lock)) is None: return
+            write_json(lock, {**held, 'heartbeat': time.time()})
+
+def _start_heartbeat(out, every: float = LOCK_HEARTBEAT_S):
+    "Rewrite the time in `out/.lock` every `every` seconds from a daemon thread, while this process holds it."
+    lock = Path(out).absolute() / '.lock'
+    if lock in _BEATING: return
+    _BEATING[lock] = stop = threading.Event()
+    threading.Thread(target=_heartbeat, args=(lock, stop, every), daemon=True, name='dflash-lock-heartbeat').start()
+
+def unlock_run(out):
+    "Remove `out/.lock` if this process holds it (and stop its heartbeat)."
+    lock = Path(out).absolute() / '.lock'
+    if stop := _BEATING.pop(lock, None): stop.set()
+    with _LOCK_FILES:
+        if _mine(lock) is not None: lock.unlink()
 
 # %% ../nbs/09b_runs.ipynb #3885353e
 def _move_aside(out) -> Path:
@@ -211,7 +263,8 @@ def _move_aside(out) -> Path:
     return dest
 
 def claim_run(c: TrainConfig) -> Path:
-    "Lock `c.out` for this run (main process), moving an old run aside on --overwrite; refuse to train over a run."
+    """Lock `c.out` for this run (main process) and keep its heartbeat, moving an old run aside on --overwrite; refuse
+    to train over a run."""
     out = Path(c.out)
     if c.overwrite and _run_files(out):
         _lock_run(out)
@@ -223,6 +276,7 @@ def claim_run(c: TrainConfig) -> Path:
         unlock_run(out)
         raise RunDirError(f"{out} holds a run ({', '.join(found)}): pass --resume to continue it, or --overwrite to "
                           f"move it aside and start a new one")
+    _start_heartbeat(out)
     return lock
 
 # %% ../nbs/09b_runs.ipynb #e14d0c26
@@ -244,3 +298,50 @@ def resume_changes(stored: dict, given: dict) -> tuple[list[str], dict]:
                            f"(start a new run with --overwrite or another --out)")
         else: changed[k] = (stored[k], v)
     return refused, changed
+
+# %% ../nbs/09b_runs.ipynb #556d377e
+EXIT_PREEMPTED = 75            # sysexits' EX_TEMPFAIL: stopped on request at a step boundary; continue with --resume
+
+class Preempted(Exception):
+    "The run stopped at a step boundary on a signal or its launcher's exit; the message says what was saved."
+
+_LAUNCHER_VARS = ('ACCELERATE_DYNAMO_BACKEND', 'TORCHELASTIC_RUN_ID')   # what accelerate launch, torchrun set
+
+class StopRequest:
+    """While in a `with` block: the first SIGTERM or SIGINT, or the exit of the launcher that started this process
+    (checked every `watch_every` seconds), asks the run to stop at the next step boundary (`bool(stop)`, `stop.reason`).
+    Another signal within `grace_s` seconds is the same request (a launcher forwarding what its process group already
+    got); one after that exits at once, status 128 + its number, after `on_exit`. Leaving the block restores the
+    handlers."""
+    def __init__(self, on_exit=None, grace_s: float = 2.0, watch_every: float = 0.5):
+        self.reason, self.at, self.on_exit, self.grace_s, self.watch_every = None, None, on_exit, grace_s, watch_every
+        self._done = threading.Event()
+
+    def __bool__(self) -> bool: return self.reason is not None
+
+    def request(self, reason: str):
+        "Ask for a stop (the first reason is kept)."
+        if self.reason is None: self.reason, self.at = reason, time.monotonic()
+
+    def _on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.reason is not None and time.monotonic() - self.at > self.grace_s:
+            if self.on_exit: self.on_exit()
+            os.write(2, f"{name} again: exiting at once (status {128 + signum})\n".encode())
+            os._exit(128 + signum)
+        self.request(name)
+
+    def _watch(self, parent: int):
+        while os.getppid() == parent:
+            if self._done.wait(self.watch_every): return
+        self.request(f"the exit of its launcher (process {parent})")
+
+    def __enter__(self) -> StopRequest:
+        self._before = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}  # main thread
+        if any(v in os.environ for v in _LAUNCHER_VARS):    # a launcher's child (not a shell's: nohup outlives that)
+            threading.Thread(target=self._watch, args=(os.getppid(),), daemon=True, name='dflash-launcher-watch').start()
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._before.items(): signal.signal(s, h)
+        self._done.set()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from .config import DrafterConfig
 from .options import option, parse_options, OptionsError, exit_bad_options
 from .threads import threads_option
-from .files import json_problem, model_dir_problems, safetensors_problem
+from .files import json_problem, model_dir_problems, resolve_local, safetensors_problem
 
 # %% auto #0
 __all__ = ['SpeculateOptions', 'speculative_generate', 'greedy_generate', 'eval_prompts', 'acceptance_eval', 'plot_acceptance',
@@ -19,8 +19,10 @@ __all__ = ['SpeculateOptions', 'speculative_generate', 'greedy_generate', 'eval_
 # %% ../nbs/09a_speculate.ipynb #bfab8dcc
 @dataclass
 class SpeculateOptions:
-    target: str | None = option(None, 'local target model directory (transformers); required')
-    drafter: str | None = option(None, 'drafter directory (config.json + model.safetensors); required')
+    target: str | None = option(None, 'target model (transformers): a local directory or a hub id (local Hugging Face '
+                                      'cache only); required')
+    drafter: str | None = option(None, 'drafter (config.json + model.safetensors): a local directory or a hub id '
+                                       '(local cache only); required')
     data: str | None = option(None, 'chat JSONL; prompts are the turns before the first assistant turn; required',
                               path='file')
     max_new_tokens: int = option(128, 'tokens to generate per prompt', ge=1)
@@ -37,9 +39,10 @@ def _check_speculate(o: SpeculateOptions) -> list[str]:
     probs = [f"--{k} is required" for k in ('target', 'drafter', 'data') if getattr(o, k) is None]
     if o.target is not None: probs += model_dir_problems(o.target, '--target')
     if o.drafter is not None:
-        d = Path(o.drafter)
+        try: d = resolve_local(o.drafter)                          # a directory, or a hub id's local snapshot
+        except FileNotFoundError as e: return probs + [f"--drafter: {e}"]
         conf, bad = json_problem(d / 'config.json', 'config.json')
-        if not d.is_dir(): probs.append(f"--drafter = {o.drafter!r}: no such directory")
+        if not d.is_dir(): probs.append(f"--drafter = {o.drafter!r}: not a directory")
         elif bad: probs.append(f"--drafter: {bad}")
         else:
             try: DrafterConfig.from_dict(conf, source=str(d / 'config.json'))
@@ -217,14 +220,14 @@ def main(argv=None) -> dict:
     threads, why = use_threads(a.threads, 1) if dev.type == 'cpu' else (torch.get_num_threads(), 'left as is on a GPU')
     print(f"CPU threads: {threads} ({why})")
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev.type == 'cuda' else torch.float32)
-    target_cfg_path = Path(a.target) / 'config.json'
-    if not target_cfg_path.is_file(): raise FileNotFoundError(f"{a.target}: no config.json, not a model directory")
-    drafter_cfg = DrafterConfig.load(Path(a.drafter) / 'config.json')
+    tdir, ddir = resolve_local(a.target), resolve_local(a.drafter)     # hub ids: their snapshots in the local cache
+    if not (tdir / 'config.json').is_file(): raise FileNotFoundError(f"{a.target}: no config.json, not a model")
+    drafter_cfg = DrafterConfig.load(ddir / 'config.json')
     from transformers import AutoConfig
-    _check_compatible(drafter_cfg, AutoConfig.from_pretrained(a.target), a.block_size, name=f"drafter {a.drafter}")
-    target = AutoModelForCausalLM.from_pretrained(a.target, dtype=dtype).to(dev).eval()
-    tok = AutoTokenizer.from_pretrained(a.target)
-    drafter = DFlashDrafter.from_pretrained(a.drafter, dtype=dtype).to(dev).eval()
+    _check_compatible(drafter_cfg, AutoConfig.from_pretrained(tdir), a.block_size, name=f"drafter {a.drafter}")
+    target = AutoModelForCausalLM.from_pretrained(tdir, dtype=dtype).to(dev).eval()
+    tok = AutoTokenizer.from_pretrained(tdir)
+    drafter = DFlashDrafter.from_pretrained(ddir, dtype=dtype).to(dev).eval()
     prompts = eval_prompts(a.data, tok, a.num_prompts)
     if not prompts: raise ValueError(f"{a.data}: no conversation with a turn before an assistant turn")
     r = acceptance_eval(target, drafter, prompts, max_new_tokens=a.max_new_tokens, block_size=a.block_size,

@@ -9,7 +9,8 @@ from dataclasses import asdict
 from pathlib import Path
 import yaml
 from .options import OptionParser, OptionsError, build_options, exit_bad_options
-from .runs import TrainConfig, check_train, read_run, resume_changes, claim_run, unlock_run, RunDirError
+from .runs import (TrainConfig, check_train, read_run, resume_changes, claim_run, unlock_run, RunDirError,
+                         StopRequest, Preempted, EXIT_PREEMPTED)
 from .files import write_json, write_atomic, toy_data_dir
 
 # %% auto #0
@@ -65,7 +66,7 @@ def _spec_tau(trainer) -> dict | None:
     drafter.train(was_training)
     return r
 
-def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool) -> dict:
+def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, stop: StopRequest | None = None) -> dict:
     t_start = time.perf_counter()
     import torch                                         # torch, transformers, accelerate: only now
     from dflash.trainer import Trainer, timed
@@ -88,7 +89,7 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool) -> 
         if is_main: write_json(out / 'run.json', record)
     trainer.acc.wait_for_everyone()
     t0 = time.perf_counter()
-    metrics = trainer.fit()                              # final checkpoint and export happen before its evaluation
+    metrics = trainer.fit(stop)                          # final checkpoint and export happen before its evaluation
     seconds['training steps'] = time.perf_counter() - t0 - sum(trainer.seconds.values())
     seconds.update(trainer.seconds)
     with timed(seconds, 'tau after training'): after = _spec_tau(trainer)
@@ -123,9 +124,17 @@ def main(argv=None) -> dict:
         except RunDirError as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2)
-    try: return _train(cfg, rec, changed, is_main)
-    finally:
-        if is_main: unlock_run(out)
+    with StopRequest(on_exit=(lambda: unlock_run(out)) if is_main else None) as stop:    # SIGTERM, SIGINT, no launcher
+        try: return _train(cfg, rec, changed, is_main, stop)
+        except Preempted as e:
+            stopped = e
+            if is_main and (now := read_run(out)):                          # recorded while the lock is held
+                stops = [*now.get('stops', []), {'at': time.strftime('%FT%T'), 'what': str(e)}]
+                write_json(out / 'run.json', {**now, 'status': 'stopped', 'stops': stops})
+        finally:
+            if is_main: unlock_run(out)
+    if is_main: print(f"{stopped}; {out} is released: continue with --resume (exit status {EXIT_PREEMPTED})")
+    raise SystemExit(EXIT_PREEMPTED)
 
 # %% ../nbs/11_train.ipynb #cd897561
 def _rows(path) -> list[dict]:

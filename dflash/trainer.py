@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from accelerate import Accelerator
 from accelerate.utils import set_seed, parse_flag_from_env
 from transformers import AutoConfig, AutoTokenizer, get_cosine_schedule_with_warmup
-from .config import DrafterConfig, resolve_local
+from .config import DrafterConfig
 from .layout import BlockLayout
 from .drafter import DFlashDrafter
 from .recompute import set_checkpointing, parse_policy
@@ -30,8 +30,9 @@ from .chunking import free_bytes
 from .objective import dflash_objective, ObjectiveSums
 from .chat import ChatDataset
 from .features import CacheDataset, TargetFeatures, collate, target_identity
-from .files import json_problem, file_sha256, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir
-from .runs import TrainConfig, launch_problems
+from .files import (json_problem, file_sha256, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir,
+                          resolve_local)
+from .runs import TrainConfig, launch_problems, Preempted, StopRequest
 
 # %% auto #0
 __all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'rotate_checkpoints', 'Trainer', 'timed']
@@ -441,13 +442,15 @@ def timed(seconds: dict, name: str):
     finally: seconds[name] = seconds.get(name, 0.) + time.perf_counter() - t0
 
 @patch
-def save(self: Trainer, final: bool = False):
+def save(self: Trainer, final: bool = False) -> bool:
+    "Checkpoint this step (all processes); whether it was written (not during non-finite steps, unless `final`)."
     if self.bad_steps and not final:
         if self.acc.is_main_process: print(f"step {self.step}: no checkpoint during {self.bad_steps} non-finite steps")
-        return
+        return False
     with timed(self.seconds, 'checkpoints'):
         _save_checkpoint(self.acc, self.out, self.step, self.model, self.opt, self.sched,
                          state={'step': self.step, 'bad_steps': self.bad_steps}, keep=self.cfg.keep_checkpoints)
+    return True
 
 @patch
 def _apply_options(self: Trainer):
@@ -511,8 +514,30 @@ def _eval_and_log(self: Trainer) -> dict:
     return ev
 
 @patch
-def fit(self: Trainer) -> dict:
-    "Train to `total_steps`, save, export, evaluate; returns the last train and eval metrics."
+def _stop_agreed(self: Trainer, stop: StopRequest | None) -> bool:
+    "Whether any process was asked to stop; every process calls it at the same point (it is a collective)."
+    if stop is None: return False
+    asked = torch.tensor([1.0 if stop else 0.0], device=self.acc.device)
+    return bool(self.acc.reduce(asked, 'sum')[0] > 0)
+
+@patch
+def _preempt(self: Trainer, stop: StopRequest, saved_at: int):
+    "Checkpoint the step reached unless it is saved (or --save-on-signal is off), flush the trackers, raise Preempted."
+    ckpt = self.out / 'checkpoints' / f'step-{self.step:07d}'
+    if self.step == saved_at: what = f"checkpoint {ckpt} holds it" if self.step else "no step taken, nothing to save"
+    elif not self.cfg.save_on_signal: what = "not checkpointed (--save-on-signal false): a resume starts from the " \
+                                             "newest checkpoint"
+    else:
+        self.save(final=True)
+        what = f"checkpoint {ckpt} written"
+    for t in self.acc.trackers: t.finish()
+    raise Preempted(f"stopped by {stop.reason or 'a signal to another process'} after step {self.step} of "
+                    f"{self.total_steps}: {what}")
+
+@patch
+def fit(self: Trainer, stop: StopRequest | None = None) -> dict:
+    """Train to `total_steps`, save, export, evaluate; returns the last train and eval metrics. `stop`: checked at each
+    step boundary, raising `Preempted` when set."""
     c, acc, main = self.cfg, self.acc, self.acc.is_main_process
     if main: self.out.mkdir(parents=True, exist_ok=True)
     if c.resume and (where := self.resume()):
@@ -532,8 +557,11 @@ def fit(self: Trainer) -> dict:
         ev = self._eval_and_log()                              # killed between that checkpoint and its evaluation
     bar = tqdm(total=self.total_steps, initial=self.step, disable=not (main and c.progress_bar), desc='training',
                dynamic_ncols=True)
-    last = {}
+    last, saved_at = {}, resumed_at
     while self.step < self.total_steps:
+        if self._stop_agreed(stop):
+            bar.close()
+            self._preempt(stop, saved_at)
         last = self.train_step()
         bar.update(1)
         bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}",
@@ -543,12 +571,13 @@ def fit(self: Trainer) -> dict:
             _append_csv(self.out / 'metrics.csv', last)
             acc.log(last, step=self.step)
         if done: break
-        if c.save_every and self.step % c.save_every == 0: self.save()
+        if c.save_every and self.step % c.save_every == 0 and self.save(): saved_at = self.step
         if eval_due(self.step): ev = self._eval_and_log()
     bar.close()
     # every process must take the same branches (they hold collectives), so they are decided from state all share,
     # never from files the main process is writing meanwhile
     if self.step > resumed_at: self.save(final=True)           # 1. the final checkpoint (unless resumed from it)
+    if self._stop_agreed(stop): self._preempt(stop, self.step)  # asked meanwhile: the resume exports and evaluates
     self.export()                                              # 2. the drafter
     if self.step not in logged: ev = self._eval_and_log()     # 3. the final evaluation (unless logged before)
     for t in acc.trackers: t.finish()                      # flush TensorBoard; the process group stays up

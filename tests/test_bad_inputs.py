@@ -179,7 +179,7 @@ def test_bad_target_directory(tmp_path, capsys, files, kind, expect):
     (['--data', '{empty}'], "--data = '{empty}': empty file (no conversation)"),
     (['--eval-data', '{empty}'], "--eval-data = '{empty}': empty file (no conversation)"),
     (['--cache', '{dir}'], "manifest.json"),
-    (['--target', '/no/such/model', '--data', '{train}'], "--target = '/no/such/model': no such directory"),
+    (['--target', '/no/such/model', '--data', '{train}'], "--target: model '/no/such/model': no such path"),
 ], ids=['target-without-data', 'layer-id-out-of-range', 'empty-data', 'empty-eval-data', 'cache-without-manifest',
         'missing-target'])
 def test_bad_paths(tmp_path, capsys, files, argv, expect):
@@ -213,7 +213,7 @@ def plan_config(tmp_path_factory):
     (['--policies', '0'], "--policies: checkpointing policy 0: every k-th layer needs k >= 1"),
     (['--micro-batch-size', 'two'], "--micro-batch-size = 'two' (command line): not an integer"),
     (['--target-config', '{d}/garbage.json'], "not valid JSON"),
-    (['--target-config', '{d}/missing.json'], "missing.json: no such file or directory, nor a shipped target"),
+    (['--target-config', '{d}/missing.json'], "missing.json: no such config.json"),
 ], ids=['seq-len-0', 'anchors-negative', 'layers-0', 'block-1', 'memory-unit', 'dtype', 'policy-0', 'micro-text',
         'garbage-config', 'missing-config'])
 def test_plan_bad_option(capsys, plan_config, argv, expect):

@@ -21,7 +21,8 @@ def test_shipped_target_plans_without_a_file(tmp_path):
 
 def test_unknown_name_is_refused_with_the_shipped_names(tmp_path):
     r = run_plan('--target-config', 'qwen3-9b', cwd=tmp_path)
-    assert r.returncode == 2 and "--target-config qwen3-9b: no such file or directory, nor a shipped target (gpt-oss-20b, " in r.stderr, r.stderr
+    assert r.returncode == 2 and "model 'qwen3-9b': no such path" in r.stderr, r.stderr
+    assert "; the shipped targets are gpt-oss-20b, llama-3.1-8b-instruct, qwen3-32b, qwen3-4b, qwen3-8b" in r.stderr
     assert 'gpt-oss-20b' in run_plan('--help', cwd=tmp_path).stdout
 
 

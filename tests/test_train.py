@@ -1,5 +1,5 @@
 "The training CLI through real `accelerate launch` processes on CPU: 1 vs 2 processes, resume, bad runs."
-import csv, json, os, signal, subprocess, sys, time
+import csv, json, os, re, signal, subprocess, sys, time
 from pathlib import Path
 import pytest
 from dflash.harness import launch_train
@@ -219,3 +219,94 @@ def test_report_to_chooses_the_tracker(tmp_path, tracker):
     assert {'metrics.csv', 'curves.png', 'summary.json'} <= set(written), written
     assert ('tensorboard' in written) == (tracker == 'tensorboard') and 'dflash' not in written, written
 
+
+
+def _running(pid: int) -> bool:
+    "Whether process `pid` runs (exists and is not a zombie waiting to be reaped)."
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    try: return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0] != 'Z'
+    except OSError: return False
+
+
+def _until(ok, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while not ok():
+        assert time.time() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope='module')
+def straight_two(tmp_path_factory):
+    "The uninterrupted run on two processes."
+    out = tmp_path_factory.mktemp('straight-two') / 'run'
+    r = launch(out, *KILL_ARGS, processes=2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+@pytest.mark.parametrize('to,processes', [('process group', 1), ('launcher', 1), ('trainer without launcher', 1),
+                                          ('process group', 2)])
+def test_sigterm_checkpoints_releases_and_resumes_exactly(tmp_path, request, to, processes):
+    """SIGTERM to a running `accelerate launch -m dflash.train`: to its process group (as a cluster or Ctrl-C sends it;
+    with 2 processes the launcher forwards it too), or to the launcher alone, which dies at once and leaves the trainer
+    to notice; or to `python -m dflash.train` run without a launcher, whose exit status is then the trainer's own. The
+    trainer finishes its step (every process the same one), checkpoints it, releases the lock, says so and exits;
+    nothing of it keeps running; --resume takes over a stale lock from another host and ends with the uninterrupted
+    run's drafter, bit for bit, and its loss curve."""
+    from safetensors.torch import load_file
+    import torch
+    straight = request.getfixturevalue('straight' if processes == 1 else 'straight_two')
+    run = tmp_path / 'run'
+    args = [*KILL_ARGS, '--save-every', '0']                       # no periodic checkpoint: the signal's is the only one
+    if to == 'trainer without launcher':
+        env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'TOKENIZERS_PARALLELISM': 'false'}
+        proc = subprocess.Popen([sys.executable, '-m', 'dflash.train', '--out', str(run), *args], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    else: proc = launch(run, *args, processes=processes, wait=False)
+    logged = lambda: (run / 'metrics.csv').is_file() and len(steps(run / 'metrics.csv')) >= 2
+    _until(lambda: logged() or proc.poll() is not None, 600, "two steps logged")
+    assert proc.poll() is None and not (run / 'checkpoints').exists(), proc.stdout.read()
+    trainer = json.loads((run / '.lock').read_text())['pid']
+    if to == 'process group': os.killpg(proc.pid, signal.SIGTERM)
+    else: os.kill(proc.pid, signal.SIGTERM)
+    out = proc.communicate(timeout=300)[0]                         # the pipe closes once the trainer exits too
+    _until(lambda: not _running(trainer), 60, f"trainer process {trainer} still runs")
+    cause = 'the exit of its launcher' if to == 'launcher' else 'SIGTERM'
+    m = re.search(rf"stopped by {cause}.* after step (\d+) of 8: checkpoint (\S+) written; {run} is released: "
+                  r"continue with --resume \(exit status 75\)", out)
+    assert m, out
+    if to == 'trainer without launcher': assert proc.returncode == 75
+    stopped = int(m[1])
+    assert 2 <= stopped < 8 and m[2] == str(run / 'checkpoints' / f'step-{stopped:07d}'), out
+    assert [d.name for d in (run / 'checkpoints').iterdir()] == [f'step-{stopped:07d}']
+    assert not (run / '.lock').exists() and not (run / 'drafter').exists()
+    record = json.loads((run / 'run.json').read_text())
+    assert record['status'] == 'stopped' and m[0].startswith(record['stops'][0]['what'])
+    (run / '.lock').write_text(json.dumps({'pid': 1, 'host': 'elsewhere', 'started': 'then',
+                                           'heartbeat': time.time() - 3600}))   # another host's run, long silent
+    resumed = launch(run, *KILL_ARGS, '--resume', processes=processes)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert re.search(r'last beat \d+ s ago \(stale after 600 s\); taking over its stale lock', resumed.stdout)
+    assert f'resumed from {run / "checkpoints" / f"step-{stopped:07d}"} at step {stopped}' in resumed.stdout
+    want, got = load_file(straight / 'drafter' / 'model.safetensors'), load_file(run / 'drafter' / 'model.safetensors')
+    assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert losses(run) == losses(straight)
+    record = json.loads((run / 'run.json').read_text())
+    assert record['status'] == 'finished' and len(record['stops']) == 1, record
+
+
+def test_sigint_without_save_on_signal_stops_and_releases(tmp_path):
+    "Ctrl-C (SIGINT) with --save-on-signal false: the step ends, nothing is checkpointed, the lock is released, exit 75."
+    run = tmp_path / 'run'
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'TOKENIZERS_PARALLELISM': 'false'}
+    proc = subprocess.Popen([sys.executable, '-m', 'dflash.train', '--out', str(run), *KILL_ARGS, '--save-every', '0',
+                             '--save-on-signal', 'false'], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    _until(lambda: (run / 'metrics.csv').is_file() or proc.poll() is not None, 600, "a step logged")
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 75, out
+    assert re.search(r"stopped by SIGINT after step \d of 8: not checkpointed \(--save-on-signal false\)", out), out
+    assert 'Traceback' not in out and 'KeyboardInterrupt' not in out, out
+    assert not (run / 'checkpoints').exists() and not (run / '.lock').exists()
