@@ -13,17 +13,21 @@ from .layout import BlockLayout
 from .drafter import compute_dtype
 
 # %% auto #0
-__all__ = ['objective_bytes_per_row', 'ObjectiveSums', 'accepted_length', 'dflash_objective']
+__all__ = ['OBJECTIVES', 'objective_bytes_per_row', 'dpace_weights', 'Objective', 'ObjectiveSums', 'accepted_length',
+           'dflash_objective']
 
 # %% ../nbs/07_objective.ipynb #3283df5a
-def objective_bytes_per_row(vocab_size: int, dtype: torch.dtype) -> int:
-    "Live bytes per block position while its logits exist; `dtype` is the compute dtype of the LM head matmul."
+def objective_bytes_per_row(vocab_size: int, dtype: torch.dtype, teacher: bool = False) -> int:
+    """Live bytes per block position while its logits exist; `dtype` is the compute dtype of the LM head matmul;
+    `teacher`: distillation, the teacher's logits too."""
     e = torch.finfo(dtype).bits // 8
-    return vocab_size * (4 + (e if e < 4 else 0))   # fp32 logits (softmax in place) + a low-precision copy
+    fp32_rows = 3 if teacher else 1     # CE: logits, softmaxed in place; KL: logits, log p_T -> p_T, log p_T - log q_T
+    return vocab_size * (4 * fp32_rows + (e if e < 4 else 0))   # + a low-precision copy
 
-def _objective_chunk_blocks(vocab_size: int, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+def _objective_chunk_blocks(vocab_size: int, block_size: int, dtype: torch.dtype, budget_bytes: int,
+                            teacher: bool = False) -> int:
     "How many blocks' logits fit in `budget_bytes` at once (at least one, or an error naming the minimum)."
-    per_block = (block_size - 1) * objective_bytes_per_row(vocab_size, dtype)
+    per_block = (block_size - 1) * objective_bytes_per_row(vocab_size, dtype, teacher)
     if budget_bytes < per_block:
         raise ValueError(f"objective budget {budget_bytes / 2**20:.1f} MiB is below one block's logits: "
                          f"the minimum is {per_block / 2**20:.1f} MiB "
@@ -36,26 +40,30 @@ _TILE_ROWS = 128                 # rows one matmul tile computes at once: a chun
 _OBJECTIVE_CHUNK_COST = 2**26     # multiply-adds the fixed costs of one chunk are worth
 
 def _objective_cost(chunk: np.ndarray, blocks: int, rows_per_block: int, vocab_size: int,
-                    hidden_size: int) -> np.ndarray:
+                    hidden_size: int, matmuls: int = 2) -> np.ndarray:
     "Modelled cost (multiply-adds) of the objective over `blocks` blocks, `chunk` blocks at a time (array of sizes)."
     n, rest = blocks // chunk, blocks % chunk
     tiles = lambda r: -(-r // _TILE_ROWS) * _TILE_ROWS
     rows = n * tiles(chunk * rows_per_block) + (rest > 0) * tiles(rest * rows_per_block)
-    return rows * 2 * vocab_size * hidden_size + (n + (rest > 0)) * _OBJECTIVE_CHUNK_COST
+    return rows * matmuls * vocab_size * hidden_size + (n + (rest > 0)) * _OBJECTIVE_CHUNK_COST
 
 def _frugal_chunk_blocks(blocks: int, block_size: int, *, vocab_size: int, hidden_size: int, dtype: torch.dtype,
-                        budget_bytes: int | None = None, slack: float = 0.05) -> int:
+                        budget_bytes: int | None = None, slack: float = 0.05, teacher: bool = False) -> int:
     "Smallest chunk (blocks) whose modelled cost is within `slack` of the fastest one that fits `budget_bytes`."
     cap = blocks if budget_bytes is None else \
-        min(blocks, _objective_chunk_blocks(vocab_size, block_size, dtype, budget_bytes))
+        min(blocks, _objective_chunk_blocks(vocab_size, block_size, dtype, budget_bytes, teacher))
     sizes = np.arange(1, max(cap, 1) + 1)
-    cost = _objective_cost(sizes, blocks, block_size - 1, vocab_size, hidden_size)
+    cost = _objective_cost(sizes, blocks, block_size - 1, vocab_size, hidden_size, 3 if teacher else 2)
     return int(sizes[np.argmax(cost <= (1 + slack) * cost.min())])
 
 # %% ../nbs/07_objective.ipynb #2de19a4f
+def _wide(t: Tensor) -> Tensor:
+    "Logits in the precision softmax runs in: float32, or float64 when they already are."
+    return t if t.dtype == torch.float64 else t.float()
+
 def _chunk_ce(h: Tensor, lm_head: Tensor, labels: Tensor, grad: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     "Per-row CE, argmax and (if `grad`) d CE / d h of one chunk. h: (rows, H), lm_head: (V, H), labels: (rows,)."
-    logits = F.linear(h, lm_head).float()                                  # (rows, V) fp32
+    logits = _wide(F.linear(h, lm_head))                                   # (rows, V) fp32
     pred, picked = logits.argmax(-1), logits.gather(1, labels[:, None])[:, 0]
     top = logits.amax(-1, keepdim=True)
     total = logits.sub_(top).exp_().sum(-1, keepdim=True)                 # in place: exp(logits - max)
@@ -64,36 +72,105 @@ def _chunk_ce(h: Tensor, lm_head: Tensor, labels: Tensor, grad: bool) -> tuple[T
     p = logits.div_(total).scatter_add_(1, labels[:, None], logits.new_full((len(labels), 1), -1.))  # softmax - onehot
     return ce, pred, F.linear(p.to(compute_dtype(p, lm_head.dtype)), lm_head.T)   # (rows, H)
 
-def _plain_chunk_ce(h: Tensor, lm_head: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    "Per-row CE and argmax of one chunk through plain autograd (its logits are kept for backward)."
-    logits = F.linear(h, lm_head).float()                                  # (rows, V)
-    return F.cross_entropy(logits, labels, reduction='none'), logits.argmax(-1)
+# %% ../nbs/07_objective.ipynb #b3c405b6
+def _chunk_kl(h: Tensor, lm_head: Tensor, labels: Tensor, grad: bool, teacher: Tensor, *, kl_weight: float,
+              temperature: float) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Per-row λ·T²·KL(p_T ‖ q_T) + (1−λ)·CE, argmax and (if `grad`) its d / d h of one chunk. h, teacher: (rows, H)
+    (the drafter's and the target's final hidden states), lm_head: (V, H), labels: (rows,)."""
+    T, lam = temperature, kl_weight
+    logits = _wide(F.linear(h, lm_head))                                   # (rows, V) student z
+    pred, picked = logits.argmax(-1), logits.gather(1, labels[:, None])[:, 0]
+    lse = torch.logsumexp(logits, -1, keepdim=True)                        # (rows, 1)
+    logp = _wide(F.linear(teacher, lm_head)).div_(T)                       # (rows, V) teacher t / T
+    logp.sub_(torch.logsumexp(logp, -1, keepdim=True))                     # log p_T
+    d = logits / T                                                         # (rows, V) z / T
+    lse_t = torch.logsumexp(d, -1, keepdim=True)
+    d.sub_(lse_t).neg_().add_(logp)                                        # log p_T - log q_T
+    p = logp.exp_()                                                        # p_T, in place
+    kl = (p[:, None, :] @ d[:, :, None])[:, 0, 0]                          # Σ_v p_T (log p_T - log q_T)
+    loss = lam * T * T * kl + (1 - lam) * (lse[:, 0] - picked)
+    if not grad: return loss, pred, None
+    g = d.copy_(logits).div_(T).sub_(lse_t).exp_().sub_(p).mul_(lam * T)   # λ·T·(q_T - p_T)
+    if lam < 1:
+        sm = logits.sub_(lse).exp_().scatter_add_(1, labels[:, None], logits.new_full((len(labels), 1), -1.))
+        g.add_(sm, alpha=1 - lam)                                          # + (1-λ)·(softmax - onehot)
+    return loss, pred, F.linear(g.to(compute_dtype(g, lm_head.dtype)), lm_head.T)   # (rows, H)
 
-class _FusedCE(torch.autograd.Function):
-    "CE (M, B) and argmax of every block position k >= 1 through the frozen head; the input gradient formed in forward."
+# %% ../nbs/07_objective.ipynb #204a1f97
+def _plain_chunk_loss(h: Tensor, lm_head: Tensor, labels: Tensor, teacher: Tensor | None = None, *,
+                      kl_weight: float = 1., temperature: float = 1.) -> tuple[Tensor, Tensor]:
+    "Per-row loss and argmax of one chunk through plain autograd (its logits are kept for backward)."
+    logits = _wide(F.linear(h, lm_head))                                   # (rows, V)
+    ce = F.cross_entropy(logits, labels, reduction='none')
+    if teacher is None: return ce, logits.argmax(-1)
+    T = temperature
+    logp = F.log_softmax(_wide(F.linear(teacher, lm_head)) / T, -1)        # (rows, V) log p_T
+    kl = F.kl_div(F.log_softmax(logits / T, -1), logp, reduction='none', log_target=True).sum(-1)
+    return kl_weight * T * T * kl + (1 - kl_weight) * ce, logits.argmax(-1)
+
+class _FusedLoss(torch.autograd.Function):
+    """Per-row loss (M, B) and argmax of every block position k >= 1 through the frozen head: CE, or with a teacher
+    the KL mix; the input gradient formed in forward."""
     @staticmethod
-    def forward(ctx, h: Tensor, lm_head: Tensor, labels: Tensor, chunk_blocks: int, grad: bool):
+    def forward(ctx, h: Tensor, lm_head: Tensor, labels: Tensor, chunk_blocks: int, grad: bool,
+                teacher: Tensor | None, teacher_rows: Tensor | None, kl_weight: float, temperature: float):
         M, B, H = h.shape                                                  # h: (blocks, B, H)
-        ce = torch.zeros(M, B, dtype=torch.float32, device=h.device)
+        loss = torch.zeros(M, B, dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
         pred = torch.full((M, B), -1, dtype=torch.long, device=h.device)
         dh = None
         for i in range(0, M, chunk_blocks):                                # k = 0 is the given anchor token: skipped
             sl = slice(i, i + chunk_blocks)
-            c_ce, c_pred, c_dh = _chunk_ce(h[sl, 1:].reshape(-1, H), lm_head, labels[sl, 1:].reshape(-1), grad)
-            n = c_ce.shape[0] // (B - 1)
-            ce[sl, 1:], pred[sl, 1:] = c_ce.view(n, B - 1), c_pred.view(n, B - 1)
+            rows = (h[sl, 1:].reshape(-1, H), lm_head, labels[sl, 1:].reshape(-1), grad)
+            if teacher is None: c_loss, c_pred, c_dh = _chunk_ce(*rows)
+            else: c_loss, c_pred, c_dh = _chunk_kl(*rows, teacher[teacher_rows[sl].reshape(-1)],   # (rows, H)
+                                                   kl_weight=kl_weight, temperature=temperature)
+            n = c_loss.shape[0] // (B - 1)
+            loss[sl, 1:], pred[sl, 1:] = c_loss.view(n, B - 1), c_pred.view(n, B - 1)
             if grad:
                 if dh is None: dh = torch.zeros(M, B, H, dtype=c_dh.dtype, device=h.device)
                 dh[sl, 1:] = c_dh.view(n, B - 1, H)
         ctx.mark_non_differentiable(pred)
         ctx.h_dtype = h.dtype
         if grad: ctx.save_for_backward(dh)
-        return ce, pred
+        return loss, pred
 
     @staticmethod
-    def backward(ctx, g_ce: Tensor, _g_pred):
+    def backward(ctx, g_loss: Tensor, _g_pred):
         dh, = ctx.saved_tensors
-        return (g_ce[..., None] * dh).to(ctx.h_dtype), None, None, None, None
+        return (g_loss[..., None] * dh).to(ctx.h_dtype), *[None] * 8
+
+# %% ../nbs/07_objective.ipynb #3a2b4835
+def dpace_weights(ce: Tensor, weights: Tensor, *, alpha: float, kind: str = 'dpace') -> Tensor:
+    """D-PACE position weights (..., B), detached, normalised per block so that Σ_k w_k·d_k = Σ_k w_k.
+    ce: (..., B) the drafter's cross-entropy of the right token; weights: (..., B) the layout's loss weights w."""
+    w = weights.detach().double()
+    m = w > 0                                                               # supervised positions
+    s = torch.where(m, (1 - alpha) * torch.exp(-ce.detach().double()) + alpha, 1.)   # (..., B) smoothed p_k
+    P = s.cumprod(-1)                                                       # cumulative confidence
+    S = (m * P).flip(-1).cumsum(-1).flip(-1)                                # Σ_{j>=k} m_j·P_j
+    raw = {'dpace': S, 'dpace-confidence': P, 'dpace-continuation': S / P}[kind]
+    d = raw * w.sum(-1, keepdim=True) / (w * raw).sum(-1, keepdim=True).clamp(min=1e-300)
+    return d.to(torch.promote_types(weights.dtype, ce.dtype))
+
+# %% ../nbs/07_objective.ipynb #12b53505
+OBJECTIVES = ('ce', 'dpace', 'dpace-confidence', 'dpace-continuation', 'kl')
+
+@dataclass(frozen=True)
+class Objective:
+    "Which loss `dflash_objective` computes, with its settings (the train options of the same names)."
+    loss: str = 'ce'              # one of OBJECTIVES
+    dpace_alpha: float = 0.5      # D-PACE: s = (1-alpha)·p + alpha
+    kl_weight: float = 1.0        # kl: w·KL + (1-w)·CE
+    kl_temperature: float = 1.0   # kl: T of both distributions
+
+    def __post_init__(self):
+        if self.loss not in OBJECTIVES: raise ValueError(f"loss {self.loss!r}: use one of {', '.join(OBJECTIVES)}")
+    @property
+    def teacher(self) -> bool:
+        "Whether the loss reads the target's final hidden states."
+        return self.loss == 'kl'
+    @property
+    def dpace(self) -> bool: return self.loss.startswith('dpace')
 
 # %% ../nbs/07_objective.ipynb #83d456cc
 @dataclass
@@ -121,26 +198,45 @@ def accepted_length(correct: Tensor, supervised: Tensor) -> Tensor:
     ok = (correct & supervised)[..., 1:].long()
     return ok.cumprod(-1).sum(-1)
 
-def dflash_objective(hidden: Tensor, layout: BlockLayout, lm_head: Tensor, *, chunk_blocks: int | None = None,
-                     budget_bytes: int | None = None, fused: bool = True) -> ObjectiveSums:
-    """The DFlash loss sums and metrics. hidden: (N, A·B, H); lm_head: (V, H) frozen. Chunks of `chunk_blocks` blocks,
-    else the frugal size within `budget_bytes`; `fused=False` is plain autograd through each chunk (logits kept)."""
+def _teacher_rows(layout: BlockLayout) -> Tensor:
+    "Row of the flattened (N·S, H) teacher states that block position k >= 1 reads: a+k-1 -> (N·A, B-1) long."
+    N, S = layout.batch_size, layout.seq_len
+    row0 = torch.arange(N, device=layout.positions.device)[:, None, None] * S
+    return (layout.positions[..., :-1].clamp(max=S - 1) + row0).flatten(0, 1)
+
+def dflash_objective(hidden: Tensor, layout: BlockLayout, lm_head: Tensor, *, objective: Objective = Objective(),
+                     teacher: Tensor | None = None, chunk_blocks: int | None = None, budget_bytes: int | None = None,
+                     fused: bool = True) -> ObjectiveSums:
+    """The DFlash loss sums and metrics. hidden: (N, A·B, H); lm_head: (V, H) frozen; teacher: (N, S, H), the target's
+    final hidden states, for `objective.loss` 'kl'. Chunks of `chunk_blocks` blocks, else the frugal size within
+    `budget_bytes`; `fused=False` is plain autograd through each chunk (logits kept)."""
     N, A, B = layout.batch_size, layout.num_blocks, layout.block_size
     V, H = lm_head.shape
+    if objective.teacher != (teacher is not None):
+        raise ValueError(f"loss {objective.loss!r} " + ("needs the target's final hidden states (teacher)"
+                                                         if objective.teacher else "takes no teacher"))
+    if teacher is not None and teacher.shape != (N, layout.seq_len, H):
+        raise ValueError(f"teacher {tuple(teacher.shape)}: expected (N, S, H) = {(N, layout.seq_len, H)}")
     if chunk_blocks is None:
-        chunk_blocks = _frugal_chunk_blocks(N * A, B, vocab_size=V, hidden_size=H,
-                                           dtype=compute_dtype(hidden, lm_head.dtype), budget_bytes=budget_bytes)
+        chunk_blocks = _frugal_chunk_blocks(N * A, B, vocab_size=V, hidden_size=H, budget_bytes=budget_bytes,
+                                           dtype=compute_dtype(hidden, lm_head.dtype), teacher=objective.teacher)
     h, labels = hidden.reshape(N * A, B, H), layout.labels.reshape(N * A, B)
+    tflat, trows = (None, None) if teacher is None else (teacher.reshape(N * layout.seq_len, H), _teacher_rows(layout))
+    kl = dict(kl_weight=objective.kl_weight, temperature=objective.kl_temperature)
     grad = torch.is_grad_enabled() and hidden.requires_grad
-    if fused: ce, pred = _FusedCE.apply(h, lm_head, labels, chunk_blocks, grad)
+    if fused: loss, pred = _FusedLoss.apply(h, lm_head, labels, chunk_blocks, grad, tflat, trows, kl['kl_weight'],
+                                            kl['temperature'])
     else:
-        parts = [_plain_chunk_ce(h[i:i + chunk_blocks].flatten(0, 1), lm_head, labels[i:i + chunk_blocks].flatten())
+        rows = None if trows is None else torch.cat([trows[:, :1], trows], 1)     # (N·A, B); k = 0 has weight 0
+        parts = [_plain_chunk_loss(h[i:i + chunk_blocks].flatten(0, 1), lm_head, labels[i:i + chunk_blocks].flatten(),
+                                   None if rows is None else tflat[rows[i:i + chunk_blocks].flatten()], **kl)
                  for i in range(0, N * A, chunk_blocks)]
-        ce, pred = (torch.cat([p[j] for p in parts]) for j in (0, 1))
-    ce, pred = ce.view(N, A, B), pred.view(N, A, B)
-    w = layout.weights.to(ce.device)
+        loss, pred = (torch.cat([p[j] for p in parts]) for j in (0, 1))
+    loss, pred = loss.view(N, A, B), pred.view(N, A, B)
+    w = layout.weights.to(loss.device)
+    wl = w * dpace_weights(loss, w, alpha=objective.dpace_alpha, kind=objective.loss) if objective.dpace else w
     supervised, correct = w > 0, (pred == layout.labels) & (w > 0)
-    return ObjectiveSums(loss_sum=(w * ce).sum(), weight_sum=w.sum(),
+    return ObjectiveSums(loss_sum=(wl * loss).sum(), weight_sum=w.sum(),
                          correct=correct.sum((0, 1)).float(), counted=supervised.sum((0, 1)).float(),
-                         accept_sum=(accepted_length(correct, supervised) * layout.keep.to(ce.device)).sum().float(),
+                         accept_sum=(accepted_length(correct, supervised) * layout.keep.to(loss.device)).sum().float(),
                          blocks=layout.keep.sum().float())
