@@ -87,7 +87,8 @@ def _chunk_kl(h: Tensor, lm_head: Tensor, labels: Tensor, grad: bool, teacher: T
     lse_t = torch.logsumexp(d, -1, keepdim=True)
     d.sub_(lse_t).neg_().add_(logp)                                        # log p_T - log q_T
     p = logp.exp_()                                                        # p_T, in place
-    kl = (p[:, None, :] @ d[:, :, None])[:, 0, 0]                          # Σ_v p_T (log p_T - log q_T)
+    with torch.autocast(p.device.type, enabled=False):                   # in float32, no low-precision copies
+        kl = (p[:, None, :] @ d[:, :, None])[:, 0, 0]                      # Σ_v p_T (log p_T - log q_T)
     loss = lam * T * T * kl + (1 - lam) * (lse[:, 0] - picked)
     if not grad: return loss, pred, None
     g = d.copy_(logits).div_(T).sub_(lse_t).exp_().sub_(p).mul_(lam * T)   # λ·T·(q_T - p_T)
