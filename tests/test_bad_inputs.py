@@ -194,12 +194,15 @@ def test_bad_target_directory(tmp_path, capsys, files, kind, expect):
     (['--data', '{empty}'], "--data = '{empty}': empty file (no conversation)"),
     (['--eval-data', '{empty}'], "--eval-data = '{empty}': empty file (no conversation)"),
     (['--cache', '{dir}'], "manifest.json"),
+    (['--cache', '{cache}', '--loss', 'kl'], "--loss = 'kl': the cache {cache} holds no final hidden state"),
     (['--target', '/no/such/model', '--data', '{train}'], "--target = '/no/such/model': no such directory"),
 ], ids=['target-without-data', 'layer-id-out-of-range', 'empty-data', 'empty-eval-data', 'cache-without-manifest',
-        'missing-target'])
+        'kl-from-a-cache-without-teacher', 'missing-target'])
 def test_bad_paths(tmp_path, capsys, files, argv, expect):
+    (tmp_path / 'cache').mkdir()
+    (tmp_path / 'cache' / 'manifest.json').write_text('{"format": "dflash-hidden-cache/1", "complete": true}')
     subs = dict(target=str(files / 'target'), train=str(files / 'train.jsonl'), empty=str(files / 'empty.jsonl'),
-                dir=str(tmp_path))
+                dir=str(tmp_path), cache=str(tmp_path / 'cache'))
     argv = [a.format(**subs) for a in argv]
     refused(capsys, train_main, ['--out', str(tmp_path / 'run'), *argv], expect.format(**subs))
 
