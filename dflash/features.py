@@ -265,7 +265,7 @@ def write_cache(features: TargetFeatures, dataset, out, *, shard_size: int = 64,
 
 # %% ../nbs/08a_features.ipynb #600f044a
 class CacheDataset(Dataset):
-    "Samples of an offline cache: `{'input_ids', 'loss_mask', 'context' (S, L·H), 'sample_id'}` (+ 'final_hidden' (S, H))."
+    "Samples of an offline cache: `{'input_ids', 'loss_mask', 'context' (S, L·H), 'sample_id'}` (+ `final_hidden`)."
     def __init__(self, path, target: TargetFeatures | str | Path | None = None):
         self.path = path = Path(path)
         mf = path / 'manifest.json'
