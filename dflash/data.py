@@ -42,6 +42,8 @@ class CacheOptions(DataOptions):
     dtype: str = option('auto', 'feature dtype (auto: bfloat16 on GPU, float32 on CPU)',
                         choices=['auto', 'float32', 'bfloat16', 'float16'])
     device: str | None = option(None, "device (default: this process's accelerator, else cpu)")
+    final_hidden: bool = option(False, "also store the target's final hidden state (after its final norm), the "
+                                       'teacher of `dflash.train --loss kl`: hidden_size values more per token')
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
     threads: int | None = threads_option()
 
@@ -125,6 +127,7 @@ def _cache_command(o: CacheOptions):
     feats = TargetFeatures(o.target, layer_ids=_layer_ids(o.layers) if o.layers else None,
                            num_draft_layers=o.num_draft_layers, dtype=dtype, device=device, tokenizer=tok)
     man = write_cache(feats, ds, o.out, shard_size=o.shard_size, progress=o.progress, batch_tokens=o.batch_tokens,
+                      final_hidden=o.final_hidden,
                       data_info={'path': str(o.data), 'max_length': o.max_length, 'stats': ds.stats.as_dict()})
     if state.is_main_process:
         print(f"cache: {o.out} ({man['num_samples']} samples, {man['num_tokens']} tokens, {len(man['shards'])} shards)")

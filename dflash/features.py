@@ -110,12 +110,15 @@ class TargetFeatures:
     def context_size(self) -> int: return len(self.layer_ids) * self.config.hidden_size
 
     @torch.no_grad()
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        "Context features (N, S, L·H) of input_ids (N, S) (attention_mask (N, S) for right-padded batches)."
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                 final: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Context features (N, S, L·H) of input_ids (N, S) (attention_mask (N, S) for right-padded batches); with
+        `final`, also the final hidden states (N, S, H) after the target's final norm: its LM head's input."""
         am = None if attention_mask is None else attention_mask.to(self.device)
         out = self.model.base_model(input_ids=input_ids.to(self.device), attention_mask=am,
                                     output_hidden_states=True, use_cache=False)
-        return target_features(out.hidden_states, self.layer_ids)
+        context = target_features(out.hidden_states, self.layer_ids)
+        return (context, out.last_hidden_state) if final else context
 
     def drafter_config(self, **kw) -> DrafterConfig:
         "A `DrafterConfig` for this target reading `layer_ids`; `kw` sets drafter fields (block_size, ...)."
@@ -123,9 +126,9 @@ class TargetFeatures:
         return DrafterConfig.from_target(self.config, tokenizer=self.tokenizer, target_layer_ids=self.layer_ids, **kw)
 
 # %% ../nbs/08a_features.ipynb #084c9307
-def cache_bytes_per_token(context_size: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    "Disk bytes per token of cached context features (plus 9 for the id and mask)."
-    return context_size * torch.finfo(dtype).bits // 8 + 9
+def cache_bytes_per_token(context_size: int, dtype: torch.dtype = torch.bfloat16, final_hidden_size: int = 0) -> int:
+    "Disk bytes per token of cached context features (plus 9 for the id and mask, plus the final hidden state if kept)."
+    return (context_size + final_hidden_size) * torch.finfo(dtype).bits // 8 + 9
 
 # %% ../nbs/08a_features.ipynb #fcaeae7d
 _CACHE_FORMAT = 'dflash-hidden-cache/1'
@@ -152,17 +155,20 @@ def _length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
         out += [idx[j:j + per] for j in range(0, len(idx), per)]
     return out
 
-def _shard_tensors(features: TargetFeatures, dataset, idx: range, batch_tokens: int = 8192) -> dict[str, Tensor]:
+def _shard_tensors(features: TargetFeatures, dataset, idx: range, batch_tokens: int = 8192,
+                   final_hidden: bool = False) -> dict[str, Tensor]:
     samples = [dataset[i] for i in idx]
     ids = [s['input_ids'] for s in samples]
-    ctx = [None] * len(samples)
+    ctx, fin = [None] * len(samples), [None] * len(samples)
     for b in _length_batches([len(t) for t in ids], batch_tokens):
-        out = features(torch.stack([ids[j] for j in b])).cpu()                  # (n, S, L·H), all of length S
-        for j, c in zip(b, out): ctx[j] = c
+        out = features(torch.stack([ids[j] for j in b]), final=True)             # (n, S, L·H), (n, S, H): length S
+        for j, c, f in zip(b, out[0].cpu(), out[1].cpu()): ctx[j], fin[j] = c, f
     lens = torch.tensor([0] + [len(t) for t in ids])
-    return {'input_ids': torch.cat(ids).long(), 'loss_mask': torch.cat([s['loss_mask'].bool() for s in samples]),
-            'context': torch.cat(ctx).contiguous(), 'offsets': lens.cumsum(0),
-            'sample_ids': torch.tensor(list(idx), dtype=torch.long)}
+    tensors = {'input_ids': torch.cat(ids).long(), 'loss_mask': torch.cat([s['loss_mask'].bool() for s in samples]),
+               'context': torch.cat(ctx).contiguous(), 'offsets': lens.cumsum(0),
+               'sample_ids': torch.tensor(list(idx), dtype=torch.long)}
+    if final_hidden: tensors['final_hidden'] = torch.cat(fin).contiguous()     # (T, H) the teacher's states
+    return tensors
 
 def _write_shard(path: Path, tensors: dict[str, Tensor]) -> dict:
     "Write a shard, then its record (`<shard>.json`: counts, bytes, sha256), both atomically."
@@ -174,15 +180,15 @@ def _write_shard(path: Path, tensors: dict[str, Tensor]) -> dict:
 
 # %% ../nbs/08a_features.ipynb #f2e23258
 _PLAN_KEYS = ('format', 'num_samples', 'num_tokens', 'shard_size', 'num_shards', 'layer_ids', 'hidden_size',
-              'context_size', 'dtype')
+              'context_size', 'dtype', 'final_hidden')
 
-def _plan(features: TargetFeatures, dataset, shard_size: int, data_info: dict) -> dict:
+def _plan(features: TargetFeatures, dataset, shard_size: int, data_info: dict, final_hidden: bool = False) -> dict:
     n = len(dataset)
     return {'format': _CACHE_FORMAT, 'num_samples': n,
             'num_tokens': sum(len(dataset[i]['input_ids']) for i in range(n)),
             'shard_size': shard_size, 'num_shards': -(-n // shard_size), 'layer_ids': features.layer_ids,
             'hidden_size': features.hidden_size, 'context_size': features.context_size,
-            'dtype': str(features.dtype).removeprefix('torch.'),
+            'dtype': str(features.dtype).removeprefix('torch.'), 'final_hidden': final_hidden,
             'target': {'identity': features.identity, 'path': str(features.path),
                        'model_type': features.config.model_type,
                        'num_hidden_layers': features.config.num_hidden_layers},
@@ -196,7 +202,7 @@ def _check_resume(out: Path, plan: dict):
                          f"({old.get('target', {}).get('path')}), not of target {plan['target']['identity']} "
                          f"({plan['target']['path']}); use another --out")
     for k in _PLAN_KEYS:
-        if old.get(k) != plan[k]:
+        if old.get(k, False if k == 'final_hidden' else None) != plan[k]:    # caches before final_hidden: False
             raise ValueError(f"{out}: holds a cache with {k}={old.get(k)!r}, this run has {plan[k]!r}; "
                              "use another --out")
     if old['data']['fingerprint'] != plan['data']['fingerprint']:
@@ -214,13 +220,14 @@ def _done_shard(out: Path, k: int, verify: bool = False) -> dict | None:
     return rec if ok else None
 
 def write_cache(features: TargetFeatures, dataset, out, *, shard_size: int = 64, progress: bool = True,
-                data_info: dict | None = None, batch_tokens: int = 8192) -> dict:
-    """Write the context features of every sample of `dataset` to shards in `out`; resume a partial cache. Under
-    accelerate, process r of N writes shards r, r+N, ...; the bytes do not depend on N. Returns the manifest."""
+                data_info: dict | None = None, batch_tokens: int = 8192, final_hidden: bool = False) -> dict:
+    """Write the context features of every sample of `dataset` to shards in `out` (with `final_hidden`, the target's
+    final hidden states too); resume a partial cache. Under accelerate, process r of N writes shards r, r+N, ...;
+    the bytes do not depend on N. Returns the manifest."""
     from accelerate import PartialState
     state = PartialState(cpu=not torch.cuda.is_available())   # gloo processes on a CPU machine
     out = Path(out)
-    manifest = _plan(features, dataset, shard_size, data_info or {})
+    manifest = _plan(features, dataset, shard_size, data_info or {}, final_hidden)
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         for t in out.glob('.*'):                                         # temporary files of an interrupted run
@@ -239,7 +246,7 @@ def write_cache(features: TargetFeatures, dataset, out, *, shard_size: int = 64,
                disable=not progress or not state.is_local_main_process)
     for k in todo:
         idx = range(k * shard_size, min(n, (k + 1) * shard_size))
-        _write_shard(out / _shard_name(k), _shard_tensors(features, dataset, idx, batch_tokens))
+        _write_shard(out / _shard_name(k), _shard_tensors(features, dataset, idx, batch_tokens, final_hidden))
         bar.update(len(idx))
         if state.is_main_process:                                        # progress others can see, for resuming
             done = [r for j in range(K) if (r := _done_shard(out, j))]
@@ -258,7 +265,7 @@ def write_cache(features: TargetFeatures, dataset, out, *, shard_size: int = 64,
 
 # %% ../nbs/08a_features.ipynb #600f044a
 class CacheDataset(Dataset):
-    "Samples of an offline cache: `{'input_ids', 'loss_mask', 'context' (S, L·H), 'sample_id'}`."
+    "Samples of an offline cache: `{'input_ids', 'loss_mask', 'context' (S, L·H), 'sample_id'}` (+ `final_hidden`)."
     def __init__(self, path, target: TargetFeatures | str | Path | None = None):
         self.path = path = Path(path)
         mf = path / 'manifest.json'
@@ -301,25 +308,26 @@ class CacheDataset(Dataset):
         if not 0 <= i < len(self): raise IndexError(i)
         f, off = self._shard(i // self.shard_size)
         a, b = off[i % self.shard_size], off[i % self.shard_size + 1]
-        return {'input_ids': f.get_slice('input_ids')[a:b], 'loss_mask': f.get_slice('loss_mask')[a:b],
-                'context': f.get_slice('context')[a:b], 'sample_id': i}
+        out = {'input_ids': f.get_slice('input_ids')[a:b], 'loss_mask': f.get_slice('loss_mask')[a:b],
+               'context': f.get_slice('context')[a:b], 'sample_id': i}
+        if self.manifest.get('final_hidden'): out['final_hidden'] = f.get_slice('final_hidden')[a:b]
+        return out
 
     def __getstate__(self): return {**self.__dict__, '_open': {}}   # DataLoader workers open their own
 
 # %% ../nbs/08a_features.ipynb #4996ba8a
 def collate(samples: list[dict], pad_token_id: int = 0) -> dict:
     """Pad samples to a batch: input_ids, loss_mask, attention_mask (N, S), sample_ids (N,),
-    context (N, S, L·H) if cached."""
+    context (N, S, L·H) and final_hidden (N, S, H) if cached."""
     N, S = len(samples), max(len(s['input_ids']) for s in samples)
     out = {'input_ids': torch.full((N, S), pad_token_id, dtype=torch.long),
            'loss_mask': torch.zeros(N, S, dtype=torch.bool), 'attention_mask': torch.zeros(N, S, dtype=torch.bool),
            'sample_ids': torch.tensor([s['sample_id'] for s in samples], dtype=torch.long)}
-    if 'context' in samples[0]:
-        c = samples[0]['context']
-        out['context'] = torch.zeros(N, S, c.shape[-1], dtype=c.dtype)
+    padded = [k for k in ('context', 'final_hidden') if k in samples[0]]
+    for k in padded: out[k] = samples[0][k].new_zeros(N, S, samples[0][k].shape[-1])
     for n, s in enumerate(samples):
         L = len(s['input_ids'])
         out['input_ids'][n, :L], out['loss_mask'][n, :L] = s['input_ids'], s['loss_mask']
         out['attention_mask'][n, :L] = True
-        if 'context' in out: out['context'][n, :L] = s['context']
+        for k in padded: out[k][n, :L] = s[k]
     return out

@@ -29,6 +29,8 @@ class PlanOptions:
     attention: str = option('sdpa', 'attention backend', choices=['sdpa', 'eager'])
     micro_batch_size: int = option(1, 'sequences per forward', ge=1)
     optimizer: str = option('fused', 'AdamW implementation', choices=['fused', 'foreach'])
+    loss: str = option('ce', "training objective (kl: the target's final hidden states and the teacher's logits "
+                             "are counted)", choices=['ce', 'dpace', 'dpace-confidence', 'dpace-continuation', 'kl'])
     policies: list[str] | None = option(None, "policies to try, fastest first: none, k (every k-th layer), all "
                                               "(default: none 2 all)")
     fits_table: str | None = option(None, "instead of one plan: write the 'What fits where' table (every shipped "
@@ -52,7 +54,7 @@ from .config import DrafterConfig, mlp_width
 from .layout import BlockLayout
 from .drafter import DFlashDrafter
 from .recompute import set_checkpointing, parse_policy
-from .objective import dflash_objective, objective_bytes_per_row
+from .objective import dflash_objective, objective_bytes_per_row, Objective
 from .memory import MemoryTracker, fmt_bytes
 from .files import write_atomic, resolve_local
 
@@ -82,7 +84,7 @@ class _StepMemory:
     weights: int                  # fp32 master weights
     grads: int                    # their gradients, fp32
     optimizer: int                # AdamW moments
-    frozen: int                   # target embedding, LM head and the micro-batch's hidden states
+    frozen: int                   # target embedding, LM head and the micro-batch's hidden states (+ the teacher's)
     fwd_peak: int                 # tensors the forward creates, at their peak
     fwd_bwd_peak: int             # tensors forward + backward create, at their peak (gradients included)
     step_peak: int                # tensors the optimizer update creates (gradients included)
@@ -120,18 +122,19 @@ def plan_layout(seq_len: int, num_anchors: int, *, block_size: int, rows: int, m
     return BlockLayout.from_batch(ids, loss_mask, mask_token_id=mask_token_id, block_size=block_size,
                                   num_anchors=num_anchors)
 
-def _static_bytes(cfg: DrafterConfig, seq_len: int, rows: int, dtype) -> tuple[int, int]:
-    "(fp32 weights, frozen bytes) without building anything."
+def _static_bytes(cfg: DrafterConfig, seq_len: int, rows: int, dtype, teacher: bool = False) -> tuple[int, int]:
+    "(fp32 weights, frozen bytes) without building anything; `teacher`: the target's final hidden states too."
     with torch.device('meta'): d = DFlashDrafter(cfg)
     es = torch.empty((), dtype=dtype).element_size()
-    frozen = (2 * cfg.vocab_size * cfg.hidden_size + rows * seq_len * cfg.context_size) * es
+    per_token = cfg.context_size + (cfg.hidden_size if teacher else 0)
+    frozen = (2 * cfg.vocab_size * cfg.hidden_size + rows * seq_len * per_token) * es
     return sum(p.numel() for p in d.parameters()) * 4, frozen
 
 def budgets(cfg: DrafterConfig, seq_len: int, memory_bytes: int, dtype='bf16',
-            micro_batch_size: int = 1) -> tuple[int, int]:
+            micro_batch_size: int = 1, teacher: bool = False) -> tuple[int, int]:
     """(attention planner budget, objective budget): a quarter and a sixteenth of what
     weights, gradients, moments and frozen tensors leave."""
-    weights, frozen = _static_bytes(cfg, seq_len, micro_batch_size, DTYPES[dtype])
+    weights, frozen = _static_bytes(cfg, seq_len, micro_batch_size, DTYPES[dtype], teacher)
     spare = memory_bytes - 4 * weights - frozen
     if spare <= 0:
         raise ValueError(f"{fmt_bytes(memory_bytes)} does not even hold the weights, gradients and AdamW moments "
@@ -142,26 +145,26 @@ def budgets(cfg: DrafterConfig, seq_len: int, memory_bytes: int, dtype='bf16',
 def step_memory(cfg: DrafterConfig, seq_len: int, num_anchors: int, *, policy='none', dtype: str = 'bf16',
                 attention: str = 'sdpa', micro_batch_size: int = 1, attention_budget: int | None = None,
                 objective_budget: int | None = None, optimizer: str = 'fused',
-                memory_bytes: int | None = None) -> _StepMemory:
+                memory_bytes: int | None = None, teacher: bool = False) -> _StepMemory:
     "Run one training step of a drafter of `cfg` on fake tensors and return its memory."
     if dtype not in DTYPES: raise ValueError(f"dtype {dtype!r}: use one of {list(DTYPES)}")
     if optimizer not in ('fused', 'foreach'): raise ValueError(f"optimizer {optimizer!r}: use 'fused' or 'foreach'")
     t0 = time.perf_counter()
     dt = DTYPES[dtype]
     if attention_budget is None or objective_budget is None:
-        a, o = budgets(cfg, seq_len, memory_bytes or 80 * 2**30, dtype, micro_batch_size)
+        a, o = budgets(cfg, seq_len, memory_bytes or 80 * 2**30, dtype, micro_batch_size, teacher)
         attention_budget, objective_budget = attention_budget or a, objective_budget or o
     try: return _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_size, attention_budget,
-                             objective_budget, optimizer, t0)
+                             objective_budget, optimizer, t0, teacher)
     except ValueError as e:                  # the memory left is below one attention chunk: plan without a budget,
         if 'smallest feasible plan' not in str(e): raise     # the step then shows by how much it misses
         return _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_size, None,
-                            objective_budget, optimizer, t0)
+                            objective_budget, optimizer, t0, teacher)
 
 def _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_size, attention_budget, objective_budget,
-                 optimizer, t0) -> _StepMemory:
+                 optimizer, t0, teacher=False) -> _StepMemory:
     opts = dict(budget_bytes=attention_budget, chunk_cost=_FAKE_CHUNK_COST) if attention == 'sdpa' else {}
-    one_block = cfg.block_size * objective_bytes_per_row(cfg.vocab_size, dt)
+    one_block = cfg.block_size * objective_bytes_per_row(cfg.vocab_size, dt, teacher)
     objective_budget = max(objective_budget, one_block)
     with torch.device('meta'): drafter = DFlashDrafter(cfg, attention, **opts)
     chosen = set_checkpointing(drafter, policy, budget_bytes=attention_budget)
@@ -174,17 +177,20 @@ def _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_s
         context = torch.empty(micro_batch_size, seq_len, cfg.context_size, dtype=dt)    # (N, S, L·H) target features
         embed = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dt)                  # frozen (V, H)
         lm_head = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dt)
+        final = [torch.empty(micro_batch_size, seq_len, cfg.hidden_size, dtype=dt)] if teacher else []   # (N, S, H)
         opt = torch.optim.AdamW(params, lr=1e-4, **{optimizer: True})
         for p in params: p.grad = torch.empty_like(p)
         opt.step()                                           # creates the moments, as the first real step does
         opt.zero_grad(set_to_none=True)
     tracker = MemoryTracker()
     with mode, tracker:
-        for t in params + list(drafter.buffers()) + [context, embed, lm_head] + \
+        for t in params + list(drafter.buffers()) + [context, embed, lm_head] + final + \
                  [s for st in opt.state.values() for s in st.values() if isinstance(s, torch.Tensor)]:
             tracker.preexisting(t)
         with torch.autocast('cpu', dt, enabled=dt != torch.float32):                    # hidden: (N, A·B, H), not held
-            sums = dflash_objective(drafter(context, lay, embed), lay, lm_head, budget_bytes=objective_budget)
+            sums = dflash_objective(drafter(context, lay, embed), lay, lm_head, budget_bytes=objective_budget,
+                                    objective=Objective('kl', kl_weight=0.5) if teacher else Objective(),
+                                    teacher=final[0] if teacher else None)
         fwd = tracker.peak
         sums.loss_sum.backward()
         del sums
@@ -195,7 +201,7 @@ def _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_s
         opt.zero_grad(set_to_none=True)
     weights = sum(p.numel() for p in params) * 4
     moments = sum(s.nbytes for st in opt.state.values() for s in st.values() if isinstance(s, torch.Tensor) and s.dim())
-    frozen = (embed.nbytes + lm_head.nbytes + context.nbytes)
+    frozen = embed.nbytes + lm_head.nbytes + context.nbytes + sum(t.nbytes for t in final)
     return _StepMemory(policy, chosen, len(drafter.layers), weights, weights, moments, frozen, fwd, fwd_bwd, step,
                       attention_budget or 0, objective_budget, time.perf_counter() - t0)
 
@@ -204,14 +210,15 @@ _POLICIES = ('none', 2, 'all')
 
 def recommend_policy(drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int, *,
                      dtype: str = 'bf16', attention: str = 'sdpa', micro_batch_size: int = 1, optimizer: str = 'fused',
-                     policies=_POLICIES, full_table: bool = False) -> tuple[object, list[_StepMemory]]:
+                     policies=_POLICIES, full_table: bool = False,
+                     teacher: bool = False) -> tuple[object, list[_StepMemory]]:
     "(cheapest checkpointing policy whose step fits `budget_bytes`, else the most frugal one; the rows measured)"
-    a, o = budgets(drafter_config, seq_len, budget_bytes, dtype, micro_batch_size)
+    a, o = budgets(drafter_config, seq_len, budget_bytes, dtype, micro_batch_size, teacher)
     table = []
     for p in policies:                          # fastest first: stop at the first that fits unless asked for all
         table.append(step_memory(drafter_config, seq_len, num_anchors, policy=p, dtype=dtype, attention=attention,
                                  micro_batch_size=micro_batch_size, attention_budget=a, objective_budget=o,
-                                 optimizer=optimizer))
+                                 optimizer=optimizer, teacher=teacher))
         if table[-1].total <= budget_bytes and not full_table: break
     fits = [r for r in table if r.total <= budget_bytes]
     return (fits[0] if fits else min(table, key=lambda r: r.total)).policy, table
@@ -375,8 +382,9 @@ def main(argv=None) -> int:
           f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads of {cfg.head_dim}, "
           f"intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}; S={a.seq_len}, "
           f"{a.anchors} blocks of {a.block_size}, x{a.micro_batch_size}; "
-          f"{a.dtype} autocast, fp32 weights, {a.optimizer} AdamW")
-    opts = dict(dtype=a.dtype, attention=a.attention, micro_batch_size=a.micro_batch_size, optimizer=a.optimizer)
+          f"{a.dtype} autocast, fp32 weights, {a.optimizer} AdamW; loss {a.loss}")
+    opts = dict(dtype=a.dtype, attention=a.attention, micro_batch_size=a.micro_batch_size, optimizer=a.optimizer,
+                teacher=a.loss == 'kl')
     try: policy, table = recommend_policy(cfg, a.seq_len, a.anchors, budget, policies=a.policies, full_table=True, **opts)
     except ValueError as e:                      # not even the weights and moments fit: the steps at a budget that does
         print(f"does not fit: {e}")

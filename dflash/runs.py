@@ -12,14 +12,15 @@ from .threads import threads_option
 from .files import model_dir_problems, json_problem, resolve_local, write_json
 
 # %% auto #0
-__all__ = ['TRACKERS', 'LOCK_HEARTBEAT_S', 'LOCK_STALE_S', 'EXIT_PREEMPTED', 'TrainConfig', 'launch_problems', 'policy_problem',
-           'check_train', 'RunDirError', 'read_run', 'unlock_run', 'claim_run', 'resume_changes', 'Preempted',
-           'StopRequest']
+__all__ = ['TRACKERS', 'LOSSES', 'LOCK_HEARTBEAT_S', 'LOCK_STALE_S', 'EXIT_PREEMPTED', 'TrainConfig', 'launch_problems',
+           'policy_problem', 'check_train', 'RunDirError', 'read_run', 'unlock_run', 'claim_run', 'resume_changes',
+           'Preempted', 'StopRequest']
 
 # %% ../nbs/09b_runs.ipynb #4745fd52
 TRACKERS = {'tensorboard': 'tensorboard', 'none': None, 'all': None, 'wandb': 'wandb', 'mlflow': 'mlflow',
             'comet_ml': 'comet_ml', 'aim': 'aim', 'clearml': 'clearml', 'dvclive': 'dvclive', 'swanlab': 'swanlab',
             'trackio': 'trackio'}     # `--report-to` values and the package each needs (accelerate's trackers)
+LOSSES = ('ce', 'dpace', 'dpace-confidence', 'dpace-continuation', 'kl')   # `--loss`: dflash.objective's objectives
 
 @dataclass
 class TrainConfig:
@@ -37,7 +38,17 @@ class TrainConfig:
                                                       "(default: DFlash's spread)", ge=0)
     block_size: int = option(16, "tokens per drafted block", ge=2)
     num_anchors: int = option(512, "blocks per sequence (at most)", ge=1)
-    gamma: float | None = option(7.0, "loss decay over block positions, exp(-(k-1)/gamma); none: no decay", gt=0)
+    gamma: float | None = option(7.0, "loss decay over block positions, exp(-(k-1)/gamma), for --loss ce and kl; "
+                                      "none: no decay", gt=0)
+    loss: str = option('ce', "training objective: ce (cross-entropy with the --gamma decay); dpace (D-PACE: each "
+                             "position weighted by the expected accepted tokens that hang on it), dpace-confidence or "
+                             "dpace-continuation (one factor of that weight); kl (distillation to the target's "
+                             "next-token distribution, mixed with ce by --kl-weight)", choices=list(LOSSES))
+    dpace_alpha: float = option(0.5, "D-PACE smoothing of the drafter's probability p of the right token: "
+                                     "s = (1-alpha)·p + alpha", gt=0, le=1)
+    kl_weight: float = option(1.0, "--loss kl: loss = w·KL + (1-w)·CE", ge=0, le=1)
+    kl_temperature: float = option(1.0, "--loss kl: temperature T of the target's and the drafter's distributions "
+                                        "(the KL is scaled by T²)", gt=0)
     max_length: int = option(3072, "tokens per sequence; longer ones are truncated (and counted)", ge=2)
     batch_size: int = option(8, "sequences per optimizer step, over all processes", ge=1)
     micro_batch_size: int = option(1, "sequences per forward on one process", ge=1)
@@ -129,8 +140,12 @@ def check_train(c: TrainConfig) -> list[str]:
         p = getattr(c, name)
         if p is not None and Path(p).is_file() and not _has_line(p):
             probs.append(f"{flag(name)} = {p!r}: empty file (no conversation)")
-    if c.cache is not None and Path(c.cache).is_dir() and (bad := json_problem(Path(c.cache) / 'manifest.json')[1]):
-        probs.append(f"--cache: {bad}")
+    if c.cache is not None and Path(c.cache).is_dir():
+        manifest, bad = json_problem(Path(c.cache) / 'manifest.json')
+        if bad: probs.append(f"--cache: {bad}")
+        elif c.loss == 'kl' and not manifest.get('final_hidden'):
+            probs.append(f"--loss = 'kl': the cache {c.cache} holds no final hidden state of the target (the "
+                         "teacher); write one with `python -m dflash.data cache ... --final-hidden`, or train online")
     if c.batch_size % world:
         probs.append(f"--batch-size = {c.batch_size}: allowed a multiple of the number of processes ({world})")
     elif c.batch_size >= 1 and c.micro_batch_size > c.batch_size // world:

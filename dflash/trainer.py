@@ -27,7 +27,7 @@ from .drafter import DFlashDrafter
 from .recompute import set_checkpointing, parse_policy
 from .plan import budgets, recommend_policy, step_memory, online_target_bytes, online_advice
 from .chunking import free_bytes
-from .objective import dflash_objective, ObjectiveSums
+from .objective import dflash_objective, Objective, ObjectiveSums
 from .chat import ChatDataset
 from .features import CacheDataset, TargetFeatures, collate, target_identity
 from .files import (json_problem, file_sha256, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir,
@@ -77,6 +77,9 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     if cfg.cache:
         features, ev, (embed, lm_head) = None, None, _frozen_head_weights(target)
         train = CacheDataset(cfg.cache, target)
+        if cfg.loss == 'kl' and not train.manifest.get('final_hidden'):
+            raise ValueError(f"--loss kl: the cache {cfg.cache} holds no final hidden state of the target (the "
+                             "teacher); write one with `python -m dflash.data cache ... --final-hidden`")
         ids = train.manifest['layer_ids']
         if cfg.target_layer_ids is not None and list(cfg.target_layer_ids) != ids:
             raise ValueError(f"cache {cfg.cache} holds target layers {ids}, not the requested {cfg.target_layer_ids}")
@@ -255,21 +258,21 @@ def _csv_steps(path) -> list[int]:
 # %% ../nbs/10_trainer.ipynb #6042605f
 def _online_fit(target_config, drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int, *,
                dtype: str = 'bf16', attention: str = 'sdpa', micro_batch_size: int = 1,
-               policy='auto') -> tuple[bool, str]:
+               policy='auto', teacher: bool = False) -> tuple[bool, str]:
     "(whether the step and the online target fit `budget_bytes` together, the plan's sentence with the figures)"
     online = online_target_bytes(target_config, seq_len, micro_batch_size, dtype)
     left = budget_bytes - online['extra']                         # what the target leaves for the step
     try:
         if policy == 'auto':
             policy, table = recommend_policy(drafter_config, seq_len, num_anchors, left, dtype=dtype,
-                                             attention=attention, micro_batch_size=micro_batch_size)
+                                             attention=attention, micro_batch_size=micro_batch_size, teacher=teacher)
             step = next(r for r in table if r.policy == policy)
         else: step = step_memory(drafter_config, seq_len, num_anchors, policy=policy, dtype=dtype, attention=attention,
-                                 micro_batch_size=micro_batch_size, memory_bytes=max(left, 1))
+                                 micro_batch_size=micro_batch_size, memory_bytes=max(left, 1), teacher=teacher)
     except ValueError:                                            # left holds not even the drafter's weights
         frugal = policy if policy != 'auto' else 'all'
         step = step_memory(drafter_config, seq_len, num_anchors, policy=frugal, dtype=dtype, attention=attention,
-                           micro_batch_size=micro_batch_size)
+                           micro_batch_size=micro_batch_size, teacher=teacher)
     fits = step.total + online['extra'] <= budget_bytes
     return fits, (f"the step needs {step.total / 1e9:.2f} GB (checkpointing {step.policy}); "
                   + online_advice(online, step.total, budget_bytes))
@@ -298,13 +301,15 @@ def _refuse_online_misfit(cfg: TrainConfig, acc: Accelerator):
     budget = int(free_bytes(acc.device) * cfg.memory_fraction)
     fits, why = _online_fit(tc, dcfg, cfg.max_length, cfg.num_anchors, budget,
                            dtype=_PLAN_DTYPE.get(acc.mixed_precision, 'fp32'), attention=cfg.attention,
-                           micro_batch_size=cfg.micro_batch_size, policy=parse_policy(cfg.checkpointing))
+                           micro_batch_size=cfg.micro_batch_size, policy=parse_policy(cfg.checkpointing),
+                           teacher=cfg.loss == 'kl')
     if not fits: raise MemoryError(f"online training does not fit on {acc.device}: {why}")
 
 class Trainer:
     "Train a DFlash drafter with accelerate (1 CPU process, 1 GPU, or many)."
     def __init__(self, cfg: TrainConfig, accelerator: Accelerator | None = None):
         self.cfg = cfg
+        self.objective = Objective(cfg.loss, cfg.dpace_alpha, cfg.kl_weight, cfg.kl_temperature)
         self.out = Path(cfg.out)
         gpu = torch.cuda.is_available()      # without one, processes launched together train over gloo (MULTI_CPU)
         if bad := launch_problems():                   # checked with the options by the CLI; here for direct use
@@ -327,11 +332,12 @@ class Trainer:
         self.parts = p = _load_parts(cfg, acc.device)
         budget, dtype = int(free_bytes(acc.device) * cfg.memory_fraction), _PLAN_DTYPE.get(acc.mixed_precision, 'fp32')
         attention_budget, self.objective_budget = budgets(p.drafter_config, cfg.max_length, budget, dtype,
-                                                          cfg.micro_batch_size)
+                                                          cfg.micro_batch_size, self.objective.teacher)
         self.policy = parse_policy(cfg.checkpointing)
         if self.policy == 'auto':
             self.policy, _ = recommend_policy(p.drafter_config, cfg.max_length, cfg.num_anchors, budget, dtype=dtype,
-                                              attention=cfg.attention, micro_batch_size=cfg.micro_batch_size)
+                                              attention=cfg.attention, micro_batch_size=cfg.micro_batch_size,
+                                              teacher=self.objective.teacher)
         options = {'budget_bytes': attention_budget} if cfg.attention == 'sdpa' else {}
         drafter = DFlashDrafter(p.drafter_config, cfg.attention, **options)      # the same on every process (seeded)
         set_checkpointing(drafter, self.policy, budget_bytes=attention_budget)
@@ -355,21 +361,27 @@ def _micro_batch(self: Trainer, dataset, ids: list[int], epoch: int) -> tuple[di
     c, tok = self.cfg, self.parts.tokenizer
     b = collate([dataset[i] for i in ids], pad_token_id=tok.pad_token_id or 0)
     lay = BlockLayout.from_batch(b['input_ids'], b['loss_mask'], mask_token_id=self.parts.drafter_config.mask_token_id,
-                                 block_size=c.block_size, num_anchors=c.num_anchors, gamma=c.gamma, seed=c.seed,
+                                 block_size=c.block_size, num_anchors=c.num_anchors, seed=c.seed,
+                                 gamma=None if self.objective.dpace else c.gamma,
                                  epoch=epoch, sample_ids=b['sample_ids'])
     return b, lay.to(self.acc.device)
 
 @patch
-def _context(self: Trainer, b: dict) -> Tensor:
-    "Target features (N, S, L·H) of a micro-batch."
-    if 'context' in b: return b['context'].to(self.acc.device)
-    return self.parts.features(b['input_ids'], b['attention_mask'])
+def _features(self: Trainer, b: dict) -> tuple[Tensor, Tensor | None]:
+    "Target features (N, S, L·H) of a micro-batch, and its final hidden states (N, S, H) when the loss needs them."
+    teacher = self.objective.teacher
+    if 'context' in b:
+        return b['context'].to(self.acc.device), b['final_hidden'].to(self.acc.device) if teacher else None
+    out = self.parts.features(b['input_ids'], b['attention_mask'], final=teacher)
+    return out if teacher else (out, None)
 
 @patch
 def _sums(self: Trainer, b, lay) -> ObjectiveSums:
+    context, teacher = self._features(b)
     with self.acc.autocast():                  # the mixed precision asked for (also a module accelerate did not wrap)
-        hidden = self.model(self._context(b), lay, self.parts.embed)
-        return dflash_objective(hidden, lay, self.parts.lm_head, budget_bytes=self.objective_budget)
+        hidden = self.model(context, lay, self.parts.embed)
+        return dflash_objective(hidden, lay, self.parts.lm_head, objective=self.objective, teacher=teacher,
+                                budget_bytes=self.objective_budget)
 
 @patch
 def _reduce(self: Trainer, s: ObjectiveSums) -> ObjectiveSums:

@@ -81,6 +81,12 @@ OPTION_CASES = [
     (['--threads', '0'], "--threads = 0: allowed >= 1"),
     (['--threads', '-1'], "--threads = -1: allowed >= 1"),
     (['--attention', 'dense'], "--attention = 'dense': allowed one of sdpa, flex, eager"),
+    (['--loss', 'mse'], "--loss = 'mse': allowed one of ce, dpace, dpace-confidence, dpace-continuation, kl"),
+    (['--dpace-alpha', '0'], "--dpace-alpha = 0.0: allowed > 0 and <= 1"),
+    (['--dpace-alpha', '1.5'], "--dpace-alpha = 1.5: allowed > 0 and <= 1"),
+    (['--kl-weight', '-0.1'], "--kl-weight = -0.1: allowed >= 0 and <= 1"),
+    (['--kl-weight', '2'], "--kl-weight = 2.0: allowed >= 0 and <= 1"),
+    (['--kl-temperature', '0'], "--kl-temperature = 0.0: allowed > 0"),
     (['--checkpointing', 'sometimes'], "--checkpointing = 'sometimes': allowed auto, none, all"),
     (['--checkpointing', '[0,-1]'], "--checkpointing = '[0,-1]': allowed"),
     (['--target-layer-ids', '1,3'], "--target-layer-ids = '1,3' (command line): not an integer"),
@@ -124,6 +130,7 @@ YAML_CASES = [
     ('- lr: 1\n', "expected a mapping of options, got list"),
     ('lr: [1\n', "not valid YAML at line"),
     ('max_steps: 0\nbatch_size: -1\n', "--max-steps = 0: allowed >= 1"),
+    ('loss: kl\nkl_weight: 1.5\nkl_temperature: -1\n', "--kl-weight = 1.5: allowed >= 0 and <= 1"),
 ]
 
 
@@ -140,6 +147,14 @@ def test_yaml_scientific_notation_is_a_float(tmp_path):
     (tmp_path / 'run.yaml').write_text('lr: 1e-3\nweight_decay: 1e-2\ngamma: null\n')
     c = parse_config(['--config', str(tmp_path / 'run.yaml')])
     assert (c.lr, c.weight_decay, c.gamma) == (1e-3, 1e-2, None)
+
+
+def test_yaml_objective(tmp_path):
+    "The objective's options read from YAML as from flags; the flags win."
+    from dflash.train import parse_config
+    (tmp_path / 'run.yaml').write_text('loss: kl\nkl_weight: 0.5\nkl_temperature: 2\ndpace_alpha: 0.25\n')
+    c = parse_config(['--config', str(tmp_path / 'run.yaml'), '--kl-temperature', '1.5'])
+    assert (c.loss, c.kl_weight, c.kl_temperature, c.dpace_alpha) == ('kl', 0.5, 1.5, 0.25)
 
 
 def _target_case(d: Path, kind: str) -> Path:
@@ -179,12 +194,15 @@ def test_bad_target_directory(tmp_path, capsys, files, kind, expect):
     (['--data', '{empty}'], "--data = '{empty}': empty file (no conversation)"),
     (['--eval-data', '{empty}'], "--eval-data = '{empty}': empty file (no conversation)"),
     (['--cache', '{dir}'], "manifest.json"),
+    (['--cache', '{cache}', '--loss', 'kl'], "--loss = 'kl': the cache {cache} holds no final hidden state"),
     (['--target', '/no/such/model', '--data', '{train}'], "--target: model '/no/such/model': no such path"),
 ], ids=['target-without-data', 'layer-id-out-of-range', 'empty-data', 'empty-eval-data', 'cache-without-manifest',
-        'missing-target'])
+        'kl-from-a-cache-without-teacher', 'missing-target'])
 def test_bad_paths(tmp_path, capsys, files, argv, expect):
+    (tmp_path / 'cache').mkdir()
+    (tmp_path / 'cache' / 'manifest.json').write_text('{"format": "dflash-hidden-cache/1", "complete": true}')
     subs = dict(target=str(files / 'target'), train=str(files / 'train.jsonl'), empty=str(files / 'empty.jsonl'),
-                dir=str(tmp_path))
+                dir=str(tmp_path), cache=str(tmp_path / 'cache'))
     argv = [a.format(**subs) for a in argv]
     refused(capsys, train_main, ['--out', str(tmp_path / 'run'), *argv], expect.format(**subs))
 
