@@ -51,7 +51,8 @@ def toy_profile(resolve: bool = True) -> dict:
 
 # %% ../nbs/11_train.ipynb #44a8a7d8
 def _spec_tau(trainer) -> dict | None:
-    "Speculative-decoding acceptance on the held-out prompts (main process; None when not measurable)."
+    """Speculative-decoding acceptance on the held-out prompts, greedy, and its τ at T = 1 with seeds 0 and 1 under
+    'sampled' (main process; None when not measurable)."""
     from dflash.speculate import eval_prompts, acceptance_eval
     c, p = trainer.cfg, trainer.parts
     eval_path = c.eval_data or (str(toy_data_dir() / 'eval.jsonl') if c.target is None else None)
@@ -61,10 +62,18 @@ def _spec_tau(trainer) -> dict | None:
     was_training = drafter.training
     drafter.eval()
     prompts = eval_prompts(eval_path, p.tokenizer, c.spec_eval_prompts)
-    r = acceptance_eval(p.features.model, drafter, prompts, max_new_tokens=c.spec_new_tokens,
-                        stop_token_ids=[p.tokenizer.eos_token_id])
+    run = lambda **kw: acceptance_eval(p.features.model, drafter, prompts, max_new_tokens=c.spec_new_tokens,
+                                       stop_token_ids=[p.tokenizer.eos_token_id], **kw)
+    r = run()                                            # greedy
+    taus = [run(temperature=1., seed=s)['tau'] for s in (0, 1)]
+    r['sampled'] = {'temperature': 1., 'seeds': [0, 1], 'tau': taus, 'spread': abs(taus[0] - taus[1])}
     drafter.train(was_training)
     return r
+
+def _sampled_text(r: dict) -> str:
+    "The T = 1 part of a τ line: both seeds' τ, on how many prompts ('' for a record without them)."
+    x = r.get('sampled')
+    return f", at T=1 {x['tau'][0]:.3f} and {x['tau'][1]:.3f} (seeds 0 and 1), on {r['prompts']} prompts" if x else ''
 
 def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, stop: StopRequest | None = None) -> dict:
     t_start = time.perf_counter()
@@ -102,8 +111,8 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
         with timed(seconds, 'plots'): pictures = _draw_run(out, before, after)   # before 'finished': resumes draw
         write_json(out / 'run.json', {**record, 'status': 'finished', 'step': trainer.step})
         if 'eval_tau' in metrics: print(f"held-out tau (training-time estimate): {metrics['eval_tau']:.3f}")
-        if before: print(f"speculative decoding tau before training: {before['tau']:.3f}")
-        if after: print(f"speculative decoding tau after training:  {after['tau']:.3f}")
+        for name, r in (('before', before), ('after', after)):
+            if r: print(f"speculative decoding tau {name} training: {r['tau']:.3f} at T=0{_sampled_text(r)}")
         print(f"drafter saved to {out / 'drafter'}")
         print(f"wall seconds: {', '.join(f'{k} {v:.0f}' for k, v in seconds.items())}; "
               f"total {time.perf_counter() - t_start:.0f}")

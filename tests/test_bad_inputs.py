@@ -278,7 +278,10 @@ def test_speculate_bad_drafter(tmp_path, capsys, kind, expect):
     (['--block-size', '1'], "--block-size = 1: allowed >= 2"),
     (['--dtype', 'int8'], "--dtype = 'int8': allowed one of float32, bfloat16, float16"),
     (['--data', 'missing.jsonl'], "--data = 'missing.jsonl': no such file"),
-], ids=['prompts-0', 'new-tokens', 'block-1', 'dtype', 'missing-data'])
+    (['--temperature', '0', '-0.5'], "--temperature = [0.0, -0.5]: allowed >= 0"),
+    (['--top-p', '0'], "--top-p = 0.0: allowed > 0 and <= 1"),
+    (['--top-p', '1.5'], "--top-p = 1.5: allowed > 0 and <= 1"),
+], ids=['prompts-0', 'new-tokens', 'block-1', 'dtype', 'missing-data', 'temperature', 'top-p-0', 'top-p-high'])
 def test_speculate_bad_option(capsys, argv, expect):
     base = ['--target', str(toy_target_dir()), '--drafter', str(assets_dir() / 'toy-drafter'),
             '--data', str(toy_data_dir() / 'eval.jsonl')]
@@ -651,3 +654,11 @@ def test_report_to_a_tracker_not_installed_is_refused(tmp_path, capsys, monkeypa
     refused(capsys, train_main, ['--out', str(tmp_path / 'run'), '--report-to', missing[0]],
             f"--report-to = {missing[0]!r}: the {TRACKERS[missing[0]]} package is not installed")
     assert not (tmp_path / 'run').exists()
+
+
+def test_speculate_sampling_options_together(capsys):
+    "Every bad sampling option is named in one error, before any model loads."
+    base = ['--target', str(toy_target_dir()), '--drafter', str(assets_dir() / 'toy-drafter'),
+            '--data', str(toy_data_dir() / 'eval.jsonl')]
+    refused(capsys, speculate_main, base + ['--temperature', '-1', '--top-p', '2', '--seed', '-3'], '3 bad options',
+            "--temperature = [-1.0]: allowed >= 0", "--top-p = 2.0: allowed > 0 and <= 1", "--seed = -3: allowed >= 0")

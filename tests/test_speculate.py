@@ -65,9 +65,14 @@ def test_command_line(tmp_path):
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     report = json.loads((out / 'acceptance.json').read_text())
-    assert report['tau'] >= 1 and sum(report['histogram']) == report['steps'] and (out / 'acceptance.png').is_file()
+    assert [r['temperature'] for r in report['runs']] == [0, 1], report          # greedy and T = 1 by default
+    for r in report['runs']:
+        assert r['tau'] >= 1 and sum(r['histogram']) == r['steps'] and r['speedup'] > 0, r
+    assert (out / 'acceptance.png').is_file()
     bar = run.stderr.replace('\r', '\n')                   # the progress bar: prompts done, tokens/s, running tau
-    assert 'speculative: 100%' in bar and '3/3' in bar and 'tok/s, tau ' in bar and 'plain: 100%' in bar, run.stderr
+    for t in ('0', '1'):
+        assert f'speculative T={t}: 100%' in bar and f'plain T={t}: 100%' in bar, run.stderr
+    assert '3/3' in bar and 'tok/s, tau ' in bar, run.stderr
 
 
 def test_histogram_keeps_its_labels():

@@ -156,6 +156,9 @@ def test_run_draws_its_pictures(tmp_path):
         assert f"{what}: {run / name}" in r.stdout, r.stdout
         assert 0.01 < _inked(run / name) < 0.9, name               # axes, lines and bars drawn, not a blank page
     assert not [p for p in run.iterdir() if '.tmp-' in p.name], "written atomically: no temporary file left"
+    after = json.loads((run / 'summary.json').read_text())['spec_after']       # greedy tau, and T = 1 with two seeds
+    assert after['prompts'] == 2 and after['sampled']['temperature'] == 1 and len(after['sampled']['tau']) == 2, after
+    assert 'at T=1' in r.stdout and '(seeds 0 and 1), on 2 prompts' in r.stdout, r.stdout
     drawn = {n: (run / n).read_bytes() for n in ('curves.png', 'acceptance.png')}
     again = launch(run, *SMALL, '--max-steps', '4', '--resume')
     assert again.returncode == 0 and 'leaves it as it is' in again.stdout, again.stdout + again.stderr
