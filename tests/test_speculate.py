@@ -33,6 +33,16 @@ def test_trained_drafter_is_lossless(toy, block_size):
     assert max(accepted) > 1, "the trained drafter gets drafts accepted, so the multi-token path is exercised"
 
 
+def test_sampling_is_reproducible(toy):
+    "Speculative sampling with a seeded generator: the same seed gives the same tokens, another seed others."
+    target, tok, drafter = toy
+    p = eval_prompts(toy_data_dir() / 'eval.jsonl', tok, 1)[0]
+    def run(seed):
+        return speculative_generate(target, drafter, p, max_new_tokens=48, temperature=1., top_p=0.9,
+                                    generator=torch.Generator().manual_seed(seed)).tokens
+    assert run(0) == run(0) and run(0) != run(1)
+
+
 def test_tau_agrees_with_training_time_estimate(toy):
     "The loop's tau and the objective's tau estimate on the same held-out conversations agree within 15%."
     target, tok, drafter = toy
