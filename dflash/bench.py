@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -162,6 +163,24 @@ class _GpuBench:
     dry_run: bool = option(False, 'print the sections, shapes and time budgets, run nothing')
     sections: list[str] | None = option(None, 'run only these sections (default: all; --dry-run lists them)')
 
+_OBJECTIVES = {'ce': ['--loss', 'ce'], 'dpace': ['--loss', 'dpace'], 'kl': ['--loss', 'kl'],
+               'kl+ce': ['--loss', 'kl', '--kl-weight', '0.5']}
+
+@dataclass
+class _QualityBench:
+    """The drafter a user buys, per training objective: the shipped toy run (its data, steps and schedule) trained
+    under each objective and seed, then tau at each temperature in the real speculative loop on held-out prompts,
+    accuracy per block position, speedup against plain decoding, and training time per step as a ratio to ce."""
+    objectives: list[str] = option(tuple(_OBJECTIVES), 'objectives: ce (with the decay), dpace, kl, kl+ce (half each)',
+                                   choices=list(_OBJECTIVES))
+    seeds: list[int] = option((0, 1), 'seeds of each objective', ge=0)
+    max_steps: int = option(0, "optimizer steps of every run (0: the toy run's own length)", ge=0)
+    prompts: int = option(100, 'held-out prompts of the speculative loop', ge=1)
+    new_tokens: int = option(128, 'new tokens per prompt at most', ge=1)
+    temperatures: list[float] = option((0., 1.), 'temperatures of the speculative loop (0: greedy)', ge=0)
+    threads: int = option(2, 'CPU threads of training and of both decoding arms', ge=1)
+    out: str = option('benchmarks/quality', "directory for quality.csv, quality.png and runs/")
+
 # %% ../nbs/13_bench.ipynb #be0c0004
 COMMANDS = {   # the functions they run are looked up when they run, after the imports below
     'attention': Command(_AttentionBench, lambda o: _run_attention(o),
@@ -178,6 +197,9 @@ COMMANDS = {   # the functions they run are looked up when they run, after the i
                           'tokens/s of regeneration by the toy target, batched against one at a time'),
     'data': Command(_DataBench, lambda o: _run_data(o),
                     'chat data tokenization: conversations/s with 1 and 2 processes, first and second launch'),
+    'quality': Command(_QualityBench, lambda o: _run_quality(o),
+                       'the toy drafter per training objective and seed: tau at T = 0 and 1, accuracy per position, '
+                       'speedup, training time'),
     'gpu': Command(_GpuBench, lambda o: run_gpu(o),
                    'every CUDA check in one bounded run (one H200: <= 8 minutes); CSV and JSON to --out'),
 }
@@ -713,6 +735,108 @@ def _run_data(args) -> list[dict]:
             w.writeheader()
             w.writerows(rows)
     return rows
+
+# %% ../nbs/13_bench.ipynb #2313ecea
+def _train_quality_run(args, objective: str, seed: int, out: Path) -> dict:
+    "One toy run under `objective` and `seed` through `accelerate launch`: its training figures."
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    steps = ['--max-steps', str(args.max_steps)] * bool(args.max_steps)
+    r = launch_train(out, *_OBJECTIVES[objective], '--seed', str(seed), *steps, '--spec-eval-prompts', '0',
+                     '--report-to', 'none', '--save-every', '0', '--progress-bar', 'false',
+                     '--threads', str(args.threads), threads=args.threads, accelerate_args=('--mixed_precision', 'no'))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if r.returncode:
+        raise RuntimeError(f"{objective} seed {seed}: exit {r.returncode}\n{(r.stdout + r.stderr)[-3000:]}")
+    summary = json.loads((out / 'summary.json').read_text())
+    evals = list(csv.DictReader((out / 'eval.csv').read_text().splitlines()))
+    n = int(evals[-1]['step'])
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return dict(objective=objective, seed=seed, steps=n, eval_tau=float(evals[-1]['eval_tau']),
+                train_wall_per_step=summary['seconds']['training steps'] / n, cpu_per_step=cpu / n,
+                **{k.removeprefix('eval_'): float(v) for k, v in evals[-1].items() if k.startswith('eval_acc_')},
+                curve=[(int(e['step']), float(e['eval_tau'])) for e in evals])
+
+# %% ../nbs/13_bench.ipynb #f6ed46ff
+def _speculate_quality(args, rows: list[dict], runs: Path):
+    "tau and tokens/s of every run's drafter at each temperature, and plain decoding once per temperature (in place)."
+    from .speculate import eval_prompts, acceptance_eval
+    from .drafter import DFlashDrafter
+    torch.set_num_threads(args.threads)
+    target = Qwen3ForCausalLM.from_pretrained(toy_target_dir()).eval()
+    tok = AutoTokenizer.from_pretrained(toy_target_dir())
+    prompts = eval_prompts(toy_data_dir() / 'eval.jsonl', tok, args.prompts)
+    stop = [tok.eos_token_id]
+    plain = {}
+    first = DFlashDrafter.from_pretrained(runs / f"{rows[0]['objective']}-s{rows[0]['seed']}" / 'drafter').eval()
+    for t in args.temperatures:                                                 # warm-up: first calls are slow
+        acceptance_eval(target, first, prompts[:2], max_new_tokens=8, stop_token_ids=stop, temperature=t, baseline=True)
+    for t in args.temperatures:
+        for k, r in enumerate(rows):
+            drafter = DFlashDrafter.from_pretrained(runs / f"{r['objective']}-s{r['seed']}" / 'drafter').eval()
+            x = acceptance_eval(target, drafter, prompts, max_new_tokens=args.new_tokens, stop_token_ids=stop,
+                                temperature=t, seed=0, baseline=k == 0)
+            if k == 0: plain[t] = x['plain_tokens'] / x['plain_s']           # timed right after the first drafter
+            r[f'tau_T{t:g}'] = x['tau']
+            r[f'speedup_T{t:g}'] = x['tokens'] / x['spec_s'] / plain[t]
+    return plain
+
+# %% ../nbs/13_bench.ipynb #4794b1cc
+def _run_quality(args) -> list[dict]:
+    "Train per objective and seed, measure each drafter, print the table; write quality.csv and quality.png."
+    out = Path(args.out)
+    runs = out / 'runs'
+    rows = []
+    for objective in args.objectives:
+        for seed in args.seeds:
+            d = runs / f'{objective}-s{seed}'
+            if d.exists(): shutil.rmtree(d)                                      # a fresh run, not a resume
+            print(f"training {objective}, seed {seed} ...", flush=True)
+            rows.append(_train_quality_run(args, objective, seed, d))
+    plain = _speculate_quality(args, rows, runs)
+    ce = [r['cpu_per_step'] for r in rows if r['objective'] == 'ce'] or [math.nan]
+    for r in rows: r['cpu_vs_ce'] = r['cpu_per_step'] / statistics.mean(ce)
+    _quality_report(args, rows, plain)
+    _quality_plot(rows).savefig(out / 'quality.png', dpi=110, bbox_inches='tight')
+    with open(out / 'quality.csv', 'w', newline='') as f:
+        w = csv.DictWriter(f, [k for k in rows[0] if k != 'curve'])
+        w.writeheader()
+        w.writerows({k: v for k, v in r.items() if k != 'curve'} for r in rows)
+    print(f"wrote {out / 'quality.csv'} and {out / 'quality.png'}")
+    return rows
+
+# %% ../nbs/13_bench.ipynb #b6f76902
+def _quality_report(args, rows: list[dict], plain: dict):
+    "A Markdown table: per objective, the mean over seeds (and the spread between them) of each figure."
+    print(f"toy run per objective, seeds {' '.join(map(str, args.seeds))}, {rows[0]['steps']} steps each; "
+          f"{args.prompts} held-out prompts, at most {args.new_tokens} new tokens; {args.threads} CPU threads for "
+          f"training and for both decoding arms; plain decoding " +
+          ', '.join(f"{v:.0f} tok/s at T={t:g}" for t, v in plain.items()))
+    temps = [f'{t:g}' for t in args.temperatures]
+    head = ['objective', *(f'τ T={t}' for t in temps), *(f'speedup T={t}' for t in temps), 'held-out τ',
+            'acc k=1', 'acc k=8', 'acc k=15', 'CPU/step vs ce']
+    keys = [*(f'tau_T{t}' for t in temps), *(f'speedup_T{t}' for t in temps), 'eval_tau', 'acc_1', 'acc_8', 'acc_15',
+            'cpu_vs_ce']
+    print('| ' + ' | '.join(head) + ' |')
+    print('|' + '---|' * len(head))
+    for o in args.objectives:
+        rs = [r for r in rows if r['objective'] == o]
+        cell = lambda k: f"{statistics.mean(r[k] for r in rs):.2f}" + (
+            f" ± {(max(r[k] for r in rs) - min(r[k] for r in rs)) / 2:.2f}" if len(rs) > 1 else '')
+        print(f"| {o} | " + ' | '.join(cell(k) for k in keys) + ' |')
+
+def _quality_plot(rows: list[dict]):
+    "Held-out τ against steps, one colour per objective, one line per seed."
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(6.5, 3.8), layout='constrained')
+    ax = fig.subplots()
+    colours = {}
+    for r in rows:
+        c = colours.setdefault(r['objective'], f'C{len(colours)}')
+        steps, taus = zip(*r['curve'])
+        ax.plot(steps, taus, color=c, marker='o', ms=3, label=r['objective'] if r['seed'] == rows[0]['seed'] else None)
+    ax.set(xlabel='optimizer step', ylabel='held-out τ (training-time estimate)', title='τ against steps per objective')
+    ax.legend(frameon=False)
+    return fig
 
 # %% ../nbs/13_bench.ipynb #6ab0d565
 if __name__ == '__main__' and '__file__' in globals(): main()
