@@ -4,17 +4,17 @@
 
 # %% ../nbs/09b_runs.ipynb #6b350687
 from __future__ import annotations
-import importlib.util, json, os, signal, socket, threading, time
+import dataclasses, importlib.util, json, os, signal, socket, threading, time
 from dataclasses import dataclass
 from pathlib import Path
 from .options import option, flag
 from .threads import threads_option
-from .files import model_dir_problems, json_problem, resolve_local, write_json
+from .files import model_dir_problems, json_problem, resolve_local, write_json, file_sha256
 
 # %% auto #0
-__all__ = ['TRACKERS', 'LOCK_HEARTBEAT_S', 'LOCK_STALE_S', 'EXIT_PREEMPTED', 'TrainConfig', 'launch_problems', 'policy_problem',
-           'check_train', 'RunDirError', 'read_run', 'unlock_run', 'claim_run', 'resume_changes', 'Preempted',
-           'StopRequest']
+__all__ = ['TRACKERS', 'LOCK_HEARTBEAT_S', 'LOCK_STALE_S', 'RUN_ACTIONS', 'EXIT_PREEMPTED', 'TrainConfig', 'launch_problems',
+           'policy_problem', 'check_train', 'RunDirError', 'RunFailed', 'read_run', 'unlock_run', 'claim_run',
+           'resume_changes', 'absolute_paths', 'data_checksums', 'data_changes', 'Preempted', 'StopRequest']
 
 # %% ../nbs/09b_runs.ipynb #4745fd52
 TRACKERS = {'tensorboard': 'tensorboard', 'none': None, 'all': None, 'wandb': 'wandb', 'mlflow': 'mlflow',
@@ -67,6 +67,8 @@ class TrainConfig:
                                            "accelerate knows, all of those installed, or none", choices=list(TRACKERS))
     resume: bool = option(False, "continue the run in `out` from its newest intact checkpoint")
     overwrite: bool = option(False, "move a run already in `out` aside (to OUT.replaced-TIME) and start a new one")
+    accept_changed_data: bool = option(False, "on --resume: continue although --data, --eval-data or the cache "
+                                               "changed since the run started (recorded in run.json)")
     spec_eval_prompts: int = option(16, "held-out prompts for speculative-decoding tau before/after training (0: skip)",
                                     ge=0)
     spec_new_tokens: int = option(64, "tokens generated per prompt in that evaluation", ge=1)
@@ -149,6 +151,9 @@ _RUN_FILES = ('run.json', 'checkpoints', 'metrics.csv', 'eval.csv', 'drafter', '
 
 class RunDirError(RuntimeError):
     "A run directory that this run may not use as asked."
+
+class RunFailed(RuntimeError):
+    "A run that ended without a drafter worth keeping (its steps were not finite); the message says what to do."
 
 def _run_files(out) -> list[str]:
     "The files of a run in `out` (empty: `out` holds no run)."
@@ -298,6 +303,29 @@ def resume_changes(stored: dict, given: dict) -> tuple[list[str], dict]:
                            f"(start a new run with --overwrite or another --out)")
         else: changed[k] = (stored[k], v)
     return refused, changed
+
+# %% ../nbs/09b_runs.ipynb #046fb085
+RUN_ACTIONS = ('resume', 'overwrite', 'accept_changed_data')     # what one command does to its run: never recorded
+
+def absolute_paths(c: TrainConfig) -> TrainConfig:
+    "`c` with its local paths absolute (data, eval data, cache, a target directory; a hub id stays as it is)."
+    local = {k: str(Path(v).expanduser().absolute()) for k in _PATHS
+             if (v := getattr(c, k)) is not None and Path(v).expanduser().exists()}
+    return dataclasses.replace(c, **local)
+
+def data_checksums(c: TrainConfig) -> dict:
+    "{option: {'path', 'sha256'}} of the data run `c` reads: its JSONL files, and its cache's manifest."
+    found = {}
+    for k in ('data', 'eval_data', 'cache'):
+        if (v := getattr(c, k)) is None: continue
+        f = Path(v).expanduser().absolute() / ('manifest.json' if k == 'cache' else '')
+        if f.is_file(): found[k] = {'path': str(f), 'sha256': file_sha256(f)}
+    return found
+
+def data_changes(stored: dict, now: dict) -> list[str]:
+    "Each data file of `now` whose checksum differs from `stored`'s (both from `data_checksums`), as a message."
+    return [f"{flag(k)}: {now[k]['path']} changed since the run started (SHA-256 {now[k]['sha256'][:12]}…, was "
+            f"{v.get('sha256', '?')[:12]}…)" for k, v in stored.items() if k in now and now[k]['sha256'] != v.get('sha256')]
 
 # %% ../nbs/09b_runs.ipynb #556d377e
 EXIT_PREEMPTED = 75            # sysexits' EX_TEMPFAIL: stopped on request at a step boundary; continue with --resume

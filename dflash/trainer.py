@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_trainer.ipynb #132bd6a8
 from __future__ import annotations
-import csv, os, re, resource, shutil, time
+import csv, io, os, re, resource, shutil, time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
@@ -32,7 +32,7 @@ from .chat import ChatDataset
 from .features import CacheDataset, TargetFeatures, collate, target_identity
 from .files import (json_problem, file_sha256, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir,
                           resolve_local)
-from .runs import TrainConfig, launch_problems, Preempted, StopRequest
+from .runs import TrainConfig, launch_problems, Preempted, StopRequest, RunDirError, RunFailed
 
 # %% auto #0
 __all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'rotate_checkpoints', 'Trainer', 'timed']
@@ -80,6 +80,7 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
         ids = train.manifest['layer_ids']
         if cfg.target_layer_ids is not None and list(cfg.target_layer_ids) != ids:
             raise ValueError(f"cache {cfg.cache} holds target layers {ids}, not the requested {cfg.target_layer_ids}")
+        train = _cut_cache(train, cfg.max_length)
         dcfg = DrafterConfig.from_target(AutoConfig.from_pretrained(target), tokenizer=tok, target_layer_ids=ids, **dkw)
         embed, lm_head = embed.to(device), lm_head.to(device)
     else:
@@ -94,6 +95,24 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     if len(train) < cfg.batch_size:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(train)} samples)")
     return _RunParts(tok, features, embed, lm_head, train, ev, dcfg)
+
+# %% ../nbs/10_trainer.ipynb #85a089f2
+class _Cut:
+    "The samples of `dataset` cut to their first `max_length` tokens."
+    def __init__(self, dataset, max_length: int): self.dataset, self.max_length = dataset, max_length
+    def __len__(self): return len(self.dataset)
+    def __getitem__(self, i: int) -> dict:
+        return {k: v[:self.max_length] if k in ('input_ids', 'loss_mask', 'context') else v
+                for k, v in self.dataset[i].items()}
+
+def _cut_cache(cache: CacheDataset, max_length: int):
+    "`cache`, its samples cut to `max_length` tokens when it was written with a larger (or unrecorded) max length."
+    written = cache.manifest.get('data', {}).get('max_length')
+    if written is not None and written <= max_length: return cache
+    if int(os.environ.get('RANK', '0')) == 0:
+        print(f"cache {cache.path}: written with max_length {written or '(not recorded)'}; its samples are cut to "
+              f"--max-length {max_length}")
+    return _Cut(cache, max_length)
 
 # %% ../nbs/10_trainer.ipynb #ebc581f4
 def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -116,7 +135,7 @@ def _rank_micro_batches(ids: list[int], rank: int, world: int, micro: int) -> li
 # %% ../nbs/10_trainer.ipynb #a756897e
 _CKPT = re.compile(r'^step-(\d+)$')
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RunDirError):
     "A checkpoint that is missing files, corrupt, or not of this format."
 
 def checkpoint_dirs(out) -> list[Path]:
@@ -236,21 +255,48 @@ def _sums_metrics(s: ObjectiveSums, prefix: str = '') -> dict:
     m.update({f'{prefix}acc_{k}': a for k, a in enumerate(s.accuracy.tolist()) if k >= 1})
     return m
 
+def _csv_steps(path) -> list[int]:
+    "The steps logged in a metrics CSV (a torn last line left out)."
+    if not Path(path).is_file(): return []
+    return [int(float(r[0])) for r in _csv_table(path)[1]]
+
+# %% ../nbs/10_trainer.ipynb #d25e1460
+def _row_problem(row: list[str], header: list[str]) -> str | None:
+    "What is wrong with a metrics row: NUL bytes, a field count other than the header's, no step number first."
+    if any('\x00' in v for v in row): return "NUL bytes"
+    if len(row) != len(header): return f"{len(row)} fields, the header has {len(header)}"
+    try: float(row[0])
+    except ValueError: return f"step {row[0]!r} is not a number"
+    return None
+
+def _csv_table(path) -> tuple[list[str], list[list[str]], str | None]:
+    """(header, rows, what was wrong with a last line left out) of a metrics CSV: a last line cut off mid-write is
+    left out; a bad line before it is a `RunDirError` naming the file and the line."""
+    text = Path(path).read_bytes().decode('utf-8', errors='replace')
+    lines = text.split('\n')
+    torn = lines.pop() or None                        # after the last newline: nothing, or a line cut short
+    rows = list(csv.reader(lines))
+    if torn is not None: torn = f"no end of line{', NUL bytes' if chr(0) in torn else ''}"
+    elif rows and (bad := _row_problem(rows[-1], rows[0])): torn = bad
+    if torn is not None and rows and text.endswith('\n'): rows.pop()
+    if not rows: return [], [], torn
+    for i, r in enumerate(rows[1:], 2):
+        if bad := _row_problem(r, rows[0]): raise RunDirError(f"{path}:{i}: not a metrics row ({bad})")
+    return rows[0], rows[1:], torn
+
 def _truncate_csv(path, last_step: int):
-    "Drop the rows of a metrics CSV after `last_step` (a resume continues from there), rewriting it whole."
+    """Drop the rows of a metrics CSV after `last_step` (a resume continues from there) and a torn last line, saying
+    so, rewriting it whole (removing it when not even its header is whole)."""
     path = Path(path)
     if not path.is_file(): return
-    with open(path, newline='') as f: rows = list(csv.reader(f))
-    if not rows: return
-    keep = [r for r in rows[1:] if r and int(float(r[0])) <= last_step]
-    if len(keep) == len(rows) - 1: return
-    lines = [','.join(rows[0])] + [','.join(r) for r in keep]
-    write_atomic(path, '\n'.join(lines) + '\n')
-
-def _csv_steps(path) -> list[int]:
-    "The steps logged in a metrics CSV."
-    if not Path(path).is_file(): return []
-    return [int(float(r['step'])) for r in csv.DictReader(open(path, newline=''))]
+    header, rows, torn = _csv_table(path)
+    if torn: print(f"{path}: its last line was cut off mid-write ({torn}); dropped")
+    keep = [r for r in rows if int(float(r[0])) <= last_step]
+    if len(keep) == len(rows) and not torn: return
+    if not header: return path.unlink()
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator='\n').writerows([header, *keep])
+    write_atomic(path, buf.getvalue())
 
 # %% ../nbs/10_trainer.ipynb #6042605f
 def _online_fit(target_config, drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int, *,
@@ -405,7 +451,7 @@ def train_step(self: Trainer) -> dict:
     else:
         self.bad_steps += 1
         if self.bad_steps >= c.max_bad_steps:
-            raise RuntimeError(f"step {self.step}: {self.bad_steps} non-finite steps in a row "
+            raise RunFailed(f"step {self.step}: {self.bad_steps} non-finite steps in a row "
                                f"(loss {g.loss_sum.item()}, grad norm {float(grad_norm)}); "
                                f"stopping (max_bad_steps={c.max_bad_steps})")
     self.opt.zero_grad(set_to_none=True)
@@ -477,6 +523,24 @@ def resume(self: Trainer) -> Path | None:
     if problems: raise CheckpointError(f"{self.out}: no intact checkpoint to resume from:\n  " + '\n  '.join(problems))
     return None
 
+# %% ../nbs/10_trainer.ipynb #cf7cd490
+@patch
+def restore(self: Trainer) -> Path | None:
+    """On --resume, once (every process): load the newest intact checkpoint and cut the metrics files back to its step;
+    refuse a run whose metrics were logged with no checkpoint left. The checkpoint loaded, or None."""
+    if not self.cfg.resume or getattr(self, '_restored', False): return None
+    self._restored, main = True, self.acc.is_main_process
+    where = self.resume()
+    if where is None and (logged := _csv_steps(self.out / 'metrics.csv')):
+        raise RunDirError(f"{self.out}: metrics.csv logs steps {logged[0]}..{logged[-1]} but no checkpoint is left to "
+                          f"resume from; training again from step 0 would log over them: start a new run with "
+                          f"--overwrite (the old one is moved aside) or another --out")
+    if where and main:
+        print(f"resumed from {where} at step {self.step}")
+        for f in ('metrics.csv', 'eval.csv'): _truncate_csv(self.out / f, self.step)
+    self.acc.wait_for_everyone()
+    return where
+
 # %% ../nbs/10_trainer.ipynb #8ae0131f
 @patch
 def whole_drafter(self: Trainer) -> DFlashDrafter | None:
@@ -540,11 +604,7 @@ def fit(self: Trainer, stop: StopRequest | None = None) -> dict:
     step boundary, raising `Preempted` when set."""
     c, acc, main = self.cfg, self.acc, self.acc.is_main_process
     if main: self.out.mkdir(parents=True, exist_ok=True)
-    if c.resume and (where := self.resume()):
-        if main:
-            print(f"resumed from {where} at step {self.step}")
-            for f in ('metrics.csv', 'eval.csv'): _truncate_csv(self.out / f, self.step)
-    acc.wait_for_everyone()
+    self.restore()
     resumed_at = self.step
     project = 'tensorboard' if c.report_to == 'tensorboard' else 'dflash'    # tensorboard alone: out/tensorboard
     acc.init_trackers(project, config={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
@@ -574,6 +634,10 @@ def fit(self: Trainer, stop: StopRequest | None = None) -> dict:
         if c.save_every and self.step % c.save_every == 0 and self.save(): saved_at = self.step
         if eval_due(self.step): ev = self._eval_and_log()
     bar.close()
+    if self.step and self.bad_steps == self.step:                  # no step changed the drafter: nothing to keep
+        raise RunFailed(f"none of the {self.step} steps had a finite loss and gradient norm, so the drafter is still "
+                        f"its random initialisation: nothing is checkpointed or exported; lower --lr or check the "
+                        f"data, then start again (--overwrite)")
     # every process must take the same branches (they hold collectives), so they are decided from state all share,
     # never from files the main process is writing meanwhile
     if self.step > resumed_at: self.save(final=True)           # 1. the final checkpoint (unless resumed from it)
