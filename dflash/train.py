@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_train.ipynb #e61e91ca
 from __future__ import annotations
-import csv, importlib.resources, io, os, sys, time
+import csv, errno, importlib.resources, io, os, sys, time
 from dataclasses import asdict
 from pathlib import Path
 import yaml
@@ -135,6 +135,14 @@ def _finished_work(out: Path, rec: dict, cfg: TrainConfig) -> str | None:
         return f"{out}: this run finished at step {step} but its drafter is missing: exporting it again"
     return None
 
+_DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+def _disk_refused(e: OSError) -> str:
+    "The `error: ...` line of a write the disk refused (full, read-only, not permitted), naming the file; raise others."
+    if e.errno not in _DISK_REFUSED: raise e
+    return (f"error: {e.filename}: {e.strerror} ({errno.errorcode[e.errno]}): make room or make it writable (or choose "
+            f"another --out), then run the command again (with --resume once the run has started)")
+
 def main(argv=None) -> dict:
     try: cfg, rec, changed = _configure(argv)
     except OptionsError as e: exit_bad_options(e)
@@ -150,6 +158,9 @@ def main(argv=None) -> dict:
         except RunDirError as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2)
+        except OSError as e:
+            print(_disk_refused(e), file=sys.stderr)
+            raise SystemExit(2)
     with StopRequest(on_exit=(lambda: unlock_run(out)) if is_main else None) as stop:    # SIGTERM, SIGINT, no launcher
         try: return _train(cfg, rec, changed, is_main, stop)
         except Preempted as e:
@@ -160,6 +171,9 @@ def main(argv=None) -> dict:
         except (RunDirError, RunFailed) as e:          # a run directory it may not continue; a run with nothing to keep
             if is_main: print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2 if isinstance(e, RunDirError) else 1)
+        except OSError as e:                           # a full or read-only disk: what was written whole stays
+            print(_disk_refused(e), file=sys.stderr)
+            raise SystemExit(2)
         finally:
             if is_main: unlock_run(out)
     if is_main: print(f"{stopped}; {out} is released: continue with --resume (exit status {EXIT_PREEMPTED})")

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from fastcore.basics import patch
-from safetensors import safe_open
+from safetensors import safe_open, SafetensorError
 from safetensors.torch import save_file, load_file
 from tqdm.auto import tqdm
 from accelerate import Accelerator
@@ -35,7 +35,8 @@ from .files import (json_problem, file_sha256, write_atomic, write_json, fsync_p
 from .runs import TrainConfig, launch_problems, Preempted, StopRequest, RunDirError, RunFailed
 
 # %% auto #0
-__all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'rotate_checkpoints', 'Trainer', 'timed']
+__all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'whole_or_nothing', 'rotate_checkpoints', 'Trainer',
+           'timed']
 
 # %% ../nbs/10_trainer.ipynb #0ebcce23
 def _frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
@@ -161,6 +162,17 @@ def verify_checkpoint(d) -> dict:
 
 _complete_checkpoints = checkpoint_dirs
 
+# %% ../nbs/10_trainer.ipynb #dd239312
+@contextmanager
+def whole_or_nothing(tmp):
+    "Remove directory `tmp` when the block fails; a safetensors I/O error is raised as the `OSError` it wraps."
+    try: yield Path(tmp)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, SafetensorError) and (m := re.search(r'os error (\d+)\) at path "([^"]*)"', str(e))):
+            raise OSError(int(m[1]), os.strerror(int(m[1])), m[2]) from e
+        raise
+
 # %% ../nbs/10_trainer.ipynb #9d7168c8
 def _whole_state(**kw) -> StateDictOptions:
     "State dict options for whole tensors: gathered from every process's shards when processes run together."
@@ -203,16 +215,17 @@ def _save_checkpoint(accelerator: Accelerator, out, step: int, model, opt, sched
     moments = get_optimizer_state_dict(model, getattr(opt, 'optimizer', opt), options=gathered)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        tensors, opt_meta = _flat_optimizer(moments)
-        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / 'model.safetensors')
-        save_file(tensors, tmp / 'optimizer.safetensors')
-        files = {}
-        for name in ('model.safetensors', 'optimizer.safetensors'):
-            fsync_path(tmp / name)
-            files[name] = {'bytes': (tmp / name).stat().st_size, 'sha256': file_sha256(tmp / name)}
-        write_json(tmp / 'trainer_state.json', {**state, 'optimizer': opt_meta, 'scheduler': sched.state_dict(),
-                                                'files': files})
+        with whole_or_nothing(tmp):
+            tmp.mkdir(parents=True)
+            tensors, opt_meta = _flat_optimizer(moments)
+            save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / 'model.safetensors')
+            save_file(tensors, tmp / 'optimizer.safetensors')
+            files = {}
+            for name in ('model.safetensors', 'optimizer.safetensors'):
+                fsync_path(tmp / name)
+                files[name] = {'bytes': (tmp / name).stat().st_size, 'sha256': file_sha256(tmp / name)}
+            write_json(tmp / 'trainer_state.json', {**state, 'optimizer': opt_meta, 'scheduler': sched.state_dict(),
+                                                    'files': files})
         old = d / f'.step-{step:07d}.replaced'    # the same step from before a resume that fell back past it
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -560,8 +573,9 @@ def export(self: Trainer):
         if self.acc.is_main_process:
             tmp, final, old = self.out / '.drafter.partial', self.out / 'drafter', self.out / '.drafter.old'
             shutil.rmtree(tmp, ignore_errors=True)
-            drafter.save_pretrained(tmp)
-            for f in tmp.iterdir(): fsync_path(f)
+            with whole_or_nothing(tmp):
+                drafter.save_pretrained(tmp)
+                for f in tmp.iterdir(): fsync_path(f)
             shutil.rmtree(old, ignore_errors=True)
             if final.exists(): os.rename(final, old)
             os.rename(tmp, final)

@@ -1,9 +1,9 @@
 """Resumes that cannot go wrong silently, and no silently wrong result: the data a run started with (found from any
 directory, checked by its checksum), metrics never logged twice, a finished run's drafter restored and its training
 extended, a metrics file torn by a crash, a start-up failure that leaves nothing behind; a cache cut to the run's
---max-length, a run with no finite step. Each case runs the command's `main` in-process, most on copies of one small
+--max-length, a run with no finite step; a read-only run directory named in one line. Each case runs the command's `main` in-process, most on copies of one small
 real run on the toy target."""
-import csv, json, shutil
+import csv, json, os, shutil, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from safetensors.torch import load_file, save_file
@@ -186,3 +186,37 @@ def test_cache_samples_are_cut_to_max_length(tmp_path, capsys, finished):
     assert f"written with max_length 512; its samples are cut to --max-length 64" in capsys.readouterr().out
     assert max(len(t.parts.train[i]['input_ids']) for i in range(len(t.parts.train))) == 64
     assert t.parts.train[0]['context'].shape[0] == 64
+
+
+def train_cli(*args) -> subprocess.CompletedProcess:
+    """`python -m dflash.train` in a subprocess under which permission bits hold even for root (which otherwise writes
+    into read-only directories): without the capabilities that override them."""
+    drop = '-dac_override,-dac_read_search'
+    prefix = ['setpriv', f'--bounding-set={drop}', f'--inh-caps={drop}'] if os.getuid() == 0 else []
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
+    return subprocess.run([*prefix, sys.executable, '-m', 'dflash.train', *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_read_only_directory_at_start_is_named(tmp_path, finished):
+    ro = tmp_path / 'ro'
+    ro.mkdir()
+    ro.chmod(0o555)
+    r = train_cli('--out', ro / 'run', '--data', finished.parent / 'train.jsonl', *RUN)
+    assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr[-3000:]
+    assert f"error: {ro / 'run'}: Permission denied (EACCES): make room or make it writable" in r.stderr, r.stderr
+    assert not list(ro.iterdir())
+
+
+def test_read_only_checkpoints_are_named_and_leave_nothing_partial(tmp_path, finished):
+    "The checkpoint of step 4 cannot be written: the run ends in one line naming it; once writable, it resumes."
+    run = _copy(finished, tmp_path / 'run')
+    (run / 'checkpoints').chmod(0o555)
+    r = train_cli('--out', run, '--resume')
+    assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr[-3000:]
+    partial = run / 'checkpoints' / '.step-0000004.partial'
+    assert f"error: {partial}: Permission denied (EACCES)" in r.stderr, r.stderr
+    assert [p.name for p in (run / 'checkpoints').iterdir()] == ['step-0000002'] and not (run / '.lock').exists()
+    (run / 'checkpoints').chmod(0o755)
+    assert train_cli('--out', run, '--resume').returncode == 0
+    assert losses(run) == losses(finished)
