@@ -1,8 +1,9 @@
 """Resumes that cannot go wrong silently, and no silently wrong result: the data a run started with (found from any
 directory, checked by its checksum), metrics never logged twice, a finished run's drafter restored and its training
 extended, a metrics file torn by a crash, a start-up failure that leaves nothing behind; a cache cut to the run's
---max-length, a run with no finite step; a read-only run directory named in one line. Each case runs the command's `main` in-process, most on copies of one small
-real run on the toy target."""
+--max-length, a run with no finite step; a read-only run directory or speculate --out named in one line. Most cases
+run the command's `main` in-process on copies of one small real run on the toy target; those that need permission
+bits to hold run it as a subprocess."""
 import csv, json, os, shutil, subprocess, sys
 from pathlib import Path
 import pytest, torch
@@ -188,13 +189,13 @@ def test_cache_samples_are_cut_to_max_length(tmp_path, capsys, finished):
     assert t.parts.train[0]['context'].shape[0] == 64
 
 
-def train_cli(*args) -> subprocess.CompletedProcess:
-    """`python -m dflash.train` in a subprocess under which permission bits hold even for root (which otherwise writes
-    into read-only directories): without the capabilities that override them."""
+def train_cli(*args, module='dflash.train') -> subprocess.CompletedProcess:
+    """`python -m dflash.train` (or another command) in a subprocess under which permission bits hold even for root
+    (which otherwise writes into read-only directories): without the capabilities that override them."""
     drop = '-dac_override,-dac_read_search'
     prefix = ['setpriv', f'--bounding-set={drop}', f'--inh-caps={drop}'] if os.getuid() == 0 else []
     env = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
-    return subprocess.run([*prefix, sys.executable, '-m', 'dflash.train', *map(str, args)], env=env,
+    return subprocess.run([*prefix, sys.executable, '-m', module, *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -220,3 +221,17 @@ def test_read_only_checkpoints_are_named_and_leave_nothing_partial(tmp_path, fin
     (run / 'checkpoints').chmod(0o755)
     assert train_cli('--out', run, '--resume').returncode == 0
     assert losses(run) == losses(finished)
+
+
+def test_speculate_checks_its_out_before_it_evaluates(tmp_path):
+    "A read-only --out is refused with the options, before the models load, not after minutes of decoding."
+    from dflash.files import assets_dir
+    ro = tmp_path / 'ro'
+    ro.mkdir()
+    ro.chmod(0o555)
+    r = train_cli('--target', toy_target_dir(), '--drafter', assets_dir() / 'toy-drafter', '--data',
+                  toy_data_dir() / 'eval.jsonl', '--num-prompts', '2', '--max-new-tokens', '8', '--out', ro / 'spec',
+                  module='dflash.speculate')
+    assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr[-3000:]
+    assert f"--out = '{ro / 'spec'}': cannot write there (Permission denied: {ro / 'spec'})" in r.stderr, r.stderr
+    assert 'tau' not in r.stdout, "nothing was evaluated"
