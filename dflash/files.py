@@ -10,7 +10,7 @@ from typing import Callable
 
 # %% auto #0
 __all__ = ['fsync_path', 'write_atomic', 'write_json', 'hf_hub_cache', 'resolve_local', 'json_problem', 'safetensors_problem',
-           'model_dir_problems', 'file_sha256', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
+           'model_dir_problems', 'file_sha256', 'dir_write_problem', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
 
 # %% ../nbs/00b_files.ipynb #99b1472b
 def fsync_path(path):
@@ -114,6 +114,18 @@ def file_sha256(path, chunk: int = 1 << 22) -> str:
     with open(path, 'rb') as f:
         while b := f.read(chunk): h.update(b)
     return h.hexdigest()
+
+# %% ../nbs/00b_files.ipynb #8dcfcfca
+def dir_write_problem(path, name: str) -> str | None:
+    "What keeps a command from writing into directory `path` (option `name`), found by creating it and a probe file."
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f'.write-probe-{os.getpid()}'
+        probe.write_bytes(b'')
+        probe.unlink()
+    except OSError as e: return f"{name} = {str(path)!r}: cannot write there ({e.strerror}: {e.filename})"
+    return None
 
 # %% ../nbs/00b_files.ipynb #f11e0007
 def assets_dir() -> Path:

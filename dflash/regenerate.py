@@ -10,6 +10,7 @@ from pathlib import Path
 from .options import Command, option, build_options, parse_options, OptionsError, exit_bad_options
 from .files import file_sha256, model_dir_problems, resolve_local, toy_target_dir, write_atomic
 from .threads import threads_option, use_threads
+from .locks import LockError, take_lock, start_heartbeat, release_lock
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.chat (which loads torch) load inside the
     import torch          # functions that use them, so `--help` answers at once
@@ -415,15 +416,24 @@ def greedy_agreement(model, tokenizer, path, n: int | None = None, template_kw: 
 
 # %% ../nbs/08b_regenerate.ipynb #5f4c3504
 def _run_regenerate(cfg: RegenConfig) -> dict:
-    "Regenerate with checked options; a bad file or model ends as `error: ...` with exit status 2."
+    """Regenerate with checked options, `--out` locked (`OUT.lock`) by the main process while it writes; a bad file or
+    model, or an `--out` another regeneration is writing, ends as `error: ...` with exit status 2."""
     import torch
     if not torch.cuda.is_available():
         threads, why = use_threads(cfg.threads)
         print(f"CPU threads: {threads} per process ({why})")
-    try: r = regenerate(cfg)
-    except (ValueError, FileNotFoundError) as e:
+    lock, main = Path(str(cfg.out) + '.lock'), _state().is_main_process
+    try:
+        if main:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            take_lock(lock, f"--out {cfg.out}")
+            start_heartbeat(lock)
+        r = regenerate(cfg)
+    except (ValueError, FileNotFoundError, LockError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        if main: release_lock(lock)
     if _state().is_main_process: print('regenerated: ' + json.dumps(r))
     return r
 

@@ -4,17 +4,18 @@
 
 # %% ../nbs/09b_runs.ipynb #6b350687
 from __future__ import annotations
-import importlib.util, json, os, signal, socket, threading, time
+import dataclasses, importlib.util, json, os, signal, threading, time
 from dataclasses import dataclass
 from pathlib import Path
 from .options import option, flag
 from .threads import threads_option
-from .files import model_dir_problems, json_problem, resolve_local, write_json
+from .files import model_dir_problems, json_problem, resolve_local, file_sha256
+from .locks import LockError, take_lock, start_heartbeat, release_lock
 
 # %% auto #0
-__all__ = ['TRACKERS', 'LOSSES', 'LOCK_HEARTBEAT_S', 'LOCK_STALE_S', 'EXIT_PREEMPTED', 'TrainConfig', 'launch_problems',
-           'policy_problem', 'check_train', 'RunDirError', 'read_run', 'unlock_run', 'claim_run', 'resume_changes',
-           'Preempted', 'StopRequest']
+__all__ = ['TRACKERS', 'LOSSES', 'RUN_ACTIONS', 'EXIT_PREEMPTED', 'TrainConfig', 'launch_problems', 'policy_problem',
+           'check_train', 'RunDirError', 'RunFailed', 'read_run', 'unlock_run', 'claim_run', 'resume_changes',
+           'absolute_paths', 'data_checksums', 'data_changes', 'Preempted', 'StopRequest']
 
 # %% ../nbs/09b_runs.ipynb #4745fd52
 TRACKERS = {'tensorboard': 'tensorboard', 'none': None, 'all': None, 'wandb': 'wandb', 'mlflow': 'mlflow',
@@ -78,6 +79,8 @@ class TrainConfig:
                                            "accelerate knows, all of those installed, or none", choices=list(TRACKERS))
     resume: bool = option(False, "continue the run in `out` from its newest intact checkpoint")
     overwrite: bool = option(False, "move a run already in `out` aside (to OUT.replaced-TIME) and start a new one")
+    accept_changed_data: bool = option(False, "on --resume: continue although --data, --eval-data or the cache "
+                                               "changed since the run started (recorded in run.json)")
     spec_eval_prompts: int = option(16, "held-out prompts for speculative-decoding tau before/after training (0: skip)",
                                     ge=0)
     spec_new_tokens: int = option(64, "tokens generated per prompt in that evaluation", ge=1)
@@ -165,6 +168,9 @@ _RUN_FILES = ('run.json', 'checkpoints', 'metrics.csv', 'eval.csv', 'drafter', '
 class RunDirError(RuntimeError):
     "A run directory that this run may not use as asked."
 
+class RunFailed(RuntimeError):
+    "A run that ended without a drafter worth keeping (its steps were not finite); the message says what to do."
+
 def _run_files(out) -> list[str]:
     "The files of a run in `out` (empty: `out` holds no run)."
     return [n for n in _RUN_FILES if (Path(out) / n).exists()]
@@ -179,92 +185,17 @@ def read_run(out) -> dict | None:
     return d
 
 # %% ../nbs/09b_runs.ipynb #183f4c97
-def _alive(pid: int) -> bool:
-    "Whether process `pid` runs: it exists and is not a zombie (exited, not yet reaped by its parent)."
-    try: os.kill(pid, 0)
-    except ProcessLookupError: return False
-    except PermissionError: return True
-    try: return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0] != 'Z'
-    except OSError: return True                                        # no /proc to ask: it exists
-
-LOCK_HEARTBEAT_S, LOCK_STALE_S = 30, 600      # a run beats every 30 s; another host's lock unbeaten for 10 min is stale
-
-def _pid_start(pid: int) -> str | None:
-    "When process `pid` started (the boot's id and clock ticks since boot, from /proc), or None where it cannot tell."
-    try:
-        boot = Path('/proc/sys/kernel/random/boot_id').read_text().strip()
-        return f"{boot}:{Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]}"
-    except (OSError, IndexError): return None
-
-def _stale(held: dict) -> str | None:
-    "Why lock record `held` no longer holds its run (its process is gone; another host's heartbeat stopped), or None."
-    if held.get('host') == socket.gethostname():
-        pid, gone = held.get('pid'), f"process {held.get('pid')} (started {held.get('started')}) is gone"
-        if not isinstance(pid, int): return None
-        if not _alive(pid): return gone
-        now = _pid_start(pid)             # a restarted container: the same host name, its pids handed out again
-        return f"{gone}; its pid is another process's now" if held.get('pid_start') not in (None, now) else None
-    beat = held.get('heartbeat')
-    if isinstance(beat, (int, float)) and (age := time.time() - beat) > LOCK_STALE_S:
-        return (f"process {held.get('pid')} on {held.get('host')} last beat {age:.0f} s ago "
-                f"(stale after {LOCK_STALE_S} s)")
-    return None
-
 def _lock_run(out) -> Path:
-    "Take `out/.lock` for this process; a live holder is refused, a stale one's lock is taken over (`_stale`)."
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    lock = out / '.lock'
-    me = {'pid': os.getpid(), 'host': socket.gethostname(), 'started': time.strftime('%FT%T'),
-          'pid_start': _pid_start(os.getpid()), 'heartbeat': time.time()}
-    tmp = out / f'.lock.{os.getpid()}'
-    tmp.write_text(json.dumps(me))
-    try:
-        for _ in range(2):
-            try:
-                os.link(tmp, lock)
-                return lock
-            except FileExistsError: pass
-            held, bad = json_problem(lock, 'lock')
-            if bad: raise RunDirError(f"{lock}: unreadable lock ({bad}); remove it if no run uses {out}")
-            if why := _stale(held):
-                print(f"{lock}: {why}; taking over its stale lock")
-                lock.unlink(missing_ok=True)
-                continue
-            unknown = '' if held.get('host') == me['host'] or 'heartbeat' in held else \
-                "; it has no heartbeat to tell whether it still runs: remove the lock if no run uses the directory"
-            raise RunDirError(f"{out} is in use by process {held.get('pid')} on {held.get('host')} since "
-                              f"{held.get('started')} (lock {lock}){unknown}")
-        raise RunDirError(f"{lock}: could not take the lock")
-    finally: tmp.unlink(missing_ok=True)
+    "Take `out/.lock` for this process (`take_lock`): a live holder is refused, a stale one's lock is taken over."
+    Path(out).mkdir(parents=True, exist_ok=True)
+    try: return take_lock(Path(out) / '.lock', out)
+    except LockError as e: raise RunDirError(str(e)) from None
 
-_LOCK_FILES = threading.RLock()                 # the heartbeat's rewrite and the release never interleave
-_BEATING: dict[Path, threading.Event] = {}
-
-def _mine(lock: Path) -> dict | None:
-    "The lock record in `lock` when this process holds it, else None."
-    held, bad = json_problem(lock, 'lock')
-    return held if not bad and held.get('pid') == os.getpid() and held.get('host') == socket.gethostname() else None
-
-def _heartbeat(lock: Path, stop: threading.Event, every: float):
-    while not stop.wait(every):
-        with _LOCK_FILES:
-            if (held := _mine(lock)) is None: return
-            write_json(lock, {**held, 'heartbeat': time.time()})
-
-def _start_heartbeat(out, every: float = LOCK_HEARTBEAT_S):
-    "Rewrite the time in `out/.lock` every `every` seconds from a daemon thread, while this process holds it."
-    lock = Path(out).absolute() / '.lock'
-    if lock in _BEATING: return
-    _BEATING[lock] = stop = threading.Event()
-    threading.Thread(target=_heartbeat, args=(lock, stop, every), daemon=True, name='dflash-lock-heartbeat').start()
+def _start_heartbeat(out): start_heartbeat(Path(out) / '.lock')
 
 def unlock_run(out):
     "Remove `out/.lock` if this process holds it (and stop its heartbeat)."
-    lock = Path(out).absolute() / '.lock'
-    if stop := _BEATING.pop(lock, None): stop.set()
-    with _LOCK_FILES:
-        if _mine(lock) is not None: lock.unlink()
+    release_lock(Path(out) / '.lock')
 
 # %% ../nbs/09b_runs.ipynb #3885353e
 def _move_aside(out) -> Path:
@@ -313,6 +244,29 @@ def resume_changes(stored: dict, given: dict) -> tuple[list[str], dict]:
                            f"(start a new run with --overwrite or another --out)")
         else: changed[k] = (stored[k], v)
     return refused, changed
+
+# %% ../nbs/09b_runs.ipynb #046fb085
+RUN_ACTIONS = ('resume', 'overwrite', 'accept_changed_data')     # what one command does to its run: never recorded
+
+def absolute_paths(c: TrainConfig) -> TrainConfig:
+    "`c` with its local paths absolute (data, eval data, cache, a target directory; a hub id stays as it is)."
+    local = {k: str(Path(v).expanduser().absolute()) for k in _PATHS
+             if (v := getattr(c, k)) is not None and Path(v).expanduser().exists()}
+    return dataclasses.replace(c, **local)
+
+def data_checksums(c: TrainConfig) -> dict:
+    "{option: {'path', 'sha256'}} of the data run `c` reads: its JSONL files, and its cache's manifest."
+    found = {}
+    for k in ('data', 'eval_data', 'cache'):
+        if (v := getattr(c, k)) is None: continue
+        f = Path(v).expanduser().absolute() / ('manifest.json' if k == 'cache' else '')
+        if f.is_file(): found[k] = {'path': str(f), 'sha256': file_sha256(f)}
+    return found
+
+def data_changes(stored: dict, now: dict) -> list[str]:
+    "Each data file of `now` whose checksum differs from `stored`'s (both from `data_checksums`), as a message."
+    return [f"{flag(k)}: {now[k]['path']} changed since the run started (SHA-256 {now[k]['sha256'][:12]}…, was "
+            f"{v.get('sha256', '?')[:12]}…)" for k, v in stored.items() if k in now and now[k]['sha256'] != v.get('sha256')]
 
 # %% ../nbs/09b_runs.ipynb #556d377e
 EXIT_PREEMPTED = 75            # sysexits' EX_TEMPFAIL: stopped on request at a step boundary; continue with --resume

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from .config import DrafterConfig
 from .options import option, parse_options, OptionsError, exit_bad_options
 from .threads import threads_option
-from .files import json_problem, model_dir_problems, resolve_local, safetensors_problem
+from .files import json_problem, model_dir_problems, resolve_local, safetensors_problem, dir_write_problem
 
 # %% auto #0
 __all__ = ['SpeculateOptions', 'warp', 'sample_tokens', 'verify_block', 'speculative_generate', 'greedy_generate',
@@ -42,6 +42,7 @@ class SpeculateOptions:
 def _check_speculate(o: SpeculateOptions) -> list[str]:
     "Problems beyond each option's range: required options, and the model directories read without loading them."
     probs = [f"--{k} is required" for k in ('target', 'drafter', 'data') if getattr(o, k) is None]
+    if o.out is not None and (bad := dir_write_problem(o.out, '--out')): probs.append(bad)   # before minutes of work
     if o.target is not None: probs += model_dir_problems(o.target, '--target')
     if o.drafter is not None:
         try: d = resolve_local(o.drafter)                          # a directory, or a hub id's local snapshot

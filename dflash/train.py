@@ -4,13 +4,14 @@
 
 # %% ../nbs/11_train.ipynb #e61e91ca
 from __future__ import annotations
-import csv, importlib.resources, io, os, sys, time
+import csv, errno, importlib.resources, io, os, sys, time
 from dataclasses import asdict
 from pathlib import Path
 import yaml
 from .options import OptionParser, OptionsError, build_options, exit_bad_options
 from .runs import (TrainConfig, check_train, read_run, resume_changes, claim_run, unlock_run, RunDirError,
-                         StopRequest, Preempted, EXIT_PREEMPTED)
+                         StopRequest, Preempted, EXIT_PREEMPTED, RUN_ACTIONS, RunFailed, absolute_paths, data_checksums,
+                         data_changes)
 from .files import write_json, write_atomic, toy_data_dir
 
 # %% auto #0
@@ -32,10 +33,15 @@ def _configure(argv=None) -> tuple[TrainConfig, dict | None, dict]:
         try: rec = read_run(out)
         except RunDirError as e: problems.append(f"--resume: {e}")
         if rec:
-            base = {k: v for k, v in rec['config'].items() if k not in ('resume', 'overwrite')}
+            base = {k: v for k, v in rec['config'].items() if k not in RUN_ACTIONS}
             refused, changed = resume_changes(rec['config'], given)
             problems += refused
-    return build_options(TrainConfig, {**base, **given}, problems, _PROG, check_train), rec, changed
+    cfg = absolute_paths(build_options(TrainConfig, {**base, **given}, problems, _PROG, check_train))
+    if rec and not cfg.accept_changed_data and (moved := data_changes(rec.get('data') or {}, data_checksums(cfg))):
+        raise OptionsError([*moved, "a resume trains on the data the run started with: put it back, pass "
+                                    "--accept-changed-data to go on with the data as it is now (run.json records it), "
+                                    "or start a new run (--overwrite, or another --out)"], _PROG)
+    return cfg, rec, changed
 
 def parse_config(argv=None) -> TrainConfig:
     "A checked `TrainConfig` from flags and an optional YAML file (the toy profile when no target is named)."
@@ -83,14 +89,21 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
     gpu = torch.cuda.is_available()
     threads, why = use_threads(cfg.threads) if not gpu else (torch.get_num_threads(), 'left as is on a GPU')
     out = Path(cfg.out)
+    data = data_checksums(cfg)
+    moved = data_changes((rec or {}).get('data') or {}, data)          # accepted: _configure refused them otherwise
     record = {**(rec or {'created': time.strftime('%FT%T')}),
-              'config': {k: v for k, v in asdict(cfg).items() if k not in ('resume', 'overwrite')}, 'status': 'running'}
-    if changed:
+              'config': {k: v for k, v in asdict(cfg).items() if k not in RUN_ACTIONS}, 'data': data,
+              'status': 'running'}
+    if changed or moved:
         record.setdefault('resumes', []).append({'at': time.strftime('%FT%T'),
-                                                 'changed': {k: list(v) for k, v in changed.items()}})
-        if is_main: print("changed on resume: " + ', '.join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
-    if is_main: write_json(out / 'run.json', record)
+                                                 'changed': {k: list(v) for k, v in changed.items()},
+                                                 **({'data_changed': moved} if moved else {})})
+        if is_main and changed:
+            print("changed on resume: " + ', '.join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+        if is_main and moved: print("data changed on resume (--accept-changed-data): " + '; '.join(moved))
     trainer = Trainer(cfg)
+    trainer.restore()                                    # a refused resume, like a failed start-up, records nothing
+    if is_main: write_json(out / 'run.json', record)     # the run has started
     seconds = {'start-up, target and data': time.perf_counter() - t_start}
     if is_main: print(f"layer checkpointing: {trainer.policy}; CPU threads: {threads} per process ({why})")
     if 'spec_before' not in record:
@@ -120,18 +133,42 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
     trainer.acc.end_training()
     return summary
 
+def _finished_work(out: Path, rec: dict, cfg: TrainConfig) -> str | None:
+    "What a resume of the run in `out`, finished as `rec` records, has to do (as a sentence), or None: nothing."
+    step, before = rec.get('step'), rec['config']
+    more = (cfg.max_steps > step if cfg.max_steps is not None and isinstance(step, int)
+            else before.get('max_steps') is None and cfg.epochs > before.get('epochs', cfg.epochs))
+    if more: return (f"{out}: this run finished at step {step}; continuing it to "
+                     f"{f'step {cfg.max_steps}' if cfg.max_steps is not None else f'{cfg.epochs} epochs'}")
+    if not all((out / 'drafter' / f).is_file() for f in ('config.json', 'model.safetensors')):
+        return f"{out}: this run finished at step {step} but its drafter is missing: exporting it again"
+    return None
+
+_DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+def _disk_refused(e: OSError) -> str:
+    "The `error: ...` line of a write the disk refused (full, read-only, not permitted), naming the file; raise others."
+    if e.errno not in _DISK_REFUSED: raise e
+    return (f"error: {e.filename}: {e.strerror} ({errno.errorcode[e.errno]}): make room or make it writable (or choose "
+            f"another --out), then run the command again (with --resume once the run has started)")
+
 def main(argv=None) -> dict:
     try: cfg, rec, changed = _configure(argv)
     except OptionsError as e: exit_bad_options(e)
     out, is_main = Path(cfg.out), int(os.environ.get('RANK', '0')) == 0
     if cfg.resume and rec and rec.get('status') == 'finished':
-        if is_main: print(f"{out}: this run finished at step {rec.get('step')}; --resume leaves it as it is "
-                          f"(to train again, start a new run with --overwrite or another --out)")
-        return {}
+        work = _finished_work(out, rec, cfg)
+        if is_main: print(work or f"{out}: this run finished at step {rec.get('step')}; --resume leaves it as it is "
+                                  f"(to train longer, resume with more --max-steps or --epochs; to train again, start a "
+                                  f"new run with --overwrite or another --out)")
+        if work is None: return {}
     if is_main:
         try: claim_run(cfg)
         except RunDirError as e:
             print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2)
+        except OSError as e:
+            print(_disk_refused(e), file=sys.stderr)
             raise SystemExit(2)
     with StopRequest(on_exit=(lambda: unlock_run(out)) if is_main else None) as stop:    # SIGTERM, SIGINT, no launcher
         try: return _train(cfg, rec, changed, is_main, stop)
@@ -140,6 +177,12 @@ def main(argv=None) -> dict:
             if is_main and (now := read_run(out)):                          # recorded while the lock is held
                 stops = [*now.get('stops', []), {'at': time.strftime('%FT%T'), 'what': str(e)}]
                 write_json(out / 'run.json', {**now, 'status': 'stopped', 'stops': stops})
+        except (RunDirError, RunFailed) as e:          # a run directory it may not continue; a run with nothing to keep
+            if is_main: print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2 if isinstance(e, RunDirError) else 1)
+        except OSError as e:                           # a full or read-only disk: what was written whole stays
+            print(_disk_refused(e), file=sys.stderr)
+            raise SystemExit(2)
         finally:
             if is_main: unlock_run(out)
     if is_main: print(f"{stopped}; {out} is released: continue with --resume (exit status {EXIT_PREEMPTED})")

@@ -35,7 +35,8 @@ from .files import (json_problem, file_sha256, write_atomic, write_json, fsync_p
 from .runs import TrainConfig, launch_problems, Preempted, StopRequest
 
 # %% auto #0
-__all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'rotate_checkpoints', 'Trainer', 'timed']
+__all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'whole_or_nothing', 'rotate_checkpoints', 'Trainer',
+           'timed']
 
 # %% ../nbs/10_trainer.ipynb #0ebcce23
 def _frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
@@ -98,6 +99,24 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(train)} samples)")
     return _RunParts(tok, features, embed, lm_head, train, ev, dcfg)
 
+# %% ../nbs/10_trainer.ipynb #85a089f2
+class _Cut:
+    "The samples of `dataset` cut to their first `max_length` tokens."
+    def __init__(self, dataset, max_length: int): self.dataset, self.max_length = dataset, max_length
+    def __len__(self): return len(self.dataset)
+    def __getitem__(self, i: int) -> dict:
+        return {k: v[:self.max_length] if k in ('input_ids', 'loss_mask', 'context') else v
+                for k, v in self.dataset[i].items()}
+
+def _cut_cache(cache: CacheDataset, max_length: int):
+    "`cache`, its samples cut to `max_length` tokens when it was written with a larger (or unrecorded) max length."
+    written = cache.manifest.get('data', {}).get('max_length')
+    if written is not None and written <= max_length: return cache
+    if int(os.environ.get('RANK', '0')) == 0:
+        print(f"cache {cache.path}: written with max_length {written or '(not recorded)'}; its samples are cut to "
+              f"--max-length {max_length}")
+    return _Cut(cache, max_length)
+
 # %% ../nbs/10_trainer.ipynb #ebc581f4
 def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     "The sample order of an epoch: a permutation seeded by (seed, epoch)."
@@ -119,7 +138,7 @@ def _rank_micro_batches(ids: list[int], rank: int, world: int, micro: int) -> li
 # %% ../nbs/10_trainer.ipynb #a756897e
 _CKPT = re.compile(r'^step-(\d+)$')
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RunDirError):
     "A checkpoint that is missing files, corrupt, or not of this format."
 
 def checkpoint_dirs(out) -> list[Path]:
@@ -144,6 +163,17 @@ def verify_checkpoint(d) -> dict:
     return st
 
 _complete_checkpoints = checkpoint_dirs
+
+# %% ../nbs/10_trainer.ipynb #dd239312
+@contextmanager
+def whole_or_nothing(tmp):
+    "Remove directory `tmp` when the block fails; a safetensors I/O error is raised as the `OSError` it wraps."
+    try: yield Path(tmp)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, SafetensorError) and (m := re.search(r'os error (\d+)\) at path "([^"]*)"', str(e))):
+            raise OSError(int(m[1]), os.strerror(int(m[1])), m[2]) from e
+        raise
 
 # %% ../nbs/10_trainer.ipynb #9d7168c8
 def _whole_state(**kw) -> StateDictOptions:
@@ -187,16 +217,17 @@ def _save_checkpoint(accelerator: Accelerator, out, step: int, model, opt, sched
     moments = get_optimizer_state_dict(model, getattr(opt, 'optimizer', opt), options=gathered)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        tensors, opt_meta = _flat_optimizer(moments)
-        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / 'model.safetensors')
-        save_file(tensors, tmp / 'optimizer.safetensors')
-        files = {}
-        for name in ('model.safetensors', 'optimizer.safetensors'):
-            fsync_path(tmp / name)
-            files[name] = {'bytes': (tmp / name).stat().st_size, 'sha256': file_sha256(tmp / name)}
-        write_json(tmp / 'trainer_state.json', {**state, 'optimizer': opt_meta, 'scheduler': sched.state_dict(),
-                                                'files': files})
+        with whole_or_nothing(tmp):
+            tmp.mkdir(parents=True)
+            tensors, opt_meta = _flat_optimizer(moments)
+            save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / 'model.safetensors')
+            save_file(tensors, tmp / 'optimizer.safetensors')
+            files = {}
+            for name in ('model.safetensors', 'optimizer.safetensors'):
+                fsync_path(tmp / name)
+                files[name] = {'bytes': (tmp / name).stat().st_size, 'sha256': file_sha256(tmp / name)}
+            write_json(tmp / 'trainer_state.json', {**state, 'optimizer': opt_meta, 'scheduler': sched.state_dict(),
+                                                    'files': files})
         old = d / f'.step-{step:07d}.replaced'    # the same step from before a resume that fell back past it
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -239,21 +270,48 @@ def _sums_metrics(s: ObjectiveSums, prefix: str = '') -> dict:
     m.update({f'{prefix}acc_{k}': a for k, a in enumerate(s.accuracy.tolist()) if k >= 1})
     return m
 
+def _csv_steps(path) -> list[int]:
+    "The steps logged in a metrics CSV (a torn last line left out)."
+    if not Path(path).is_file(): return []
+    return [int(float(r[0])) for r in _csv_table(path)[1]]
+
+# %% ../nbs/10_trainer.ipynb #d25e1460
+def _row_problem(row: list[str], header: list[str]) -> str | None:
+    "What is wrong with a metrics row: NUL bytes, a field count other than the header's, no step number first."
+    if any('\x00' in v for v in row): return "NUL bytes"
+    if len(row) != len(header): return f"{len(row)} fields, the header has {len(header)}"
+    try: float(row[0])
+    except ValueError: return f"step {row[0]!r} is not a number"
+    return None
+
+def _csv_table(path) -> tuple[list[str], list[list[str]], str | None]:
+    """(header, rows, what was wrong with a last line left out) of a metrics CSV: a last line cut off mid-write is
+    left out; a bad line before it is a `RunDirError` naming the file and the line."""
+    text = Path(path).read_bytes().decode('utf-8', errors='replace')
+    lines = text.split('\n')
+    torn = lines.pop() or None                        # after the last newline: nothing, or a line cut short
+    rows = list(csv.reader(lines))
+    if torn is not None: torn = f"no end of line{', NUL bytes' if chr(0) in torn else ''}"
+    elif rows and (bad := _row_problem(rows[-1], rows[0])): torn = bad
+    if torn is not None and rows and text.endswith('\n'): rows.pop()
+    if not rows: return [], [], torn
+    for i, r in enumerate(rows[1:], 2):
+        if bad := _row_problem(r, rows[0]): raise RunDirError(f"{path}:{i}: not a metrics row ({bad})")
+    return rows[0], rows[1:], torn
+
 def _truncate_csv(path, last_step: int):
-    "Drop the rows of a metrics CSV after `last_step` (a resume continues from there), rewriting it whole."
+    """Drop the rows of a metrics CSV after `last_step` (a resume continues from there) and a torn last line, saying
+    so, rewriting it whole (removing it when not even its header is whole)."""
     path = Path(path)
     if not path.is_file(): return
-    with open(path, newline='') as f: rows = list(csv.reader(f))
-    if not rows: return
-    keep = [r for r in rows[1:] if r and int(float(r[0])) <= last_step]
-    if len(keep) == len(rows) - 1: return
-    lines = [','.join(rows[0])] + [','.join(r) for r in keep]
-    write_atomic(path, '\n'.join(lines) + '\n')
-
-def _csv_steps(path) -> list[int]:
-    "The steps logged in a metrics CSV."
-    if not Path(path).is_file(): return []
-    return [int(float(r['step'])) for r in csv.DictReader(open(path, newline=''))]
+    header, rows, torn = _csv_table(path)
+    if torn: print(f"{path}: its last line was cut off mid-write ({torn}); dropped")
+    keep = [r for r in rows if int(float(r[0])) <= last_step]
+    if len(keep) == len(rows) and not torn: return
+    if not header: return path.unlink()
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator='\n').writerows([header, *keep])
+    write_atomic(path, buf.getvalue())
 
 # %% ../nbs/10_trainer.ipynb #6042605f
 def _online_fit(target_config, drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int, *,
@@ -417,7 +475,7 @@ def train_step(self: Trainer) -> dict:
     else:
         self.bad_steps += 1
         if self.bad_steps >= c.max_bad_steps:
-            raise RuntimeError(f"step {self.step}: {self.bad_steps} non-finite steps in a row "
+            raise RunFailed(f"step {self.step}: {self.bad_steps} non-finite steps in a row "
                                f"(loss {g.loss_sum.item()}, grad norm {float(grad_norm)}); "
                                f"stopping (max_bad_steps={c.max_bad_steps})")
     self.opt.zero_grad(set_to_none=True)
@@ -489,6 +547,24 @@ def resume(self: Trainer) -> Path | None:
     if problems: raise CheckpointError(f"{self.out}: no intact checkpoint to resume from:\n  " + '\n  '.join(problems))
     return None
 
+# %% ../nbs/10_trainer.ipynb #cf7cd490
+@patch
+def restore(self: Trainer) -> Path | None:
+    """On --resume, once (every process): load the newest intact checkpoint and cut the metrics files back to its step;
+    refuse a run whose metrics were logged with no checkpoint left. The checkpoint loaded, or None."""
+    if not self.cfg.resume or getattr(self, '_restored', False): return None
+    self._restored, main = True, self.acc.is_main_process
+    where = self.resume()
+    if where is None and (logged := _csv_steps(self.out / 'metrics.csv')):
+        raise RunDirError(f"{self.out}: metrics.csv logs steps {logged[0]}..{logged[-1]} but no checkpoint is left to "
+                          f"resume from; training again from step 0 would log over them: start a new run with "
+                          f"--overwrite (the old one is moved aside) or another --out")
+    if where and main:
+        print(f"resumed from {where} at step {self.step}")
+        for f in ('metrics.csv', 'eval.csv'): _truncate_csv(self.out / f, self.step)
+    self.acc.wait_for_everyone()
+    return where
+
 # %% ../nbs/10_trainer.ipynb #8ae0131f
 @patch
 def whole_drafter(self: Trainer) -> DFlashDrafter | None:
@@ -508,8 +584,9 @@ def export(self: Trainer):
         if self.acc.is_main_process:
             tmp, final, old = self.out / '.drafter.partial', self.out / 'drafter', self.out / '.drafter.old'
             shutil.rmtree(tmp, ignore_errors=True)
-            drafter.save_pretrained(tmp)
-            for f in tmp.iterdir(): fsync_path(f)
+            with whole_or_nothing(tmp):
+                drafter.save_pretrained(tmp)
+                for f in tmp.iterdir(): fsync_path(f)
             shutil.rmtree(old, ignore_errors=True)
             if final.exists(): os.rename(final, old)
             os.rename(tmp, final)
@@ -552,11 +629,7 @@ def fit(self: Trainer, stop: StopRequest | None = None) -> dict:
     step boundary, raising `Preempted` when set."""
     c, acc, main = self.cfg, self.acc, self.acc.is_main_process
     if main: self.out.mkdir(parents=True, exist_ok=True)
-    if c.resume and (where := self.resume()):
-        if main:
-            print(f"resumed from {where} at step {self.step}")
-            for f in ('metrics.csv', 'eval.csv'): _truncate_csv(self.out / f, self.step)
-    acc.wait_for_everyone()
+    self.restore()
     resumed_at = self.step
     project = 'tensorboard' if c.report_to == 'tensorboard' else 'dflash'    # tensorboard alone: out/tensorboard
     acc.init_trackers(project, config={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
@@ -586,6 +659,10 @@ def fit(self: Trainer, stop: StopRequest | None = None) -> dict:
         if c.save_every and self.step % c.save_every == 0 and self.save(): saved_at = self.step
         if eval_due(self.step): ev = self._eval_and_log()
     bar.close()
+    if self.step and self.bad_steps == self.step:                  # no step changed the drafter: nothing to keep
+        raise RunFailed(f"none of the {self.step} steps had a finite loss and gradient norm, so the drafter is still "
+                        f"its random initialisation: nothing is checkpointed or exported; lower --lr or check the "
+                        f"data, then start again (--overwrite)")
     # every process must take the same branches (they hold collectives), so they are decided from state all share,
     # never from files the main process is writing meanwhile
     if self.step > resumed_at: self.save(final=True)           # 1. the final checkpoint (unless resumed from it)

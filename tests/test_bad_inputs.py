@@ -542,13 +542,15 @@ def test_non_finite_steps_keep_the_last_good_checkpoint(tmp_path, capsys, finish
     from dflash.trainer import verify_checkpoint, checkpoint_dirs
     run = _copy(finished, tmp_path / 'run')
     shutil.rmtree(run / 'checkpoints' / 'step-0000004')
-    with pytest.raises(RuntimeError, match='non-finite steps in a row'):
+    with pytest.raises(SystemExit) as e:
         train_main(['--out', str(run), '--resume', '--lr', '1e30', '--max-grad-norm', '1e30', '--max-steps', '40',
                     '--save-every', '1', '--keep-checkpoints', '1', '--max-bad-steps', '3', '--eval-every', '0'])
+    said = capsys.readouterr()
+    assert e.value.code == 1 and 'error: step' in said.err and '3 non-finite steps in a row' in said.err, said.err
     good = [d for d in checkpoint_dirs(run) if verify_checkpoint(d)['bad_steps'] == 0]
     assert good, "a good checkpoint survives"
     assert all(verify_checkpoint(d)['bad_steps'] == 0 for d in checkpoint_dirs(run)), "none written mid-streak"
-    assert 'no checkpoint during' in capsys.readouterr().out
+    assert 'no checkpoint during' in said.out
     assert not (run / '.lock').exists(), "the lock is released when the run fails"
 
 

@@ -162,3 +162,23 @@ def test_rerun_with_other_options_is_refused(small_data, tmp_path):
     foreign.write_text('{"messages": []}\n')
     with pytest.raises(ValueError, match='not written by this command'):
         regenerate(RegenConfig(data=str(small_data), out=str(foreign), progress=False))
+
+
+def test_second_regeneration_into_one_out_is_refused(small_data, tmp_path, capsys):
+    "A regeneration holds `OUT.lock` while it writes: another one into the same --out is refused, naming the holder."
+    from dflash.regenerate import main
+    out, lock = tmp_path / 'o.jsonl', tmp_path / 'o.jsonl.lock'
+    argv = ['--data', str(small_data), '--out', str(out), '--batch-size', '12', '--max-new-tokens', '4', '--no-progress']
+    holder = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+    try:
+        lock.write_text(json.dumps({'pid': holder.pid, 'host': socket.gethostname(), 'started': 'now'}))
+        with pytest.raises(SystemExit) as e: main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"error: --out {out} is in use by process {holder.pid}" in err, err
+        assert not out.exists() and not index_path(out).exists() and lock.is_file(), "the holder's output is left alone"
+    finally:
+        holder.kill()
+        holder.wait()
+    main(argv)                                                     # its holder gone: the stale lock is taken over
+    assert 'taking over its stale lock' in capsys.readouterr().out
+    assert out.is_file() and not lock.exists()
