@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_trainer.ipynb #132bd6a8
 from __future__ import annotations
-import csv, os, re, resource, shutil, time
+import csv, io, os, re, resource, shutil, time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
@@ -15,7 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from fastcore.basics import patch
-from safetensors import safe_open
+from safetensors import safe_open, SafetensorError
 from safetensors.torch import save_file, load_file
 from tqdm.auto import tqdm
 from accelerate import Accelerator
@@ -32,7 +32,7 @@ from .chat import ChatDataset
 from .features import CacheDataset, TargetFeatures, collate, target_identity
 from .files import (json_problem, file_sha256, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir,
                           resolve_local)
-from .runs import TrainConfig, launch_problems, Preempted, StopRequest
+from .runs import TrainConfig, launch_problems, Preempted, StopRequest, RunDirError, RunFailed
 
 # %% auto #0
 __all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'whole_or_nothing', 'rotate_checkpoints', 'Trainer',
@@ -84,6 +84,7 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
         ids = train.manifest['layer_ids']
         if cfg.target_layer_ids is not None and list(cfg.target_layer_ids) != ids:
             raise ValueError(f"cache {cfg.cache} holds target layers {ids}, not the requested {cfg.target_layer_ids}")
+        train = _cut_cache(train, cfg.max_length)
         dcfg = DrafterConfig.from_target(AutoConfig.from_pretrained(target), tokenizer=tok, target_layer_ids=ids, **dkw)
         embed, lm_head = embed.to(device), lm_head.to(device)
     else:
