@@ -56,9 +56,9 @@ def toy_profile(resolve: bool = True) -> dict:
 
 
 # %% ../nbs/11_train.ipynb #44a8a7d8
-def _spec_tau(trainer) -> dict | None:
-    """Speculative-decoding acceptance on the held-out prompts, greedy, and its τ at T = 1 with seeds 0 and 1 under
-    'sampled' (main process; None when not measurable)."""
+def _spec_tau(trainer, sampled: bool = True) -> dict | None:
+    """Speculative-decoding acceptance on the held-out prompts, greedy, and (`sampled`) its τ at T = 1 with seeds 0
+    and 1 under 'sampled' (main process; None when not measurable)."""
     from dflash.speculate import eval_prompts, acceptance_eval
     c, p = trainer.cfg, trainer.parts
     eval_path = c.eval_data or (str(toy_data_dir() / 'eval.jsonl') if c.target is None else None)
@@ -71,8 +71,9 @@ def _spec_tau(trainer) -> dict | None:
     run = lambda **kw: acceptance_eval(p.features.model, drafter, prompts, max_new_tokens=c.spec_new_tokens,
                                        stop_token_ids=[p.tokenizer.eos_token_id], **kw)
     r = run()                                            # greedy
-    taus = [run(temperature=1., seed=s)['tau'] for s in (0, 1)]
-    r['sampled'] = {'temperature': 1., 'seeds': [0, 1], 'tau': taus, 'spread': abs(taus[0] - taus[1])}
+    if sampled:
+        taus = [run(temperature=1., seed=s)['tau'] for s in (0, 1)]
+        r['sampled'] = {'temperature': 1., 'seeds': [0, 1], 'tau': taus, 'spread': abs(taus[0] - taus[1])}
     drafter.train(was_training)
     return r
 
@@ -106,8 +107,8 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
     if is_main: write_json(out / 'run.json', record)     # the run has started
     seconds = {'start-up, target and data': time.perf_counter() - t_start}
     if is_main: print(f"layer checkpointing: {trainer.policy}; CPU threads: {threads} per process ({why})")
-    if 'spec_before' not in record:
-        with timed(seconds, 'tau before training'): record['spec_before'] = _spec_tau(trainer)
+    if 'spec_before' not in record:                      # untrained: greedy only (τ is 1 at any T)
+        with timed(seconds, 'tau before training'): record['spec_before'] = _spec_tau(trainer, sampled=False)
         if is_main: write_json(out / 'run.json', record)
     trainer.acc.wait_for_everyone()
     t0 = time.perf_counter()
