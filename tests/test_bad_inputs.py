@@ -613,7 +613,7 @@ def test_data_every_bad_option_in_one_error(tmp_path, capsys):
     (['regenerate', '--n', 'many'], "--n = 'many' (command line): not an integer"),
     (['data', '--processes', '0'], "--processes = [0]: allowed >= 1"),
     (['gpu', '--dry-run', '--seed', '1'], "--seed: unknown option"),
-    (['atention'], "'atention': unknown command; one of attention, scaling, step, train, regenerate, data, gpu"),
+    (['atention'], "'atention': unknown command; one of attention, scaling, step, train, regenerate, data, quality, gpu"),
 ], ids=['seq-len-0', 'layout', 'budget', 'seq-lens', 'policy', 'threads', 'machines-0', 'machines-split',
         'batch-split', 'no-measured-step', 'n-text', 'processes-0', 'option-of-another-command', 'unknown-command'])
 def test_bench_bad_option(capsys, argv, expect):
