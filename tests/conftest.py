@@ -1,5 +1,28 @@
+import hashlib
+from pathlib import Path
 import pytest, torch
 from dflash.config import DrafterConfig
+
+# --- running the commands in-process ---------------------------------------------------------------------------------
+SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4', '--lr', '3e-3',
+         '--attention', 'eager', '--log-every', '1', '--spec-eval-prompts', '0', '--seed', '3',
+         '--progress-bar', 'false']
+
+
+def refused(capsys, main, argv, *expect, code=2) -> str:
+    "Run a command's `main` in-process; it must exit with `code` and print every `expect` on stderr, no traceback."
+    with pytest.raises(SystemExit) as e: main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == code, err
+    for x in expect: assert x in err, (x, err)
+    assert 'Traceback' not in err
+    return err
+
+
+def tree(d) -> dict:
+    "Every file under `d` with its SHA-256: a run's outputs, to compare before and after."
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(d).rglob('*'))
+            if p.is_file()}
 
 
 @pytest.fixture

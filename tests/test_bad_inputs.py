@@ -1,7 +1,7 @@
 """Bad inputs and faults, tried as a user meets them: each gets a named error before training, or the run's outputs
 are preserved. Option and run-directory cases call the commands' `main` in-process (that is all the command does before
 it would load a model); cases that need a trained run share one small real run on the toy target."""
-import hashlib, json, os, pickle, shutil, subprocess, sys
+import json, os, pickle, shutil, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from safetensors.torch import load_file
@@ -11,26 +11,7 @@ from dflash.plan import main as plan_main
 from dflash.speculate import main as speculate_main
 from dflash.chat import DataError, read_jsonl
 from dflash.data import main as data_main
-
-SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4', '--lr', '3e-3',
-         '--attention', 'eager', '--log-every', '1', '--spec-eval-prompts', '0', '--seed', '3',
-         '--progress-bar', 'false']
-
-
-def refused(capsys, main, argv, *expect, code=2) -> str:
-    "Run a command's `main` in-process; it must exit with `code` and print every `expect` on stderr."
-    with pytest.raises(SystemExit) as e: main(argv)
-    assert e.value.code == code
-    err = capsys.readouterr().err
-    for x in expect: assert x in err, (x, err)
-    return err
-
-
-def tree(d) -> dict:
-    "Every file under `d` with its SHA-256: a run's outputs, to compare before and after."
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(d).rglob('*'))
-            if p.is_file()}
-
+from conftest import SMALL, refused, tree
 
 @pytest.fixture(scope='module')
 def files(tmp_path_factory):

@@ -10,16 +10,11 @@ import pytest, torch
 from safetensors.torch import load_file, save_file
 from dflash.files import toy_target_dir, toy_data_dir
 from dflash.train import main as train_main
+import conftest
+from conftest import refused, tree
 
-SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4', '--lr', '3e-3',
-         '--attention', 'eager', '--log-every', '1', '--spec-eval-prompts', '0', '--seed', '3',
-         '--progress-bar', 'false', '--report-to', 'none']
+SMALL = conftest.SMALL + ['--report-to', 'none']          # no tracker directory in the runs compared
 RUN = SMALL + ['--max-steps', '4', '--save-every', '2', '--keep-checkpoints', '3', '--eval-every', '0']
-
-
-def tree(d) -> dict:
-    "Every file under `d` with its bytes: a run's outputs, to compare before and after."
-    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(Path(d).rglob('*')) if p.is_file()}
 
 
 def losses(run) -> dict[int, float]:
@@ -29,15 +24,6 @@ def losses(run) -> dict[int, float]:
 def same_weights(a, b) -> bool:
     a, b = load_file(a), load_file(b)
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def refused(capsys, argv, *expect, code=2) -> str:
-    with pytest.raises(SystemExit) as e: train_main(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == code, err
-    for x in expect: assert x in err, (x, err)
-    assert 'Traceback' not in err
-    return err
 
 
 @pytest.fixture(scope='module')
@@ -87,7 +73,7 @@ def test_data_changed_in_place_is_refused_unless_accepted(tmp_path, capsys, fini
     before = tree(run)
     try:
         data.write_text(kept.replace('"content": "', '"content": "Well, ', 1))    # one turn of one conversation
-        refused(capsys, ['--out', str(run), '--resume'], f"--data: {data} changed since the run started (SHA-256",
+        refused(capsys, train_main, ['--out', str(run), '--resume'], f"--data: {data} changed since the run started (SHA-256",
                 "pass --accept-changed-data to go on with the data as it is now")
         assert tree(run) == before, "nothing of the run is touched"
         train_main(['--out', str(run), '--resume', '--accept-changed-data'])
@@ -104,7 +90,7 @@ def test_metrics_without_a_checkpoint_are_refused(tmp_path, capsys, finished):
     run = _copy(finished, tmp_path / 'run')
     shutil.rmtree(run / 'checkpoints')
     before = tree(run)
-    refused(capsys, ['--out', str(run), '--resume'], 'metrics.csv logs steps 1..4 but no checkpoint is left',
+    refused(capsys, train_main, ['--out', str(run), '--resume'], 'metrics.csv logs steps 1..4 but no checkpoint is left',
             '--overwrite')
     assert tree(run) == before and not (run / '.lock').exists()
 
@@ -166,7 +152,7 @@ def test_run_with_no_finite_step_fails_and_exports_nothing(tmp_path, capsys, fin
     w[name][0, 0] = float('inf')
     save_file(w, target / 'model.safetensors', metadata={'format': 'pt'})
     run = tmp_path / 'run'
-    refused(capsys, ['--out', str(run), '--target', str(target), '--data', str(finished.parent / 'train.jsonl'), *SMALL,
+    refused(capsys, train_main, ['--out', str(run), '--target', str(target), '--data', str(finished.parent / 'train.jsonl'), *SMALL,
                      '--max-steps', '2', '--save-every', '1'],
             'none of the 2 steps had a finite loss and gradient norm', 'nothing is checkpointed or exported', code=1)
     assert not (run / 'drafter').exists() and not (run / 'checkpoints').exists() and not (run / '.lock').exists()
