@@ -35,7 +35,7 @@ class DataStats:
     template_rejected: int = 0  # skipped: the chat template raised on it (e.g. roles out of the order it allows)
     no_anchor: int = 0          # skipped: no two consecutive supervised tokens (after truncation)
     truncated: int = 0          # kept, cut to max_length
-    truncated_tokens: int = 0   # tokens cut off
+    truncated_tokens: int = 0   # tokens cut off (of a long conversation: of the turns rendered)
     tokens: int = 0             # tokens kept
     supervised_tokens: int = 0  # loss-masked tokens kept
     errors: list = field(default_factory=list)  # the first few reasons for skipped lines
@@ -149,7 +149,8 @@ _PROBE = ('dflash-probe-user-1', 'dflash-probe-reply-1', 'dflash-probe-user-2', 
 def _template_text(tokenizer) -> str:
     t = tokenizer.chat_template
     if isinstance(t, dict): t = t.get('default', '')     # named templates
-    if not t: raise _TemplateError("the tokenizer has no chat template; pass --chat-template FILE")
+    if not t: raise _TemplateError("the tokenizer has no chat template: add the model's (a chat_template.jinja next to "
+                                  "tokenizer_config.json), or pass --chat-template FILE to `python -m dflash.data`")
     return t
 
 def _render(tokenizer, messages, gen=False, **template_kw) -> str:
@@ -215,6 +216,8 @@ def _assistant_spans(tokenizer, messages: list[dict], where: str = 'conversation
     return text, spans
 
 # %% ../nbs/08_chat.ipynb #4f389f13
+_CHARS_PER_TOKEN = 8     # a conversation with fewer characters than this per kept token is rendered whole at once
+
 def tokenize_chat(tokenizer, messages: list[dict], where: str = 'conversation', tools=None,
                   **template_kw) -> tuple[Tensor, Tensor]:
     "Token ids (S,) long and assistant loss mask (S,) bool of a conversation rendered once by the chat template."
@@ -231,6 +234,27 @@ def tokenize_chat(tokenizer, messages: list[dict], where: str = 'conversation', 
     for s, e in spans: mask |= (off[:, 0] < e) & (off[:, 1] > s)       # tokens overlapping the reply
     return torch.tensor(enc['input_ids'], dtype=torch.long), torch.from_numpy(mask)
 
+def _agree(a: tuple, b: tuple) -> bool: return all(torch.equal(x, y) for x, y in zip(a, b))
+
+def _tokenize_kept(tokenizer, messages: list[dict], max_length: int, where: str = 'conversation', tools=None,
+                   **template_kw) -> tuple[Tensor, Tensor]:
+    """`tokenize_chat` of as many leading turns as the first `max_length` tokens need: prefixes of 2, 4, 8, …
+    messages until two successive ones render past `max_length` and agree on those tokens (ids and mask), else the
+    whole conversation. Only a conversation whose text alone could fill `max_length` takes the prefixes."""
+    if sum(len(str(m.get('content') or '')) for m in messages) <= _CHARS_PER_TOKEN * max_length:
+        return tokenize_chat(tokenizer, messages, where, tools, **template_kw)
+    seen = None
+    k = 2
+    while k < len(messages):
+        try: ids, mask = tokenize_chat(tokenizer, messages[:k], where, tools, **template_kw)
+        except _TemplateError: ids = None                   # a prefix the template rejects (a call without its result)
+        if ids is not None and len(ids) > max_length:
+            head = (ids[:max_length], mask[:max_length])
+            if seen is not None and _agree(seen, head): return ids, mask
+            seen = head
+        k *= 2
+    return tokenize_chat(tokenizer, messages, where, tools, **template_kw)
+
 def tokenize_conversation(tokenizer, messages: list[dict], *, max_length: int = 3072, where: str = 'conversation',
                           stats: DataStats | None = None, tools=None, **template_kw) -> dict | None:
     "`{'input_ids', 'loss_mask'}` truncated to `max_length`, or None when skipped (counted in `stats`)."
@@ -238,7 +262,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], *, max_length: int = 
     if not any(m['role'] == 'assistant' and ((m['content'] or '').strip() or m.get('tool_calls')) for m in messages):
         stats.skip('no_supervised', f"{where}: no assistant turn to supervise")
         return None
-    try: ids, mask = tokenize_chat(tokenizer, messages, where, tools, **template_kw)
+    try: ids, mask = _tokenize_kept(tokenizer, messages, max_length, where, tools, **template_kw)
     except _TemplateError as e:
         stats.skip('template_rejected', str(e))
         return None

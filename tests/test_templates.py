@@ -4,7 +4,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from transformers import PreTrainedTokenizerFast
-from dflash.chat import ChatDataset, tokenize_chat
+from dflash.chat import ChatDataset, tokenize_chat, tokenize_conversation
 
 FIXTURES = Path(__file__).parent / 'fixtures' / 'templates'
 CITY = {'type': 'object', 'properties': {'city': {'type': 'string'}}}
@@ -151,6 +151,50 @@ def test_many_random_conversations(toks, name):
         want = [(' ' if name == 'mistral-v0.3' else '') + t + eot for t in turns[1::2]]
         if name == 'qwen3': want[-1] = '<think>\n\n</think>\n\n' + want[-1]
         check(tok, msgs, want)
+
+
+def long_chat(rng, name, turns, system):
+    "A random conversation of `turns` exchanges; on Qwen3 every reply has reasoning (kept after the last user turn)."
+    from conftest import chat_sentence
+    msgs = [{'role': 'system', 'content': 'be brief'}] if system else []
+    for _ in range(turns):
+        reply = {'role': 'assistant', 'content': chat_sentence(rng, int(rng.integers(3, 40)))}
+        if name == 'qwen3': reply['reasoning_content'] = chat_sentence(rng)
+        msgs += [{'role': 'user', 'content': chat_sentence(rng, int(rng.integers(3, 40)))}, reply]
+    return msgs
+
+
+@pytest.mark.parametrize('name', TEMPLATES)
+def test_long_conversation_keeps_what_the_whole_rendering_keeps(toks, name):
+    """Conversations past max_length, rendered only as far as needed: ids and mask equal the whole rendering's first
+    max_length, also where a template renders a turn by what follows it (Qwen3's reasoning, Mistral's system)."""
+    tok, rng = toks[name], np.random.default_rng(11)
+    for case in range(24):
+        msgs = long_chat(rng, name, int(rng.integers(1, 30)), system=case % 2 == 0)
+        max_length = int(rng.integers(8, 400))
+        ids, mask = tokenize_chat(tok, msgs)
+        s = tokenize_conversation(tok, msgs, max_length=max_length)
+        if s is None:                                              # nothing supervised within max_length
+            assert mask[:max_length].sum() < 2, (case, max_length)
+            continue
+        assert s['input_ids'].tolist() == ids[:max_length].tolist(), (case, max_length)
+        assert s['loss_mask'].tolist() == mask[:max_length].tolist(), (case, max_length)
+
+
+@pytest.mark.parametrize('name', TEMPLATES)
+def test_a_100000_turn_conversation_renders_only_its_first_turns(toks, name, monkeypatch):
+    "Time in proportion to what is kept: at max_length 128, no rendering of more than a few dozen messages."
+    tok = toks[name]
+    msgs = long_chat(np.random.default_rng(0), name, 50_000, system=True)
+    rendered = []
+    render = tok.apply_chat_template
+    def counting(conversation, *a, **kw):
+        rendered.append(len(conversation))
+        return render(conversation, *a, **kw)
+    monkeypatch.setattr(tok, 'apply_chat_template', counting)
+    s = tokenize_conversation(tok, msgs, max_length=128)
+    assert len(s['input_ids']) == 128 and s['loss_mask'].any()
+    assert max(rendered) <= 64, sorted(set(rendered))
 
 
 def test_template_that_rejects_a_conversation_is_counted(tmp_path, toks):
