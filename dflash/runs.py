@@ -4,7 +4,7 @@
 
 # %% ../nbs/09b_runs.ipynb #6b350687
 from __future__ import annotations
-import dataclasses, importlib.util, json, os, signal, threading, time
+import dataclasses, importlib.util, json, os, time
 from dataclasses import dataclass
 from pathlib import Path
 from .options import option, flag
@@ -13,9 +13,9 @@ from .files import model_dir_problems, json_problem, resolve_local, file_sha256
 from .locks import LockError, take_lock, start_heartbeat, release_lock
 
 # %% auto #0
-__all__ = ['TRACKERS', 'LOSSES', 'RUN_ACTIONS', 'EXIT_PREEMPTED', 'TrainConfig', 'launch_problems', 'policy_problem',
-           'check_train', 'RunDirError', 'RunFailed', 'read_run', 'unlock_run', 'claim_run', 'resume_changes',
-           'absolute_paths', 'data_checksums', 'data_changes', 'Preempted', 'StopRequest']
+__all__ = ['TRACKERS', 'LOSSES', 'RUN_ACTIONS', 'TrainConfig', 'launch_problems', 'policy_problem', 'check_train', 'RunDirError',
+           'RunFailed', 'read_run', 'unlock_run', 'claim_run', 'resume_changes', 'absolute_paths', 'data_checksums',
+           'data_changes']
 
 # %% ../nbs/09b_runs.ipynb #4745fd52
 TRACKERS = {'tensorboard': 'tensorboard', 'none': None, 'all': None, 'wandb': 'wandb', 'mlflow': 'mlflow',
@@ -267,50 +267,3 @@ def data_changes(stored: dict, now: dict) -> list[str]:
     "Each data file of `now` whose checksum differs from `stored`'s (both from `data_checksums`), as a message."
     return [f"{flag(k)}: {now[k]['path']} changed since the run started (SHA-256 {now[k]['sha256'][:12]}…, was "
             f"{v.get('sha256', '?')[:12]}…)" for k, v in stored.items() if k in now and now[k]['sha256'] != v.get('sha256')]
-
-# %% ../nbs/09b_runs.ipynb #556d377e
-EXIT_PREEMPTED = 75            # sysexits' EX_TEMPFAIL: stopped on request at a step boundary; continue with --resume
-
-class Preempted(Exception):
-    "The run stopped at a step boundary on a signal or its launcher's exit; the message says what was saved."
-
-_LAUNCHER_VARS = ('ACCELERATE_DYNAMO_BACKEND', 'TORCHELASTIC_RUN_ID')   # what accelerate launch, torchrun set
-
-class StopRequest:
-    """While in a `with` block: the first SIGTERM or SIGINT, or the exit of the launcher that started this process
-    (checked every `watch_every` seconds), asks the run to stop at the next step boundary (`bool(stop)`, `stop.reason`).
-    Another signal within `grace_s` seconds is the same request (a launcher forwarding what its process group already
-    got); one after that exits at once, status 128 + its number, after `on_exit`. Leaving the block restores the
-    handlers."""
-    def __init__(self, on_exit=None, grace_s: float = 2.0, watch_every: float = 0.5):
-        self.reason, self.at, self.on_exit, self.grace_s, self.watch_every = None, None, on_exit, grace_s, watch_every
-        self._done = threading.Event()
-
-    def __bool__(self) -> bool: return self.reason is not None
-
-    def request(self, reason: str):
-        "Ask for a stop (the first reason is kept)."
-        if self.reason is None: self.reason, self.at = reason, time.monotonic()
-
-    def _on_signal(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.reason is not None and time.monotonic() - self.at > self.grace_s:
-            if self.on_exit: self.on_exit()
-            os.write(2, f"{name} again: exiting at once (status {128 + signum})\n".encode())
-            os._exit(128 + signum)
-        self.request(name)
-
-    def _watch(self, parent: int):
-        while os.getppid() == parent:
-            if self._done.wait(self.watch_every): return
-        self.request(f"the exit of its launcher (process {parent})")
-
-    def __enter__(self) -> StopRequest:
-        self._before = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}  # main thread
-        if any(v in os.environ for v in _LAUNCHER_VARS):    # a launcher's child (not a shell's: nohup outlives that)
-            threading.Thread(target=self._watch, args=(os.getppid(),), daemon=True, name='dflash-launcher-watch').start()
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self._before.items(): signal.signal(s, h)
-        self._done.set()

@@ -9,9 +9,9 @@ from dataclasses import asdict
 from pathlib import Path
 import yaml
 from .options import OptionParser, OptionsError, build_options, exit_bad_options
+from .stops import StopRequest, Preempted, EXIT_PREEMPTED
 from .runs import (TrainConfig, check_train, read_run, resume_changes, claim_run, unlock_run, RunDirError,
-                         StopRequest, Preempted, EXIT_PREEMPTED, RUN_ACTIONS, RunFailed, absolute_paths, data_checksums,
-                         data_changes)
+                         RUN_ACTIONS, RunFailed, absolute_paths, data_checksums, data_changes)
 from .files import write_json, write_atomic, toy_data_dir
 
 # %% auto #0

@@ -32,7 +32,8 @@ from .chat import ChatDataset
 from .features import CacheDataset, TargetFeatures, collate, target_identity
 from .files import (json_problem, file_sha256, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir,
                           resolve_local)
-from .runs import TrainConfig, launch_problems, Preempted, StopRequest, RunDirError, RunFailed
+from .stops import Preempted, StopRequest
+from .runs import TrainConfig, launch_problems, RunDirError, RunFailed
 
 # %% auto #0
 __all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'whole_or_nothing', 'rotate_checkpoints', 'Trainer',
