@@ -4,12 +4,13 @@
 
 # %% ../nbs/08c_data.ipynb #233c65cd
 from __future__ import annotations
-import sys
+import os, sys
 from dataclasses import dataclass
 from pathlib import Path
 from .files import model_dir_problems, resolve_local
 from .options import Command, option, parse_subcommand, usage_text, OptionsError, exit_bad_options
 from .regenerate import REGENERATE
+from .stops import EXIT_PREEMPTED, Preempted, StopRequest
 from .threads import threads_option
 
 
@@ -126,9 +127,10 @@ def _cache_command(o: CacheOptions):
     device = o.device or (state.device if state.device.type != 'mps' else 'cpu')
     feats = TargetFeatures(o.target, layer_ids=_layer_ids(o.layers) if o.layers else None,
                            num_draft_layers=o.num_draft_layers, dtype=dtype, device=device, tokenizer=tok)
-    man = write_cache(feats, ds, o.out, shard_size=o.shard_size, progress=o.progress, batch_tokens=o.batch_tokens,
-                      final_hidden=o.final_hidden,
-                      data_info={'path': str(o.data), 'max_length': o.max_length, 'stats': ds.stats.as_dict()})
+    info = {'path': str(o.data), 'max_length': o.max_length, 'stats': ds.stats.as_dict()}
+    with StopRequest() as stop:
+        man = write_cache(feats, ds, o.out, shard_size=o.shard_size, progress=o.progress, batch_tokens=o.batch_tokens,
+                          final_hidden=o.final_hidden, data_info=info, stop=stop)
     if state.is_main_process:
         print(f"cache: {o.out} ({man['num_samples']} samples, {man['num_tokens']} tokens, {len(man['shards'])} shards)")
 
@@ -139,5 +141,8 @@ def main(argv=None):
     except (ValueError, FileNotFoundError) as e:                        # DataError and TemplateError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Preempted as e:                                              # SIGTERM, SIGINT: stopped after a shard
+        if int(os.environ.get('RANK', '0')) == 0: print(str(e), file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
 
 if __name__ == '__main__' and '__file__' in globals(): main()

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 from .config import DrafterConfig, default_target_layer_ids
 from .files import file_sha256, json_problem, resolve_local, write_atomic, write_json
+from .stops import Preempted, StopRequest, any_stop
 from .chat import DataStats
 
 # %% auto #0
@@ -219,11 +220,20 @@ def _done_shard(out: Path, k: int, verify: bool = False) -> dict | None:
     ok = f.stat().st_size == rec.get('bytes') and (not verify or file_sha256(f) == rec.get('sha256'))
     return rec if ok else None
 
+def _stopped(out: Path, manifest: dict, stop: StopRequest | None, main: bool):
+    "Record the shards on disk in the manifest (main process) and raise `Preempted` with their count."
+    done = [r for k in range(manifest['num_shards']) if (r := _done_shard(out, k))]
+    if main: write_json(out / 'manifest.json', {**manifest, 'shards': done})
+    raise Preempted(f"stopped by {(stop and stop.reason) or 'a signal to another process'} with {len(done)} of "
+                    f"{manifest['num_shards']} shards in {out}; run the same command again to continue")
+
 def write_cache(features: TargetFeatures, dataset, out, *, shard_size: int = 64, progress: bool = True,
-                data_info: dict | None = None, batch_tokens: int = 8192, final_hidden: bool = False) -> dict:
+                data_info: dict | None = None, batch_tokens: int = 8192, final_hidden: bool = False,
+                stop: StopRequest | None = None) -> dict:
     """Write the context features of every sample of `dataset` to shards in `out` (with `final_hidden`, the target's
     final hidden states too); resume a partial cache. Under accelerate, process r of N writes shards r, r+N, ...;
-    the bytes do not depend on N. Returns the manifest."""
+    the bytes do not depend on N. Returns the manifest. When `stop` is set, each process ends after the shard it is
+    writing and `Preempted` says how many are on disk: the same call again continues."""
     from accelerate import PartialState
     state = PartialState(cpu=not torch.cuda.is_available())   # gloo processes on a CPU machine
     out = Path(out)
@@ -245,6 +255,7 @@ def write_cache(features: TargetFeatures, dataset, out, *, shard_size: int = 64,
     bar = tqdm(total=sum(min(shard_size, n - k * shard_size) for k in todo), unit='sample', desc='cache',
                disable=not progress or not state.is_local_main_process)
     for k in todo:
+        if stop: break
         idx = range(k * shard_size, min(n, (k + 1) * shard_size))
         _write_shard(out / _shard_name(k), _shard_tensors(features, dataset, idx, batch_tokens, final_hidden))
         bar.update(len(idx))
@@ -253,6 +264,7 @@ def write_cache(features: TargetFeatures, dataset, out, *, shard_size: int = 64,
             write_json(out / 'manifest.json', {**manifest, 'shards': done})
     bar.close()
     state.wait_for_everyone()
+    if any_stop(stop, state.num_processes): _stopped(out, manifest, stop, state.is_main_process)
     if state.is_main_process:
         manifest['shards'] = [_done_shard(out, k) for k in range(K)]
         missing = [_shard_name(k) for k, r in enumerate(manifest['shards']) if r is None]

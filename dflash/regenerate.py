@@ -11,6 +11,7 @@ from .options import Command, option, build_options, parse_options, OptionsError
 from .files import file_sha256, model_dir_problems, resolve_local, toy_target_dir, write_atomic
 from .threads import threads_option, use_threads
 from .locks import LockError, take_lock, start_heartbeat, release_lock
+from .stops import EXIT_PREEMPTED, Preempted, StopRequest, any_stop
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.chat (which loads torch) load inside the
     import torch          # functions that use them, so `--help` answers at once
@@ -339,8 +340,10 @@ def _state():
         raise RuntimeError(f"{world} processes were launched but accelerate sees {state.num_processes}")
     return state
 
-def regenerate(cfg: RegenConfig) -> dict:
-    "Regenerate `cfg.data` into `cfg.out` (resuming what is there); returns counts and timings."
+def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
+    """Regenerate `cfg.data` into `cfg.out` (resuming what is there); returns counts and timings. When `stop` is set,
+    the processes end after the round of batches they are in and `Preempted` says how far the file is: the same call
+    again continues."""
     from accelerate.utils import gather_object
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
@@ -370,6 +373,7 @@ def regenerate(cfg: RegenConfig) -> dict:
                disable=not (cfg.progress and state.is_main_process))
     t0, W = time.perf_counter(), state.num_processes
     for j in range(0, len(todo), W):
+        if any_stop(stop, W): break
         mine = todo[j:j + W][state.process_index:state.process_index + 1]
         part = []
         for k in mine:
@@ -386,6 +390,10 @@ def regenerate(cfg: RegenConfig) -> dict:
             bar.update(len(recs))
         bar.set_postfix(tok_s=f"{res['tokens'] / (time.perf_counter() - t0):.0f}")
     bar.close()
+    written = first + res['regenerated']
+    if written < len(convs):
+        raise Preempted(f"stopped by {(stop and stop.reason) or 'a signal to another process'} with {written} of "
+                        f"{len(convs)} conversations in {cfg.out}; run the same command again to continue")
     res['seconds'] = round(time.perf_counter() - t0, 2)
     res['tokens_per_s'] = round(res['tokens'] / max(res['seconds'], 1e-9), 1)
     state.wait_for_everyone()
@@ -417,7 +425,8 @@ def greedy_agreement(model, tokenizer, path, n: int | None = None, template_kw: 
 # %% ../nbs/08b_regenerate.ipynb #5f4c3504
 def _run_regenerate(cfg: RegenConfig) -> dict:
     """Regenerate with checked options, `--out` locked (`OUT.lock`) by the main process while it writes; a bad file or
-    model, or an `--out` another regeneration is writing, ends as `error: ...` with exit status 2."""
+    model, or an `--out` another regeneration is writing, ends as `error: ...` with exit status 2. SIGTERM, SIGINT or
+    the launcher's exit end it after the round of batches in progress, with status 75."""
     import torch
     if not torch.cuda.is_available():
         threads, why = use_threads(cfg.threads)
@@ -428,10 +437,13 @@ def _run_regenerate(cfg: RegenConfig) -> dict:
             lock.parent.mkdir(parents=True, exist_ok=True)
             take_lock(lock, f"--out {cfg.out}")
             start_heartbeat(lock)
-        r = regenerate(cfg)
+        with StopRequest(on_exit=(lambda: release_lock(lock)) if main else None) as stop: r = regenerate(cfg, stop)
     except (ValueError, FileNotFoundError, LockError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Preempted as e:
+        if main: print(str(e), file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
     finally:
         if main: release_lock(lock)
     if _state().is_main_process: print('regenerated: ' + json.dumps(r))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os, signal, threading, time
 
 # %% auto #0
-__all__ = ['EXIT_PREEMPTED', 'Preempted', 'StopRequest']
+__all__ = ['EXIT_PREEMPTED', 'Preempted', 'StopRequest', 'any_stop']
 
 # %% ../nbs/00e_stops.ipynb #556d377e
 EXIT_PREEMPTED = 75            # sysexits' EX_TEMPFAIL: stopped on request at a boundary; run again to continue
@@ -55,3 +55,12 @@ class StopRequest:
     def __exit__(self, *exc):
         for s, h in self._before.items(): signal.signal(s, h)
         self._done.set()
+
+# %% ../nbs/00e_stops.ipynb #d5700007
+def any_stop(stop: StopRequest | None, num_processes: int = 1) -> bool:
+    """Whether any of the `num_processes` processes (accelerate's) was asked to stop; with more than one, a collective
+    that every process calls at the same boundary."""
+    asked = bool(stop)
+    if num_processes == 1: return asked
+    from accelerate.utils import gather_object
+    return any(gather_object([asked]))

@@ -208,3 +208,52 @@ def test_help_answers_before_torch_loads(argv):
     assert r.returncode == 0 and r.stdout.startswith('usage: python -m dflash.data'), r.stderr[-2000:]
     loaded = {line.rsplit('|', 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith('import time:')}
     assert not {'torch', 'datasets', 'transformers.models'} & loaded, sorted(loaded)
+
+
+# --- stopped by a signal: after the shard in progress, resumed to the same cache ------------------------------------
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT], ids=['SIGTERM', 'SIGINT'])
+@pytest.mark.parametrize('after', [1, 3])
+def test_signal_stops_after_the_shard_in_progress(tmp_path, chat_targets, monkeypatch, signum, after):
+    "A real signal while shard `after` is written: that shard is finished and recorded, then the writer stops."
+    from dflash.stops import Preempted, StopRequest
+    t = TargetFeatures(chat_targets['llama'], num_draft_layers=2)
+    ds = ChatDataset.from_jsonl(_jsonl(tmp_path / 'd.jsonl', 9, seed=4), t.tokenizer)
+    write_cache(t, ds, tmp_path / 'whole', shard_size=2, progress=False)
+    real, calls, sent = features._write_shard, [], []
+    def signalled(path, tensors):
+        calls.append(path.name)
+        if len(calls) == after and not sent: sent.append(os.kill(os.getpid(), signum))   # once, mid-write
+        return real(path, tensors)
+    monkeypatch.setattr(features, '_write_shard', signalled)
+    with StopRequest() as stop, pytest.raises(Preempted) as e:
+        write_cache(t, ds, tmp_path / 'cache', shard_size=2, progress=False, stop=stop)
+    name = signal.Signals(signum).name
+    assert str(e.value).startswith(f"stopped by {name} with {after} of 5 shards in {tmp_path / 'cache'}"), str(e.value)
+    partial = json.loads((tmp_path / 'cache' / 'manifest.json').read_text())
+    assert len(partial['shards']) == after and not partial.get('complete')
+    assert not [p for p in (tmp_path / 'cache').glob('.*')], "no temporary file left"
+    calls.clear()
+    write_cache(t, ds, tmp_path / 'cache', shard_size=2, progress=False)
+    assert len(calls) == 5 - after and _files(tmp_path / 'cache') == _files(tmp_path / 'whole')
+
+
+def test_sigterm_to_the_cache_command_exits_75(tmp_path, chat_targets):
+    "`python -m dflash.data cache` given SIGTERM after its first shard: status 75, the count on stderr, resumable."
+    data_file = _jsonl(tmp_path / 'd.jsonl', 24, seed=1)
+    args = ['cache', '--target', str(chat_targets['qwen3']), '--data', str(data_file), '--layers', '1,4',
+            '--shard-size', '1', '--no-progress']
+    out = tmp_path / 'stopped'
+    env = {**os.environ, 'PYTHONPATH': str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', '')}
+    proc = subprocess.Popen([sys.executable, '-m', 'dflash.data', *args, '--out', str(out)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and not list(out.glob('shard-*.json')): time.sleep(0.002)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-2000:]
+    done = len(json.loads((out / 'manifest.json').read_text())['shards'])
+    assert f"stopped by SIGTERM with {done} of 24 shards in {out}; run the same command again" in err, err[-2000:]
+    assert 'Traceback' not in err and 1 <= done < 24
+    main(args + ['--out', str(out)])
+    main(args + ['--out', str(tmp_path / 'whole')])
+    assert _files(out) == _files(tmp_path / 'whole')

@@ -182,3 +182,53 @@ def test_second_regeneration_into_one_out_is_refused(small_data, tmp_path, capsy
     main(argv)                                                     # its holder gone: the stale lock is taken over
     assert 'taking over its stale lock' in capsys.readouterr().out
     assert out.is_file() and not lock.exists()
+
+
+# --- stopped by a signal: after the batch in progress, rerun to the same file ---------------------------------------
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT], ids=['SIGTERM', 'SIGINT'])
+@pytest.mark.parametrize('after', [1, 4])
+def test_signal_stops_after_the_batch_in_progress(small_data, tmp_path, monkeypatch, signum, after):
+    "A real signal while batch `after` is appended: that batch is finished and indexed, then regeneration stops."
+    import dflash.regenerate as R
+    from dflash.stops import Preempted, StopRequest
+    kw = dict(data=str(small_data), batch_size=2, max_new_tokens=16, progress=False)
+    regenerate(RegenConfig(out=str(tmp_path / 'full.jsonl'), **kw))
+    real, calls, sent = R._append_batch, [], []
+    def signalled(out, entry, records):
+        calls.append(entry['batch'])
+        if len(calls) == after and not sent: sent.append(os.kill(os.getpid(), signum))   # once, mid-write
+        return real(out, entry, records)
+    monkeypatch.setattr(R, '_append_batch', signalled)
+    out = tmp_path / 'o.jsonl'
+    with StopRequest() as stop, pytest.raises(Preempted) as e: regenerate(RegenConfig(out=str(out), **kw), stop)
+    name = signal.Signals(signum).name
+    assert str(e.value) == (f"stopped by {name} with {2 * after} of 12 conversations in {out}; run the same command "
+                            "again to continue")
+    assert len(out.read_text().splitlines()) == 2 * after and out.read_text().endswith('\n')
+    assert len(index_path(out).read_text().splitlines()) == 1 + after
+    calls.clear()
+    r = regenerate(RegenConfig(out=str(out), **kw))
+    assert (r['resumed_batches'], calls) == (after, list(range(after, 6)))
+    assert out.read_bytes() == (tmp_path / 'full.jsonl').read_bytes()
+
+
+def test_sigterm_to_the_command_exits_75_and_releases_the_lock(small_data, tmp_path):
+    "A real `python -m dflash.regenerate` given SIGTERM mid-file: status 75, a whole-record file, no lock left."
+    args = ['--data', small_data, '--batch-size', '1', '--max-new-tokens', '32']
+    out = tmp_path / 'o.jsonl'
+    p = cli(*args, '--out', out, wait=False)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        if index_path(out).is_file() and len(index_path(out).read_text().splitlines()) >= 2: break   # 1 batch done
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    said, _ = p.communicate(timeout=300)
+    done = len(out.read_text().splitlines())
+    assert p.returncode == 75, said[-2000:]
+    assert f"stopped by SIGTERM with {done} of 12 conversations in {out}" in said and 'Traceback' not in said
+    assert 1 <= done < 12 and out.read_text().endswith('\n') and not (tmp_path / 'o.jsonl.lock').exists()
+    rerun = cli(*args, '--out', out)
+    assert rerun.returncode == 0, rerun.stderr
+    assert json.loads(rerun.stdout.split('regenerated: ')[1])['resumed_batches'] == done
+    full = cli(*args, '--out', tmp_path / 'full.jsonl')
+    assert out.read_bytes() == (tmp_path / 'full.jsonl').read_bytes(), full.stderr
