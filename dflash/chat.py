@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 from torch import Tensor
 from .layout import valid_anchors
-from .files import file_sha256, hf_hub_cache, resolve_local
+from .files import disk_error, file_sha256, hf_hub_cache, resolve_local
 
 # %% auto #0
 __all__ = ['DataError', 'DataStats', 'read_jsonl', 'to_messages', 'tokenize_chat', 'tokenize_conversation', 'load_tokenizer',
@@ -471,8 +471,12 @@ def load_chat_data(path, tokenizer, *, max_length: int = 3072, skip_bad_lines: b
             st.supervised_tokens = int(sum(sum(m) for m in kept['loss_mask']))
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f'.{fp}.'))
-            kept.save_to_disk(str(tmp / 'data'))
-            (tmp / 'stats.json').write_text(json.dumps({**st.as_dict(), 'source': str(path)}, indent=1))
+            try:
+                kept.save_to_disk(str(tmp / 'data'))
+                (tmp / 'stats.json').write_text(json.dumps({**st.as_dict(), 'source': str(path)}, indent=1))
+            except OSError as e:                                             # a full disk: nothing half-written stays
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise disk_error(e, out.parent) from None
             try: os.replace(tmp, out)                                        # another machine may have won the race
             except OSError: shutil.rmtree(tmp, ignore_errors=True)
     d = json.loads((out / 'stats.json').read_text())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os, sys
 from dataclasses import dataclass
 from pathlib import Path
-from .files import model_dir_problems, resolve_local
+from .files import disk_refused, model_dir_problems, resolve_local
 from .options import Command, option, parse_subcommand, usage_text, OptionsError, exit_bad_options
 from .regenerate import REGENERATE
 from .stops import EXIT_PREEMPTED, Preempted, StopRequest
@@ -144,5 +144,10 @@ def main(argv=None):
     except Preempted as e:                                              # SIGTERM, SIGINT: stopped after a shard
         if int(os.environ.get('RANK', '0')) == 0: print(str(e), file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
+    except OSError as e:                                                # a full or read-only disk
+        said = disk_refused(e, ", then run the same command again (it keeps what was written whole)")
+        if said is None: raise
+        print(said, file=sys.stderr)
+        sys.exit(2)
 
 if __name__ == '__main__' and '__file__' in globals(): main()

@@ -4,13 +4,14 @@
 
 # %% ../nbs/00b_files.ipynb #f11e0003
 from __future__ import annotations
-import hashlib, importlib.resources, json, os, re, struct
+import errno, hashlib, importlib.resources, json, os, re, struct
 from pathlib import Path
 from typing import Callable
 
 # %% auto #0
-__all__ = ['fsync_path', 'write_atomic', 'write_json', 'hf_hub_cache', 'resolve_local', 'json_problem', 'safetensors_problem',
-           'model_dir_problems', 'file_sha256', 'dir_write_problem', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
+__all__ = ['DISK_REFUSED', 'fsync_path', 'disk_error', 'write_atomic', 'write_json', 'disk_refused', 'hf_hub_cache',
+           'resolve_local', 'json_problem', 'safetensors_problem', 'model_dir_problems', 'file_sha256',
+           'dir_write_problem', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
 
 # %% ../nbs/00b_files.ipynb #99b1472b
 def fsync_path(path):
@@ -19,9 +20,20 @@ def fsync_path(path):
     try: os.fsync(fd)
     finally: os.close(fd)
 
+_OS_ERROR = re.compile(r'os error (\d+)\)(?: at path "([^"]*)")?')
+
+def disk_error(e: BaseException, path) -> BaseException:
+    """`e` as the error a failed write of `path` is: the `OSError` a safetensors I/O error wraps, and an `OSError`
+    without a file name (a full disk refuses a `write`, which names none) with `path`'s; other errors as they are."""
+    if isinstance(e, OSError) and e.filename is None and e.errno: return OSError(e.errno, e.strerror, str(path))
+    m = _OS_ERROR.search(str(e)) if type(e).__name__ == 'SafetensorError' else None
+    if m: return OSError(int(m[1]), os.strerror(int(m[1])), m[2] or str(path))
+    return e
+
 def write_atomic(path, data: str | bytes | Callable):
     """Write `path` whole or not at all: `data` (text or bytes), or what `data(tmp)` writes to the path `tmp` (a
-    safetensors `save_file`), goes to a temporary file beside it, flushed, then renamed into place."""
+    safetensors `save_file`), goes to a temporary file beside it, flushed, then renamed into place. A failure is
+    raised as `disk_error` names it."""
     path = Path(path)
     tmp = path.with_name(f'.{path.name}.tmp-{os.getpid()}')
     try:
@@ -29,10 +41,22 @@ def write_atomic(path, data: str | bytes | Callable):
         else: tmp.write_bytes(data.encode() if isinstance(data, str) else data)
         fsync_path(tmp)
         os.replace(tmp, path)
+    except Exception as e:
+        named = disk_error(e, path)
+        if named is e: raise
+        raise named from e
     finally: tmp.unlink(missing_ok=True)                   # a failed write leaves the old file and no temporary
     fsync_path(path.parent)
 
 def write_json(path, obj): write_atomic(path, json.dumps(obj, indent=1) + '\n')
+
+DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+def disk_refused(e: BaseException, then: str = ", then run the command again") -> str | None:
+    """The `error: ...` line of a write the disk refused (full, over quota, read-only, not permitted), naming the file
+    and the cause; None for any other error."""
+    if not isinstance(e, OSError) or e.errno not in DISK_REFUSED: return None
+    return f"error: {e.filename}: {e.strerror} ({errno.errorcode[e.errno]}): make room or make it writable{then}"
 
 # %% ../nbs/00b_files.ipynb #857aeacb
 def hf_hub_cache() -> Path:

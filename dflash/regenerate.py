@@ -8,7 +8,8 @@ import hashlib, importlib.util, json, os, sys, time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from .options import Command, option, build_options, parse_options, OptionsError, exit_bad_options
-from .files import file_sha256, model_dir_problems, resolve_local, toy_target_dir, write_atomic
+from .files import (disk_error, disk_refused, file_sha256, model_dir_problems, resolve_local, toy_target_dir,
+                          write_atomic)
 from .threads import threads_option, use_threads
 from .locks import LockError, take_lock, start_heartbeat, release_lock
 from .stops import EXIT_PREEMPTED, Preempted, StopRequest, any_stop
@@ -297,17 +298,28 @@ def _repair(out, header: dict, done: list[dict]):
     text = ''.join(json.dumps(x) + '\n' for x in [header, *done])
     write_atomic(idx, text)
 
+def _append(path: Path, data: bytes) -> int:
+    "Append `data` to `path`, flushed to the disk; its size after. A failed append is cut off again, named."
+    size = path.stat().st_size if path.exists() else 0
+    try:
+        with open(path, 'ab') as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+            return f.tell()
+    except OSError as e:
+        if path.exists(): os.truncate(path, size)
+        raise disk_error(e, path) from None
+
 def _append_batch(out, entry: dict, records: list[dict]):
-    "Append a finished batch's records to `out`, then its line to the index."
-    with open(out, 'ab') as f:
-        f.write(''.join(json.dumps(r, ensure_ascii=False) + '\n' for r in records).encode('utf-8'))
-        f.flush()
-        os.fsync(f.fileno())
-        entry = {**entry, 'bytes': f.tell()}
-    with open(index_path(out), 'a') as f:
-        f.write(json.dumps(entry) + '\n')
-        f.flush()
-        os.fsync(f.fileno())
+    "Append a finished batch's records to `out`, then its line to the index; a batch that fails leaves neither."
+    out = Path(out)
+    before = out.stat().st_size if out.exists() else 0
+    end = _append(out, ''.join(json.dumps(r, ensure_ascii=False) + '\n' for r in records).encode('utf-8'))
+    try: _append(index_path(out), (json.dumps({**entry, 'bytes': end}) + '\n').encode())
+    except OSError:
+        os.truncate(out, before)
+        raise
 
 # %% ../nbs/08b_regenerate.ipynb #6cbbe86e
 def _dtype(cfg: RegenConfig, device) -> torch.dtype:
@@ -444,6 +456,11 @@ def _run_regenerate(cfg: RegenConfig) -> dict:
     except Preempted as e:
         if main: print(str(e), file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
+    except OSError as e:                                        # a full or read-only disk: whole batches stay
+        said = disk_refused(e, ", then run the same command again (it continues after the last whole batch)")
+        if said is None: raise
+        if main: print(said, file=sys.stderr)
+        sys.exit(2)
     finally:
         if main: release_lock(lock)
     if _state().is_main_process: print('regenerated: ' + json.dumps(r))

@@ -4,13 +4,14 @@
 
 # %% ../nbs/09a_speculate.ipynb #3aa57e83
 from __future__ import annotations
-import inspect, json, time
+import inspect, sys, time
 from pathlib import Path
 from dataclasses import dataclass, field
 from .config import DrafterConfig
 from .options import option, parse_options, OptionsError, exit_bad_options
 from .threads import threads_option
-from .files import json_problem, model_dir_problems, resolve_local, safetensors_problem, dir_write_problem
+from .files import (json_problem, model_dir_problems, resolve_local, safetensors_problem, dir_write_problem,
+                          disk_refused, write_atomic, write_json)
 
 # %% auto #0
 __all__ = ['SpeculateOptions', 'warp', 'sample_tokens', 'verify_block', 'speculative_generate', 'greedy_generate',
@@ -285,9 +286,18 @@ def plot_acceptance(hist: list[int], ax=None, title: str = ''):
 # %% ../nbs/09a_speculate.ipynb #d1b01d47
 def main(argv=None) -> dict:
     """`python -m dflash.speculate`: tau, its histogram and the speed against plain decoding at each `--temperature`,
-    with a progress bar; returns {'runs': [one acceptance_eval result per temperature], ...}."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with a progress bar; returns {'runs': [one acceptance_eval result per temperature], ...}. A full or read-only disk
+    ends as one `error:` line, exit status 2."""
     a = _parse_speculate(argv)
+    try: return _speculate(a)
+    except OSError as e:
+        said = disk_refused(e)
+        if said is None: raise
+        print(said, file=sys.stderr)
+        sys.exit(2)
+
+def _speculate(a: SpeculateOptions) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     threads, why = use_threads(a.threads, 1) if dev.type == 'cpu' else (torch.get_num_threads(), 'left as is on a GPU')
     print(f"CPU threads: {threads} ({why})")
@@ -319,8 +329,9 @@ def main(argv=None) -> dict:
     if a.out:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / 'acceptance.json').write_text(json.dumps(r, indent=1))
-        _plot_runs(runs).savefig(out / 'acceptance.png', dpi=120, bbox_inches='tight')
+        write_json(out / 'acceptance.json', r)
+        fig = _plot_runs(runs)
+        write_atomic(out / 'acceptance.png', lambda p: fig.savefig(p, format='png', dpi=120, bbox_inches='tight'))
         print(f"wrote {out / 'acceptance.json'} and {out / 'acceptance.png'}")
     return r
 

@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_train.ipynb #e61e91ca
 from __future__ import annotations
-import csv, errno, importlib.resources, io, os, sys, time
+import csv, importlib.resources, io, os, sys, time
 from dataclasses import asdict
 from pathlib import Path
 import yaml
@@ -12,7 +12,7 @@ from .options import OptionParser, OptionsError, build_options, exit_bad_options
 from .stops import StopRequest, Preempted, EXIT_PREEMPTED
 from .runs import (TrainConfig, check_train, read_run, resume_changes, claim_run, unlock_run, RunDirError,
                          RUN_ACTIONS, RunFailed, absolute_paths, data_checksums, data_changes)
-from .files import write_json, write_atomic, toy_data_dir
+from .files import write_json, write_atomic, toy_data_dir, disk_refused
 
 # %% auto #0
 __all__ = ['parse_config', 'toy_profile', 'main']
@@ -145,13 +145,12 @@ def _finished_work(out: Path, rec: dict, cfg: TrainConfig) -> str | None:
         return f"{out}: this run finished at step {step} but its drafter is missing: exporting it again"
     return None
 
-_DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
-
 def _disk_refused(e: OSError) -> str:
     "The `error: ...` line of a write the disk refused (full, read-only, not permitted), naming the file; raise others."
-    if e.errno not in _DISK_REFUSED: raise e
-    return (f"error: {e.filename}: {e.strerror} ({errno.errorcode[e.errno]}): make room or make it writable (or choose "
-            f"another --out), then run the command again (with --resume once the run has started)")
+    said = disk_refused(e, " (or choose another --out), then run the command again (with --resume once the run has "
+                           "started)")
+    if said is None: raise e
+    return said
 
 def main(argv=None) -> dict:
     try: cfg, rec, changed = _configure(argv)

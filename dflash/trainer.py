@@ -15,7 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from fastcore.basics import patch
-from safetensors import safe_open, SafetensorError
+from safetensors import safe_open
 from safetensors.torch import save_file, load_file
 from tqdm.auto import tqdm
 from accelerate import Accelerator
@@ -31,7 +31,7 @@ from .objective import dflash_objective, Objective, ObjectiveSums
 from .chat import ChatDataset
 from .features import CacheDataset, TargetFeatures, collate, target_identity
 from .files import (json_problem, file_sha256, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir,
-                          resolve_local)
+                          resolve_local, disk_error)
 from .stops import Preempted, StopRequest
 from .runs import TrainConfig, launch_problems, RunDirError, RunFailed
 
@@ -173,9 +173,9 @@ def whole_or_nothing(tmp):
     try: yield Path(tmp)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, SafetensorError) and (m := re.search(r'os error (\d+)\) at path "([^"]*)"', str(e))):
-            raise OSError(int(m[1]), os.strerror(int(m[1])), m[2]) from e
-        raise
+        named = disk_error(e, tmp)
+        if named is e: raise
+        raise named from e
 
 # %% ../nbs/10_trainer.ipynb #9d7168c8
 def _whole_state(**kw) -> StateDictOptions:
