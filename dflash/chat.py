@@ -35,7 +35,7 @@ class DataStats:
     template_rejected: int = 0  # skipped: the chat template raised on it (e.g. roles out of the order it allows)
     no_anchor: int = 0          # skipped: no two consecutive supervised tokens (after truncation)
     truncated: int = 0          # kept, cut to max_length
-    truncated_tokens: int = 0   # tokens cut off (of a long conversation: of the turns rendered)
+    truncated_tokens: int = 0   # tokens cut off (of a very long one: of the turns rendered)
     tokens: int = 0             # tokens kept
     supervised_tokens: int = 0  # loss-masked tokens kept
     errors: list = field(default_factory=list)  # the first few reasons for skipped lines
@@ -216,7 +216,7 @@ def _assistant_spans(tokenizer, messages: list[dict], where: str = 'conversation
     return text, spans
 
 # %% ../nbs/08_chat.ipynb #4f389f13
-_CHARS_PER_TOKEN = 8     # a conversation with fewer characters than this per kept token is rendered whole at once
+_WHOLE_BELOW = 32    # characters per kept token under which a conversation is rendered whole (its cut counted exactly)
 
 def tokenize_chat(tokenizer, messages: list[dict], where: str = 'conversation', tools=None,
                   **template_kw) -> tuple[Tensor, Tensor]:
@@ -240,8 +240,8 @@ def _tokenize_kept(tokenizer, messages: list[dict], max_length: int, where: str 
                    **template_kw) -> tuple[Tensor, Tensor]:
     """`tokenize_chat` of as many leading turns as the first `max_length` tokens need: prefixes of 2, 4, 8, …
     messages until two successive ones render past `max_length` and agree on those tokens (ids and mask), else the
-    whole conversation. Only a conversation whose text alone could fill `max_length` takes the prefixes."""
-    if sum(len(str(m.get('content') or '')) for m in messages) <= _CHARS_PER_TOKEN * max_length:
+    whole conversation. Only a conversation far longer than `max_length` (by its characters) takes the prefixes."""
+    if sum(len(str(m.get('content') or '')) for m in messages) <= _WHOLE_BELOW * max_length:
         return tokenize_chat(tokenizer, messages, where, tools, **template_kw)
     seen = None
     k = 2
