@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 from .config import DrafterConfig, default_target_layer_ids
-from .files import file_sha256, json_problem, resolve_local, write_atomic, write_json
+from .files import file_sha256, json_problem, read_problem, resolve_local, write_atomic, write_json
 from .stops import Preempted, StopRequest, any_stop
 from .chat import DataStats
 
@@ -29,16 +29,42 @@ def _weight_files(path: Path) -> list[Path]:
     return sorted(f for f in path.iterdir()
                   if f.is_file() and (f.suffix in _WEIGHT_SUFFIXES or f.name.endswith('.index.json')))
 
+def _config_problem(path: Path) -> str | None:
+    "Why transformers cannot read the config.json in `path` by its `model_type` (unreadable, unknown), or None."
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    d, bad = json_problem(path / 'config.json', 'config.json')
+    if bad: return bad
+    if (t := d.get('model_type')) not in CONFIG_MAPPING_NAMES:
+        return (f"config.json: model_type {t!r} is not one this transformers knows: a model with code of its own "
+                f"(trust_remote_code, which dflash does not run) or of a newer transformers")
+    return None
+
+def _not_causal(config) -> str | None:
+    "Why the model of transformers `config` is not a decoder-only causal LM (tokens see only earlier ones), or None."
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
+    kind = f"model_type {config.model_type!r}"
+    if 'DFlashDraftModel' in (config.architectures or []):
+        return "a DFlash drafter (architectures DFlashDraftModel), not a target: pass the model it drafts for"
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return f"{kind} is not a causal LM (AutoModelForCausalLM cannot load it)"
+    if getattr(config, 'is_encoder_decoder', False):
+        return f"{kind} is an encoder-decoder (config.json: is_encoder_decoder), not a decoder-only causal LM"
+    if type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, 'is_decoder', False):
+        return f"{kind} is an encoder (config.json: is_decoder false: every token sees the whole text), not a causal LM"
+    return None
+
 def check_target_dir(path: Path):
-    "The model directory's config, after checking it is a local causal LM with weights."
-    from transformers import AutoConfig, MODEL_FOR_CAUSAL_LM_MAPPING
+    "The model directory's config, after checking it is a local decoder-only causal LM with weights."
+    from transformers import AutoConfig
     if not path.is_dir(): raise FileNotFoundError(f"target {path}: no such directory")
     if not (path / 'config.json').is_file():
         raise ValueError(f"target {path}: no config.json, not a transformers model directory")
-    config = AutoConfig.from_pretrained(path)
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"target {path}: model_type {config.model_type!r} is not a causal LM "
-                         "(AutoModelForCausalLM cannot load it)")
+    if bad := _config_problem(path): raise ValueError(f"target {path}: {bad}")
+    try: config = AutoConfig.from_pretrained(path)
+    except Exception as e:                              # transformers' own checks of the config's fields
+        raise ValueError(f"target {path}: config.json does not load ({type(e).__name__}: {e})") from None
+    if bad := _not_causal(config):
+        raise ValueError(f"target {path}: {bad}; DFlash drafts for decoder-only causal LMs (Qwen3, Llama, ...)")
     if not _weight_files(path): raise ValueError(f"target {path}: no weight files ({', '.join(_WEIGHT_SUFFIXES)})")
     return config
 
@@ -72,6 +98,17 @@ def target_features(hidden_states, layer_ids) -> Tensor:
     "Concatenated outputs of target layers `layer_ids` from a forward's hidden_states -> (N, T, L·H)."
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
+def _load_problem(loaded: dict) -> str | None:
+    "What transformers' loading report says is wrong with a target's weights (missing, other shapes), or None."
+    if wrong := sorted(loaded['mismatched_keys']):
+        k, saved, wanted = wrong[0]
+        return (f"{len(wrong)} weights have other shapes than config.json gives (like {k}: {list(saved)} in the "
+                f"files, {list(wanted)} by config.json); config.json and the weights are not of one model")
+    if missing := sorted(loaded['missing_keys']):
+        return (f"its files lack weights of the model config.json describes ({len(missing)}, like "
+                f"{', '.join(missing[:3])}): they hold another architecture's weights")
+    return None
+
 class TargetFeatures:
     "A frozen target causal LM that yields the DFlash context features (N, S, L·H)."
     def __init__(self, path, *, layer_ids=None, num_draft_layers: int = 5, dtype: torch.dtype | None = None,
@@ -93,7 +130,9 @@ class TargetFeatures:
         self.tokenizer = tokenizer
         self.device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == 'cuda' else torch.float32)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        model, loaded = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, output_loading_info=True,
+                                                             ignore_mismatched_sizes=True)     # refused below, named
+        if bad := _load_problem(loaded): raise ValueError(f"target {path}: {bad}")
         self.model = model.to(self.device).eval().requires_grad_(False)
         rows = self.embed_weight.shape[0]
         if tokenizer is not None and len(tokenizer) > rows:
@@ -276,6 +315,9 @@ def write_cache(features: TargetFeatures, dataset, out, *, shard_size: int = 64,
     return json.loads((out / 'manifest.json').read_text())
 
 # %% ../nbs/08a_features.ipynb #600f044a
+_MANIFEST_KEYS = ('num_samples', 'num_shards', 'shard_size', 'layer_ids', 'target', 'data', 'shards')
+_REDO = "; run the `python -m dflash.data cache` command that wrote it again: it redoes the shards that are not whole"
+
 class CacheDataset(Dataset):
     "Samples of an offline cache: `{'input_ids', 'loss_mask', 'context' (S, L·H), 'sample_id'}` (+ `final_hidden`)."
     def __init__(self, path, target: TargetFeatures | str | Path | None = None):
@@ -286,6 +328,9 @@ class CacheDataset(Dataset):
         except json.JSONDecodeError as e: raise ValueError(f"cache {mf}: unreadable manifest ({e})") from None
         if m.get('format') != _CACHE_FORMAT:
             raise ValueError(f"cache {path}: format {m.get('format')!r}, expected {_CACHE_FORMAT!r}")
+        if missing := [k for k in _MANIFEST_KEYS if k not in m]:
+            raise ValueError(f"cache {mf}: no {', '.join(missing)}; not a manifest `python -m dflash.data cache` "
+                             f"writes: write the cache again")
         if not m.get('complete'):
             raise ValueError(f"cache {path}: incomplete, {len(m['shards'])} of {m['num_shards']} shards written; "
                              "rerun the cache command to finish it")
@@ -294,14 +339,15 @@ class CacheDataset(Dataset):
             tpath = target.path if isinstance(target, TargetFeatures) else target
             if ident != m['target']['identity']:
                 raise ValueError(f"cache {path} was written for target {m['target']['identity']} "
-                                 f"({m['target']['path']}), "
-                                 f"not for target {ident} ({tpath})")
+                                 f"({m['target']['path']}), not for target {ident} ({tpath}): train with the target "
+                                 f"it was written for, or write a cache of this one")
         for s in m['shards']:
             f = path / s['file']
-            if not f.is_file(): raise ValueError(f"cache {path}: shard {s['file']} is missing")
+            if not f.is_file(): raise ValueError(f"cache {path}: shard {s['file']} is missing{_REDO}")
             if f.stat().st_size != s['bytes']:
                 raise ValueError(f"cache {path}: shard {s['file']} is truncated or corrupt "
-                                 f"({f.stat().st_size} bytes, the manifest says {s['bytes']})")
+                                 f"({f.stat().st_size} bytes, the manifest says {s['bytes']}){_REDO}")
+            if bad := read_problem(f): raise ValueError(f"cache {bad}")
         self.shard_size, self.stats = m['shard_size'], DataStats(**m['data'].get('stats', {}))
         self._open = {}
 

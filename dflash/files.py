@@ -7,10 +7,11 @@ from __future__ import annotations
 import errno, hashlib, importlib.resources, json, os, re, struct
 from pathlib import Path
 from typing import Callable
+from .options import unreadable
 
 # %% auto #0
 __all__ = ['DISK_REFUSED', 'fsync_path', 'disk_error', 'write_atomic', 'write_json', 'disk_refused', 'hf_hub_cache',
-           'resolve_local', 'json_problem', 'safetensors_problem', 'model_dir_problems', 'file_sha256',
+           'resolve_local', 'read_problem', 'json_problem', 'safetensors_problem', 'model_dir_problems', 'file_sha256',
            'dir_write_problem', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
 
 # %% ../nbs/00b_files.ipynb #99b1472b
@@ -88,11 +89,16 @@ def resolve_local(name, kind: str = 'model') -> Path:
                             f"({how}), or set HF_HUB_CACHE (or HF_HOME) to the cache that holds it")
 
 # %% ../nbs/00b_files.ipynb #3656bb5a
+def read_problem(path) -> str | None:
+    "What keeps this process from reading `path`, a file or a directory (its permissions), naming it; or None."
+    return f"{path}: {why}" if (why := unreadable(path)) else None
+
 def json_problem(path, what: str = 'file') -> tuple[dict | None, str | None]:
     "(the JSON object in `path`, None) or (None, what is wrong with it, naming the file and the line)."
     path = Path(path)
     if not path.is_file(): return None, f"{path}: no such {what}"
     try: d = json.loads(path.read_bytes().decode('utf-8'))
+    except OSError as e: return None, f"{path}: cannot read it ({e.strerror})"
     except UnicodeDecodeError as e: return None, f"{path}: not UTF-8 text ({e})"
     except json.JSONDecodeError as e:
         return None, f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
@@ -102,6 +108,7 @@ def json_problem(path, what: str = 'file') -> tuple[dict | None, str | None]:
 def safetensors_problem(path) -> str | None:
     "What is wrong with a safetensors file's header or size (truncated, garbage), or None."
     path = Path(path)
+    if bad := read_problem(path): return bad
     size = path.stat().st_size
     with open(path, 'rb') as f:
         if size < 8: return f"{path}: not a safetensors file ({size} bytes)"
@@ -124,6 +131,8 @@ def model_dir_problems(path, name: str) -> list[str]:
     try: p = resolve_local(path)
     except FileNotFoundError as e: return [f"{name}: {e}"]
     if not p.is_dir(): return [f"{name} = {str(path)!r}: not a directory"]
+    if bad := read_problem(p): return [f"{name}: {bad}"]
+    if locked := [b for f in sorted(p.iterdir()) if (b := read_problem(f))]: return [f"{name}: {b}" for b in locked]
     d, bad = json_problem(p / 'config.json', 'config.json')
     probs = [f"{name}: {bad}"] if bad else []
     if d is not None and 'model_type' not in d: probs.append(f"{name}: {p / 'config.json'}: no 'model_type' field")

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_options.ipynb #36b3f8d0
 from __future__ import annotations
-import argparse, math, sys, typing
+import argparse, math, os, sys, typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
@@ -12,8 +12,8 @@ import yaml
 from fastcore.basics import patch_to
 
 # %% auto #0
-__all__ = ['OptionsError', 'option', 'flag', 'OptionParser', 'build_options', 'parse_options', 'exit_bad_options', 'Command',
-           'usage_text', 'parse_subcommand']
+__all__ = ['OptionsError', 'option', 'flag', 'unreadable', 'OptionParser', 'build_options', 'parse_options', 'exit_bad_options',
+           'Command', 'usage_text', 'parse_subcommand']
 
 # %% ../nbs/00a_options.ipynb #38d158e5
 class OptionsError(ValueError):
@@ -53,11 +53,26 @@ def _check_value(name: str, value, allowed: dict) -> str | None:
     for v in value if isinstance(value, list) else [value]:
         if not _in_range(v, allowed):
             return f"{flag(name)} = {value!r}: allowed {_allowed_text(allowed) or 'a finite number'}"
-        kind = allowed.get('path')
-        if kind and not {'file': Path.is_file, 'dir': Path.is_dir, 'exists': Path.exists}[kind](Path(v)):
-            what = {'file': 'no such file', 'dir': 'no such directory', 'exists': 'no such file or directory'}[kind]
+        if (kind := allowed.get('path')) and (what := _path_problem(Path(v), kind)):
             return f"{flag(name)} = {v!r}: {what}"
     return None
+
+_MISSING = {'file': 'no such file', 'dir': 'no such directory', 'exists': 'no such file or directory'}
+
+def unreadable(path) -> str | None:
+    "Why this process cannot read `path`, a file or a directory (its permissions), as 'cannot read it (why)'; or None."
+    p = Path(path)
+    try:
+        if p.is_dir(): os.scandir(p).close()
+        else: open(p, 'rb').close()
+    except OSError as e: return f"cannot read it ({e.strerror})"
+    return None
+
+def _path_problem(p: Path, kind: str) -> str | None:
+    "What is wrong with path `p` for an option of `path=kind`: missing, a file for a directory or back, unreadable."
+    if not p.exists(): return _MISSING[kind]
+    if kind != 'exists' and p.is_file() != (kind == 'file'): return f"not a {'file' if kind == 'file' else 'directory'}"
+    return unreadable(p)
 
 # %% ../nbs/00a_options.ipynb #1cb72ef8
 def _to_bool(text: str) -> bool:
@@ -181,9 +196,12 @@ def read_yaml(self, path) -> dict:
     "Options from a YAML file; an unreadable file or bad YAML is a problem that names it."
     p = Path(path)
     if not p.is_file():
-        self.problems.append(f"--config {path}: no such file")
+        self.problems.append(f"--config {path}: {'not a file' if p.exists() else 'no such file'}")
         return {}
     try: d = yaml.safe_load(p.read_text(encoding='utf-8'))
+    except OSError as e:
+        self.problems.append(f"--config {path}: cannot read it ({e.strerror})")
+        return {}
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         m = getattr(e, 'problem_mark', None)
         where = f" at line {m.line + 1}, column {m.column + 1}" if m else ''

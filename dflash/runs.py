@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from .options import option, flag
 from .threads import threads_option
-from .files import model_dir_problems, json_problem, resolve_local, file_sha256
+from .files import model_dir_problems, json_problem, resolve_local, file_sha256, toy_target_dir
 from .locks import LockError, take_lock, start_heartbeat, release_lock
 
 # %% auto #0
 __all__ = ['TRACKERS', 'LOSSES', 'RUN_ACTIONS', 'TrainConfig', 'launch_problems', 'policy_problem', 'check_train', 'RunDirError',
-           'RunFailed', 'read_run', 'unlock_run', 'claim_run', 'resume_changes', 'absolute_paths', 'data_checksums',
-           'data_changes']
+           'RunFailed', 'StartupFailed', 'read_run', 'unlock_run', 'claim_run', 'resume_changes', 'absolute_paths',
+           'data_checksums', 'data_changes']
 
 # %% ../nbs/09b_runs.ipynb #4745fd52
 TRACKERS = {'tensorboard': 'tensorboard', 'none': None, 'all': None, 'wandb': 'wandb', 'mlflow': 'mlflow',
@@ -114,8 +114,10 @@ def launch_problems(env=None) -> list[str]:
 
 # %% ../nbs/09b_runs.ipynb #3e2408de
 def _has_line(path) -> bool:
-    "Whether a text file holds a non-blank line (read only as far as the first one)."
-    with open(path, 'rb') as f: return any(line.strip() for line in f)
+    "Whether a text file holds a non-blank line (read only as far as the first one); True when it cannot be read."
+    try:
+        with open(path, 'rb') as f: return any(line.strip() for line in f)
+    except OSError: return True                          # the option's own check names an unreadable file
 
 def policy_problem(text: str, name: str = '--checkpointing', words=('auto', 'none', 'all')) -> str | None:
     "What is wrong with a layer checkpointing policy given as text to option `name`, or None."
@@ -125,6 +127,17 @@ def policy_problem(text: str, name: str = '--checkpointing', words=('auto', 'non
     if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         return None
     return f"{name} = {text!r}: allowed {', '.join(words)}, an integer k >= 1, or a list of layers like [0,2]"
+
+def _layer_problems(c: TrainConfig, n) -> list[str]:
+    "The layer options that do not fit a target of `n` layers (an int, or anything else when its config is broken)."
+    ids = [i for i in c.target_layer_ids or [] if isinstance(i, int)]      # the bad ones are named by the option
+    if not isinstance(n, int): return []
+    if ids and max(ids) >= n:
+        return [f"--target-layer-ids = {c.target_layer_ids}: allowed 0..{n - 1} (the target has {n} layers)"]
+    if c.cache is None and not c.target_layer_ids and isinstance(c.num_layers, int) and c.num_layers > n:
+        return [f"--num-layers = {c.num_layers}: allowed <= {n} without --target-layer-ids (by default each drafter "
+                f"layer reads its own layer of the target, which has {n})"]
+    return []
 
 def check_train(c: TrainConfig) -> list[str]:
     "Problems that involve two options or the disk (each option's own range is checked by its field)."
@@ -136,9 +149,8 @@ def check_train(c: TrainConfig) -> list[str]:
         probs += (bad := model_dir_problems(c.target, '--target'))
         if c.data is None and c.cache is None: probs.append("--target needs --data FILE (chat JSONL) or --cache DIR")
         conf = None if bad else json_problem(resolve_local(c.target) / 'config.json')[0]
-        n = (conf or {}).get('num_hidden_layers')
-        if isinstance(n, int) and c.target_layer_ids and max(c.target_layer_ids) >= n:
-            probs.append(f"--target-layer-ids = {c.target_layer_ids}: allowed 0..{n - 1} (the target has {n} layers)")
+        probs += _layer_problems(c, (conf or {}).get('num_hidden_layers'))
+    else: probs += _layer_problems(c, json_problem(toy_target_dir() / 'config.json')[0]['num_hidden_layers'])
     for name in ('data', 'eval_data'):
         p = getattr(c, name)
         if p is not None and Path(p).is_file() and not _has_line(p):
@@ -146,6 +158,10 @@ def check_train(c: TrainConfig) -> list[str]:
     if c.cache is not None and Path(c.cache).is_dir():
         manifest, bad = json_problem(Path(c.cache) / 'manifest.json')
         if bad: probs.append(f"--cache: {bad}")
+        elif (ids := manifest.get('layer_ids')) and c.target_layer_ids and list(c.target_layer_ids) != ids:
+            probs.append(f"--target-layer-ids = {c.target_layer_ids}: the cache {c.cache} holds target layers {ids}; "
+                         f"leave --target-layer-ids out to train on those, or write a cache of these layers "
+                         f"(`python -m dflash.data cache ... --layers {','.join(map(str, c.target_layer_ids))}`)")
         elif c.loss == 'kl' and not manifest.get('final_hidden'):
             probs.append(f"--loss = 'kl': the cache {c.cache} holds no final hidden state of the target (the "
                          "teacher); write one with `python -m dflash.data cache ... --final-hidden`, or train online")
@@ -170,6 +186,10 @@ class RunDirError(RuntimeError):
 
 class RunFailed(RuntimeError):
     "A run that ended without a drafter worth keeping (its steps were not finite); the message says what to do."
+
+class StartupFailed(RuntimeError):
+    """A run that could not start: a target, tokenizer, data or cache it cannot use, found before the run is recorded
+    (no run.json: the corrected command starts afresh); the message names the file or option and what to do."""
 
 def _run_files(out) -> list[str]:
     "The files of a run in `out` (empty: `out` holds no run)."

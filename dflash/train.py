@@ -11,8 +11,9 @@ import yaml
 from .options import OptionParser, OptionsError, build_options, exit_bad_options
 from .stops import StopRequest, Preempted, EXIT_PREEMPTED
 from .runs import (TrainConfig, check_train, read_run, resume_changes, claim_run, unlock_run, RunDirError,
-                         RUN_ACTIONS, RunFailed, absolute_paths, data_checksums, data_changes)
+                         RUN_ACTIONS, RunFailed, StartupFailed, absolute_paths, data_checksums, data_changes)
 from .files import write_json, write_atomic, toy_data_dir, disk_refused
+
 
 # %% auto #0
 __all__ = ['parse_config', 'toy_profile', 'main']
@@ -102,7 +103,9 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
         if is_main and changed:
             print("changed on resume: " + ', '.join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
         if is_main and moved: print("data changed on resume (--accept-changed-data): " + '; '.join(moved))
-    trainer = Trainer(cfg)
+    try: trainer = Trainer(cfg)
+    except (ValueError, FileNotFoundError, MemoryError) as e:       # a target, tokenizer, data or cache it cannot use
+        raise StartupFailed(str(e) or type(e).__name__) from e
     trainer.restore()                                    # a refused resume, like a failed start-up, records nothing
     if is_main: write_json(out / 'run.json', record)     # the run has started
     seconds = {'start-up, target and data': time.perf_counter() - t_start}
@@ -177,9 +180,9 @@ def main(argv=None) -> dict:
             if is_main and (now := read_run(out)):                          # recorded while the lock is held
                 stops = [*now.get('stops', []), {'at': time.strftime('%FT%T'), 'what': str(e)}]
                 write_json(out / 'run.json', {**now, 'status': 'stopped', 'stops': stops})
-        except (RunDirError, RunFailed) as e:          # a run directory it may not continue; a run with nothing to keep
+        except (RunDirError, StartupFailed, RunFailed) as e:   # a run directory or input it cannot use; nothing to keep
             if is_main: print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2 if isinstance(e, RunDirError) else 1)
+            raise SystemExit(1 if isinstance(e, RunFailed) else 2)
         except OSError as e:                           # a full or read-only disk: what was written whole stays
             print(_disk_refused(e), file=sys.stderr)
             raise SystemExit(2)

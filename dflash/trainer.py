@@ -22,14 +22,14 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed, parse_flag_from_env
 from transformers import AutoConfig, AutoTokenizer, get_cosine_schedule_with_warmup
 from .config import DrafterConfig
-from .layout import BlockLayout
+from .layout import BlockLayout, valid_anchors
 from .drafter import DFlashDrafter
 from .recompute import set_checkpointing, parse_policy
 from .plan import budgets, recommend_policy, step_memory, online_target_bytes, online_advice
 from .chunking import free_bytes
 from .objective import dflash_objective, Objective, ObjectiveSums
 from .chat import ChatDataset
-from .features import CacheDataset, TargetFeatures, collate, target_identity
+from .features import CacheDataset, TargetFeatures, collate, target_identity, check_target_dir
 from .files import (json_problem, file_sha256, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir,
                           resolve_local, disk_error)
 from .stops import Preempted, StopRequest
@@ -65,6 +65,27 @@ class _RunParts:
     eval: object | None
     drafter_config: DrafterConfig
 
+def _has_chat_template(tok) -> bool:
+    "Whether tokenizer `tok` has a chat template (of named ones, a default)."
+    t = tok.chat_template
+    return bool(t.get('default') if isinstance(t, dict) else t)       # named templates: the default one
+
+def _target_tokenizer(target: Path, chat: bool):
+    "The tokenizer in `target`, after checking it loads, has a vocabulary and (`chat`: renders --data) a chat template."
+    try: tok = AutoTokenizer.from_pretrained(target)
+    except Exception as e:                               # broken files: tokenizers' and transformers' own errors
+        raise ValueError(f"--target {target}: its tokenizer does not load ({type(e).__name__}: {e}); put the "
+                         "model's own tokenizer files beside it") from None
+    if len(tok) <= len(tok.all_special_tokens):
+        raise ValueError(f"--target {target}: no tokenizer there (it loads with {len(tok)} tokens: no tokenizer.json, "
+                         "tokenizer.model or vocabulary files); put the model's own tokenizer files beside it")
+    if chat and not _has_chat_template(tok):
+        raise ValueError(f"--target {target}: its tokenizer has no chat template (no chat_template.jinja, none in "
+                         f"tokenizer_config.json), and --data is rendered with it: put the model's template in "
+                         f"{target / 'chat_template.jinja'}, or write a cache with `python -m dflash.data cache "
+                         "--chat-template FILE ...` and train with --cache")
+    return tok
+
 def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     "Resolve the target and data of `cfg` (defaults: the toy) and build the datasets."
     from dflash.chat import load_chat_data
@@ -74,7 +95,11 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     eval_data = cfg.eval_data or (toy_data_dir() / 'eval.jsonl' if toy else None)
     if data is None and cfg.cache is None:
         raise ValueError("--data FILE (chat JSONL) or --cache DIR is needed with --target")
-    tok = AutoTokenizer.from_pretrained(target)
+    tok, tc = _target_tokenizer(target, chat=cfg.cache is None), AutoConfig.from_pretrained(target)
+    if len(tok) > (V := tc.get_text_config().vocab_size):
+        raise ValueError(f"--target {target}: its tokenizer has {len(tok)} tokens, more than the model's vocab_size "
+                         f"({V} in config.json): tokenizer and model do not belong together; put the model's own "
+                         "tokenizer files beside it")
     dkw = dict(num_hidden_layers=cfg.num_layers, block_size=cfg.block_size)
     if cfg.cache:
         features, ev, (embed, lm_head) = None, None, _frozen_head_weights(target)
@@ -84,9 +109,10 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
                              "teacher); write one with `python -m dflash.data cache ... --final-hidden`")
         ids = train.manifest['layer_ids']
         if cfg.target_layer_ids is not None and list(cfg.target_layer_ids) != ids:
-            raise ValueError(f"cache {cfg.cache} holds target layers {ids}, not the requested {cfg.target_layer_ids}")
+            raise ValueError(f"cache {cfg.cache} holds target layers {ids}, not the requested {cfg.target_layer_ids}; "
+                             "leave --target-layer-ids out to train on those")
         train = _cut_cache(train, cfg.max_length)
-        dcfg = DrafterConfig.from_target(AutoConfig.from_pretrained(target), tokenizer=tok, target_layer_ids=ids, **dkw)
+        dcfg = DrafterConfig.from_target(tc, tokenizer=tok, target_layer_ids=ids, **dkw)
         embed, lm_head = embed.to(device), lm_head.to(device)
     else:
         train = load_chat_data(data, tok, max_length=cfg.max_length, report=True)   # tokenized once, cached; counted
@@ -103,21 +129,40 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
 
 # %% ../nbs/10_trainer.ipynb #85a089f2
 class _Cut:
-    "The samples of `dataset` cut to their first `max_length` tokens."
-    def __init__(self, dataset, max_length: int): self.dataset, self.max_length = dataset, max_length
-    def __len__(self): return len(self.dataset)
+    "The samples `keep` (default: all) of `dataset` cut to their first `max_length` tokens."
+    def __init__(self, dataset, max_length: int, keep: list[int] | None = None):
+        self.dataset, self.max_length = dataset, max_length
+        self.keep = list(range(len(dataset))) if keep is None else keep
+    def __len__(self): return len(self.keep)
     def __getitem__(self, i: int) -> dict:
-        return {k: v[:self.max_length] if k in ('input_ids', 'loss_mask', 'context') else v
-                for k, v in self.dataset[i].items()}
+        return {k: v[:self.max_length] if k in ('input_ids', 'loss_mask', 'context', 'final_hidden') else v
+                for k, v in self.dataset[self.keep[i]].items()}
+
+def _anchored(cache: CacheDataset, max_length: int) -> list[int]:
+    "The samples of `cache` with a valid anchor in their first `max_length` tokens (the shards' loss masks only)."
+    keep = []
+    for k, s in enumerate(cache.manifest['shards']):
+        with safe_open(cache.path / s['file'], framework='pt') as f:
+            off, mask = f.get_tensor('offsets').tolist(), f.get_tensor('loss_mask')
+        keep += [k * cache.shard_size + j for j in range(len(off) - 1)
+                 if len(valid_anchors(mask[off[j]:off[j + 1]][:max_length]))]
+    return keep
 
 def _cut_cache(cache: CacheDataset, max_length: int):
-    "`cache`, its samples cut to `max_length` tokens when it was written with a larger (or unrecorded) max length."
+    """`cache`, its samples cut to `max_length` tokens when it was written with a larger (or unrecorded) max length;
+    those left without two consecutive supervised tokens are skipped (none left: a `ValueError`)."""
     written = cache.manifest.get('data', {}).get('max_length')
     if written is not None and written <= max_length: return cache
+    keep, n = _anchored(cache, max_length), len(cache)
+    if not keep:
+        raise ValueError(f"--max-length {max_length}: no sample of the cache {cache.path} (written with max_length "
+                         f"{written or '(not recorded)'}) has two consecutive supervised tokens in its first "
+                         f"{max_length}; raise --max-length")
     if int(os.environ.get('RANK', '0')) == 0:
+        skipped = f"; {n - len(keep)} of {n} skipped (no two consecutive supervised tokens left)" * (len(keep) < n)
         print(f"cache {cache.path}: written with max_length {written or '(not recorded)'}; its samples are cut to "
-              f"--max-length {max_length}")
-    return _Cut(cache, max_length)
+              f"--max-length {max_length}{skipped}")
+    return _Cut(cache, max_length, keep)
 
 # %% ../nbs/10_trainer.ipynb #ebc581f4
 def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -386,9 +431,14 @@ class Trainer:
             raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the number of processes "
                              f"({acc.num_processes})")
         set_seed(cfg.seed)
+        if cfg.attention == 'flex' and not gpu:
+            raise ValueError("--attention flex: torch has no FlexAttention backward on CPU, so it trains on a GPU "
+                             "only; use --attention sdpa or eager here")
+        target = resolve_local(cfg.target) if cfg.target else toy_target_dir()
+        check_target_dir(target)                 # a model that is no decoder-only causal LM: before anything loads
         if gpu and cfg.cache is None: _refuse_online_misfit(cfg, acc)   # before the target loads
         with acc.local_main_process_first():     # one process per machine hashes the target's weights, the rest
-            target_identity(resolve_local(cfg.target) if cfg.target else toy_target_dir())     # read its checksums
+            target_identity(target)              # read its checksums
         self.parts = p = _load_parts(cfg, acc.device)
         budget, dtype = int(free_bytes(acc.device) * cfg.memory_fraction), _PLAN_DTYPE.get(acc.mixed_precision, 'fp32')
         attention_budget, self.objective_budget = budgets(p.drafter_config, cfg.max_length, budget, dtype,

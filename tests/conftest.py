@@ -1,4 +1,4 @@
-import hashlib
+import hashlib, os, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from dflash.config import DrafterConfig
@@ -17,6 +17,16 @@ def refused(capsys, main, argv, *expect, code=2) -> str:
     for x in expect: assert x in err, (x, err)
     assert 'Traceback' not in err
     return err
+
+
+def train_cli(*args, module='dflash.train') -> subprocess.CompletedProcess:
+    """`python -m dflash.train` (or another command) in a subprocess under which permission bits hold even for root
+    (which otherwise writes into read-only directories): without the capabilities that override them."""
+    drop = '-dac_override,-dac_read_search'
+    prefix = ['setpriv', f'--bounding-set={drop}', f'--inh-caps={drop}'] if os.getuid() == 0 else []
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
+    return subprocess.run([*prefix, sys.executable, '-m', module, *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=600)
 
 
 def tree(d) -> dict:

@@ -11,7 +11,7 @@ from dflash.plan import main as plan_main
 from dflash.speculate import main as speculate_main
 from dflash.chat import DataError, read_jsonl
 from dflash.data import main as data_main
-from conftest import SMALL, refused, tree
+from conftest import SMALL, refused, train_cli, tree
 
 @pytest.fixture(scope='module')
 def files(tmp_path_factory):
@@ -188,6 +188,163 @@ def test_bad_paths(tmp_path, capsys, files, argv, expect):
     refused(capsys, train_main, ['--out', str(tmp_path / 'run'), *argv], expect.format(**subs))
 
 
+# --- start-up failures: each ends in one error line (exit 2) naming the file and the remedy, and leaves no run.json ---
+@pytest.fixture(scope='module')
+def startup_cache(tmp_path_factory, files):
+    "A hidden-state cache of target layers 0, 2, 4 of the toy target over the 16 small conversations (4 shards)."
+    out = tmp_path_factory.mktemp('startup') / 'cache'
+    data_main(['cache', '--target', str(toy_target_dir()), '--data', str(files / 'train.jsonl'), '--out', str(out),
+               '--layers', '0,2,4', '--shard-size', '4', '--max-length', '128', '--no-progress'])
+    return out
+
+
+def _broken_cache(cache: Path, d: Path, kind: str) -> Path:
+    "A copy of `cache` broken one way."
+    c = d / kind
+    shutil.copytree(cache, c)
+    manifest = json.loads((c / 'manifest.json').read_text())
+    if kind == 'cache-truncated-shard':
+        w = c / 'shard-00001.safetensors'
+        w.write_bytes(w.read_bytes()[:1000])
+    if kind == 'cache-missing-shard': (c / 'shard-00002.safetensors').unlink()
+    if kind == 'cache-incomplete':
+        (c / 'manifest.json').write_text(json.dumps({**manifest, 'complete': False, 'shards': manifest['shards'][:1]}))
+    if kind == 'cache-manifest-without-layers':
+        (c / 'manifest.json').write_text(json.dumps({k: v for k, v in manifest.items() if k != 'layer_ids'}))
+    return c
+
+
+def _startup_target(d: Path, kind: str) -> Path:
+    "A target directory that is not one dflash.train can use, one way (most: a copy of the toy target)."
+    from transformers import AutoConfig, AutoTokenizer, BertConfig, BertForMaskedLM
+    from transformers import T5Config, T5ForConditionalGeneration, Qwen3ForSequenceClassification
+    t = d / kind
+    if kind == 'drafter': shutil.copytree(assets_dir() / 'toy-drafter', t)
+    elif kind == 'bert': BertForMaskedLM(BertConfig(vocab_size=1024, hidden_size=64, num_hidden_layers=2,
+                                                    num_attention_heads=4, intermediate_size=96)).save_pretrained(t)
+    elif kind == 't5': T5ForConditionalGeneration(T5Config(vocab_size=1024, d_model=64, d_kv=16, d_ff=96, num_layers=2,
+                                                           num_heads=4)).save_pretrained(t)
+    elif kind == 'sequence-classifier':
+        Qwen3ForSequenceClassification(AutoConfig.from_pretrained(toy_target_dir())).save_pretrained(t)
+    else: shutil.copytree(toy_target_dir(), t)
+    for f in ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja'):
+        if not (t / f).exists(): shutil.copy(toy_target_dir() / f, t / f)
+    conf = json.loads((t / 'config.json').read_text())
+    if kind == 'no-chat-template': (t / 'chat_template.jinja').unlink()
+    if kind == 'bert-model-type': (t / 'config.json').write_text(json.dumps({**conf, 'model_type': 'bert'}))
+    if kind == 'unknown-model-type': (t / 'config.json').write_text(json.dumps({**conf, 'model_type': 'frobnicator'}))
+    if kind == 'config-not-of-weights': (t / 'config.json').write_text(json.dumps({**conf, 'vocab_size': 2048}))
+    if kind == 'no-tokenizer':
+        for f in ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja'): (t / f).unlink()
+    if kind == 'garbage-tokenizer': (t / 'tokenizer.json').write_text('{"version": "1.0", "model": 42}')
+    if kind == 'other-tokenizer':
+        tok = AutoTokenizer.from_pretrained(t)
+        tok.add_tokens([f'<extra_{i}>' for i in range(100)])
+        tok.save_pretrained(t)
+    if kind == 'other-weights':
+        from safetensors.torch import save_file
+        w = load_file(t / 'model.safetensors')
+        w['model.norm.weight'] = w['model.norm.weight'] + 1
+        save_file(w, t / 'model.safetensors', metadata={'format': 'pt'})
+    return t
+
+
+STARTUP_CASES = [
+    ('cache-other-layers', ['--cache', '{cache}', '--target-layer-ids', '1', '3'],
+     "--target-layer-ids = [1, 3]: the cache {cache} holds target layers [0, 2, 4]; leave --target-layer-ids out"),
+    ('cache-other-target', ['--cache', '{cache}', '--target', '{target:other-weights}'],
+     "was written for target", "train with the target it was written for, or write a cache of this one"),
+    ('cache-truncated-shard', ['--cache', '{cache:cache-truncated-shard}'],
+     "shard shard-00001.safetensors is truncated or corrupt", "it redoes the shards that are not whole"),
+    ('cache-missing-shard', ['--cache', '{cache:cache-missing-shard}'],
+     "shard shard-00002.safetensors is missing; run"),
+    ('cache-incomplete', ['--cache', '{cache:cache-incomplete}'], "incomplete, 1 of 4 shards written; rerun"),
+    ('cache-manifest-without-layers', ['--cache', '{cache:cache-manifest-without-layers}'],
+     "manifest.json: no layer_ids; not a manifest `python -m dflash.data cache` writes"),
+    ('cache-cut-leaves-no-anchor', ['--cache', '{cache}', '--max-length', '16'],
+     "--max-length 16: no sample of the cache", "raise --max-length"),
+    ('no-chat-template', ['--target', '{target:no-chat-template}', '--data', '{train}'],
+     "its tokenizer has no chat template", "or write a cache with `python -m dflash.data cache --chat-template FILE"),
+    ('bert-model-type', ['--target', '{target:bert-model-type}', '--data', '{train}'],
+     "model_type 'bert' is an encoder", "DFlash drafts for decoder-only causal LMs"),
+    ('bert', ['--target', '{target:bert}', '--data', '{train}'], "model_type 'bert' is an encoder"),
+    ('t5', ['--target', '{target:t5}', '--data', '{train}'], "model_type 't5' is not a causal LM"),
+    ('unknown-model-type', ['--target', '{target:unknown-model-type}', '--data', '{train}'],
+     "model_type 'frobnicator' is not one this transformers knows", "trust_remote_code"),
+    ('drafter-as-target', ['--target', '{target:drafter}', '--data', '{train}'],
+     "a DFlash drafter (architectures DFlashDraftModel), not a target: pass the model it drafts for"),
+    ('sequence-classifier', ['--target', '{target:sequence-classifier}', '--data', '{train}'],
+     "its files lack weights of the model config.json describes (1, like lm_head.weight)"),
+    ('config-not-of-weights', ['--target', '{target:config-not-of-weights}', '--data', '{train}'],
+     "weights have other shapes than config.json gives", "[1024, 128] in the files, [2048, 128] by config.json"),
+    ('no-tokenizer', ['--target', '{target:no-tokenizer}', '--data', '{train}'],
+     "no tokenizer there", "put the model's own tokenizer files beside it"),
+    ('garbage-tokenizer', ['--target', '{target:garbage-tokenizer}', '--data', '{train}'],
+     "its tokenizer does not load (KeyError"),
+    ('other-tokenizer', ['--target', '{target:other-tokenizer}', '--data', '{train}'],
+     "its tokenizer has 1100 tokens, more than the model's vocab_size (1024 in config.json)"),
+    ('garbage-data', ['--data', '{garbage}'], "garbage.jsonl:1: malformed JSON line"),
+    ('garbage-eval-data', ['--data', '{train}', '--eval-data', '{garbage}'], "garbage.jsonl:1: malformed JSON line"),
+    ('data-is-a-directory', ['--data', '{dir}'], "--data = '{dir}': not a file"),
+    ('config-is-a-directory', ['--config', '{dir}'], "--config {dir}: not a file"),
+    ('config-not-utf8', ['--config', '{garbage}'], "garbage.jsonl: not valid YAML ('utf-8' codec can't decode"),
+    ('max-length-leaves-no-anchor', ['--data', '{train}', '--max-length', '16'],
+     "train.jsonl: no usable sample among 16 records", "within max_length=16"),
+    ('num-layers-above-target', ['--data', '{train}', '--num-layers', '12'],
+     "--num-layers = 12: allowed <= 6 without --target-layer-ids"),
+    ('flex-attention-on-cpu', ['--data', '{train}', '--attention', 'flex'],
+     "--attention flex: torch has no FlexAttention backward on CPU"),
+]
+
+
+def _startup_subs(arg: str, d: Path, files: Path, cache: Path) -> str:
+    "`arg` with {cache}, {cache:KIND}, {target:KIND}, {train}, {garbage}, {dir} made: the paths of one case."
+    kind = arg[1:-1].partition(':')[2]
+    if arg.startswith('{target:'): return str(_startup_target(d, kind))
+    if arg.startswith('{cache:'): return str(_broken_cache(cache, d, kind))
+    (d / 'garbage.jsonl').write_bytes(bytes(range(256)) * 4)
+    (d / 'dir').mkdir(exist_ok=True)
+    return arg.format(cache=cache, train=files / 'train.jsonl', garbage=d / 'garbage.jsonl', dir=d / 'dir')
+
+
+@pytest.mark.parametrize('kind,argv,expect', [(k, a, e) for k, a, *e in STARTUP_CASES],
+                         ids=[c[0] for c in STARTUP_CASES])
+def test_startup_failure(tmp_path, capsys, files, startup_cache, kind, argv, expect):
+    "A target, tokenizer, cache or data file the run cannot use: one error line, exit 2, no run.json and no lock."
+    if kind == 'flex-attention-on-cpu' and torch.cuda.is_available(): pytest.skip("FlexAttention trains on a GPU")
+    argv = [_startup_subs(a, tmp_path, files, startup_cache) for a in argv]
+    out = tmp_path / 'run'
+    subs = dict(cache=startup_cache, dir=tmp_path / 'dir')
+    refused(capsys, train_main, ['--out', str(out), *SMALL, *argv], *[e.format(**subs) for e in expect])
+    assert not (out / 'run.json').exists() and not (out / '.lock').exists()
+
+
+UNREADABLE = [('data', "--data = '{path}': cannot read it (Permission denied)"),
+              ('config', "--config {path}: cannot read it (Permission denied)"),
+              ('target-tokenizer', "--target: {path}: cannot read it (Permission denied)"),
+              ('cache-manifest', "--cache: {path}: cannot read it (Permission denied)"),
+              ('cache-shard', "cache {path}: cannot read it (Permission denied)")]
+
+
+@pytest.mark.parametrize('kind,expect', UNREADABLE, ids=[k for k, _ in UNREADABLE])
+def test_startup_failure_unreadable(tmp_path, files, startup_cache, kind, expect):
+    "A file the run must read and may not (its permission bits, which hold for root in `train_cli`): named, exit 2."
+    shutil.copy(files / 'train.jsonl', tmp_path / 'train.jsonl')
+    (tmp_path / 'run.yaml').write_text('lr: 0.001\n')
+    shutil.copytree(toy_target_dir(), tmp_path / 'target')
+    shutil.copytree(startup_cache, tmp_path / 'cache')
+    path = {'data': tmp_path / 'train.jsonl', 'config': tmp_path / 'run.yaml',
+            'target-tokenizer': tmp_path / 'target' / 'tokenizer.json',
+            'cache-manifest': tmp_path / 'cache' / 'manifest.json',
+            'cache-shard': tmp_path / 'cache' / 'shard-00001.safetensors'}[kind]
+    path.chmod(0)
+    source = ['--cache', tmp_path / 'cache'] if kind.startswith('cache') else ['--data', tmp_path / 'train.jsonl']
+    r = train_cli('--out', tmp_path / 'run', '--target', tmp_path / 'target', *source, '--config',
+                  tmp_path / 'run.yaml', *SMALL)
+    assert r.returncode == 2 and 'Traceback' not in r.stderr and expect.format(path=path) in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / 'run' / 'run.json').exists()
+
+
 def test_out_is_a_file(tmp_path, capsys):
     (tmp_path / 'run').write_text('not a directory')
     refused(capsys, train_main, ['--out', str(tmp_path / 'run')], "exists and is not a directory")
@@ -292,26 +449,27 @@ def test_bad_data_line_is_named(tmp_path, line, expect):
     assert expect in str(e.value), str(e.value)
 
 
-def test_training_on_a_lone_surrogate_names_file_and_line(tmp_path, files):
+def test_training_on_a_lone_surrogate_names_file_and_line(tmp_path, capsys, files):
     "The same through the training command: the error names the line before any step is taken."
     p = tmp_path / 'train.jsonl'
     lines = (files / 'train.jsonl').read_text().splitlines()
     p.write_text('\n'.join(lines[:5] + ['{"messages": [{"role": "user", "content": "\\udc80"}]}'] + lines[5:]) + '\n')
-    with pytest.raises(DataError, match=r'train.jsonl:6: text that is not valid Unicode'):
-        train_main(['--out', str(tmp_path / 'run'), '--data', str(p), *SMALL, '--max-steps', '1'])
-    assert not (tmp_path / 'run' / 'checkpoints').exists()
+    refused(capsys, train_main, ['--out', str(tmp_path / 'run'), '--data', str(p), *SMALL, '--max-steps', '1'],
+            'train.jsonl:6: text that is not valid Unicode')
+    assert not (tmp_path / 'run' / 'checkpoints').exists() and not (tmp_path / 'run' / 'run.json').exists()
 
 
-def test_train_set_smaller_than_a_batch(tmp_path, files):
-    with pytest.raises(ValueError, match=r'--batch-size 16 is larger than the training set \(1 samples\)'):
-        train_main(['--out', str(tmp_path / 'run'), '--data', str(files / 'one.jsonl'), *SMALL, '--batch-size', '16'])
+def test_train_set_smaller_than_a_batch(tmp_path, capsys, files):
+    refused(capsys, train_main, ['--out', str(tmp_path / 'run'), '--data', str(files / 'one.jsonl'), *SMALL,
+                                 '--batch-size', '16'], '--batch-size 16 is larger than the training set (1 samples)')
+    assert not (tmp_path / 'run' / 'run.json').exists()
 
 
-def test_eval_set_with_no_usable_conversation(tmp_path, files):
+def test_eval_set_with_no_usable_conversation(tmp_path, capsys, files):
     (tmp_path / 'ev.jsonl').write_text('{"messages": [{"role": "user", "content": "only a question"}]}\n')
-    with pytest.raises(ValueError, match='ev.jsonl: no usable sample among 1 records'):
-        train_main(['--out', str(tmp_path / 'run'), '--data', str(files / 'train.jsonl'), '--eval-data',
-                    str(tmp_path / 'ev.jsonl'), *SMALL])
+    refused(capsys, train_main, ['--out', str(tmp_path / 'run'), '--data', str(files / 'train.jsonl'), '--eval-data',
+                                 str(tmp_path / 'ev.jsonl'), *SMALL], 'ev.jsonl: no usable sample among 1 records')
+    assert not (tmp_path / 'run' / 'run.json').exists()
 
 
 # --- 4. a real run, and what may and may not happen to it -----------------------------------------------------------

@@ -4,14 +4,14 @@ extended, a metrics file torn by a crash, a start-up failure that leaves nothing
 --max-length, a run with no finite step; a read-only run directory or speculate --out named in one line. Most cases
 run the command's `main` in-process on copies of one small real run on the toy target; those that need permission
 bits to hold run it as a subprocess."""
-import csv, json, os, shutil, subprocess, sys
+import csv, json, shutil
 from pathlib import Path
 import pytest, torch
 from safetensors.torch import load_file, save_file
 from dflash.files import toy_target_dir, toy_data_dir
 from dflash.train import main as train_main
 import conftest
-from conftest import refused, tree
+from conftest import refused, tree, train_cli
 
 SMALL = conftest.SMALL + ['--report-to', 'none']          # no tracker directory in the runs compared
 RUN = SMALL + ['--max-steps', '4', '--save-every', '2', '--keep-checkpoints', '3', '--eval-every', '0']
@@ -136,8 +136,8 @@ def test_failed_start_leaves_nothing_to_refuse(tmp_path, capsys, finished):
     shutil.copytree(toy_target_dir(), target)
     (target / 'chat_template.jinja').unlink()
     run, data = tmp_path / 'run', str(finished.parent / 'train.jsonl')
-    with pytest.raises(Exception, match='chat template'):
-        train_main(['--out', str(run), '--target', str(target), '--data', data, *SMALL, '--max-steps', '1'])
+    argv = ['--out', str(run), '--target', str(target), '--data', data, *SMALL, '--max-steps', '1']
+    refused(capsys, train_main, argv, 'its tokenizer has no chat template')
     assert not [p.name for p in run.iterdir()], "nothing left in the run directory"
     train_main(['--out', str(run), '--target', str(toy_target_dir()), '--data', data, *SMALL, '--max-steps', '1'])
     assert json.loads((run / 'run.json').read_text())['status'] == 'finished'
@@ -173,16 +173,6 @@ def test_cache_samples_are_cut_to_max_length(tmp_path, capsys, finished):
     assert f"written with max_length 512; its samples are cut to --max-length 64" in capsys.readouterr().out
     assert max(len(t.parts.train[i]['input_ids']) for i in range(len(t.parts.train))) == 64
     assert t.parts.train[0]['context'].shape[0] == 64
-
-
-def train_cli(*args, module='dflash.train') -> subprocess.CompletedProcess:
-    """`python -m dflash.train` (or another command) in a subprocess under which permission bits hold even for root
-    (which otherwise writes into read-only directories): without the capabilities that override them."""
-    drop = '-dac_override,-dac_read_search'
-    prefix = ['setpriv', f'--bounding-set={drop}', f'--inh-caps={drop}'] if os.getuid() == 0 else []
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
-    return subprocess.run([*prefix, sys.executable, '-m', module, *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=600)
 
 
 def test_read_only_directory_at_start_is_named(tmp_path, finished):
