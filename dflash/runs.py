@@ -57,7 +57,11 @@ class TrainConfig:
     max_steps: int | None = option(None, "optimizer steps (default: from epochs)", ge=1)
     lr: float = option(6e-4, "AdamW peak learning rate", ge=0)
     weight_decay: float = option(0.0, "AdamW weight decay", ge=0)
-    warmup_ratio: float = option(0.04, "share of steps with linear warmup, then cosine decay", ge=0, lt=1)
+    warmup_ratio: float = option(0.04, "share of steps with linear warmup (then the --schedule)", ge=0, lt=1)
+    schedule: str = option('cosine', "learning rate after the warmup: cosine (a cosine decay to 0 over the other "
+                                     "steps) or wsd (warmup-stable-decay: the peak held, then a cosine decay to 0 over "
+                                     "the last --decay-ratio of the steps)", choices=['cosine', 'wsd'])
+    decay_ratio: float = option(0.2, "--schedule wsd: share of steps in the final decay", gt=0, le=1)
     max_grad_norm: float = option(1.0, "gradient-norm clipping", gt=0)
     attention: str = option('sdpa', "attention backend", choices=['sdpa', 'flex', 'eager'])
     checkpointing: str = option('auto', "layer checkpointing: auto (cheapest that fits), none, all, every k-th (k), "
@@ -143,6 +147,10 @@ def check_train(c: TrainConfig) -> list[str]:
     "Problems that involve two options or the disk (each option's own range is checked by its field)."
     probs, world = [], int(os.environ.get('WORLD_SIZE', '1'))
     if c.resume and c.overwrite: probs.append("--resume and --overwrite: choose one (continue the run, or replace it)")
+    ratios_ok = 0 <= c.warmup_ratio < 1 and 0 < c.decay_ratio <= 1           # each is named by its own check otherwise
+    if c.schedule == 'wsd' and ratios_ok and c.warmup_ratio + c.decay_ratio > 1:
+        probs.append(f"--decay-ratio = {c.decay_ratio}: allowed <= 1 - --warmup-ratio ({1 - c.warmup_ratio:g}) with "
+                     "--schedule wsd (warmup and decay share the steps)")
     if Path(c.out).exists() and not Path(c.out).is_dir():
         probs.append(f"--out = {c.out!r}: exists and is not a directory")
     if c.target is not None:

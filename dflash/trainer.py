@@ -20,7 +20,7 @@ from safetensors.torch import save_file, load_file
 from tqdm.auto import tqdm
 from accelerate import Accelerator
 from accelerate.utils import set_seed, parse_flag_from_env
-from transformers import AutoConfig, AutoTokenizer, get_cosine_schedule_with_warmup
+from transformers import AutoConfig, AutoTokenizer, get_cosine_schedule_with_warmup, get_wsd_schedule
 from .config import DrafterConfig
 from .layout import BlockLayout, valid_anchors
 from .drafter import DFlashDrafter
@@ -36,8 +36,8 @@ from .stops import Preempted, StopRequest
 from .runs import TrainConfig, launch_problems, RunDirError, RunFailed
 
 # %% auto #0
-__all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'whole_or_nothing', 'rotate_checkpoints', 'Trainer',
-           'timed']
+__all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'whole_or_nothing', 'rotate_checkpoints', 'lr_schedule',
+           'Trainer', 'timed']
 
 # %% ../nbs/10_trainer.ipynb #0ebcce23
 def _frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
@@ -360,6 +360,15 @@ def _truncate_csv(path, last_step: int):
     csv.writer(buf, lineterminator='\n').writerows([header, *keep])
     write_atomic(path, buf.getvalue())
 
+# %% ../nbs/10_trainer.ipynb #b7a11001
+def lr_schedule(opt, cfg: TrainConfig, total: int):
+    """The learning-rate schedule of `cfg` over `total` steps: a linear warmup over `cfg.warmup_ratio` of them, then a
+    cosine decay to 0 (`cosine`), or the peak held and a cosine decay over the last `cfg.decay_ratio` (`wsd`)."""
+    warmup = round(cfg.warmup_ratio * total)
+    if cfg.schedule == 'cosine': return get_cosine_schedule_with_warmup(opt, warmup, total)
+    decay = min(max(1, round(cfg.decay_ratio * total)), total - warmup)
+    return get_wsd_schedule(opt, warmup, decay, num_training_steps=total)
+
 # %% ../nbs/10_trainer.ipynb #6042605f
 def _online_fit(target_config, drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int, *,
                dtype: str = 'bf16', attention: str = 'sdpa', micro_batch_size: int = 1,
@@ -454,7 +463,7 @@ class Trainer:
         if self.fsdp is not None: drafter = _shard_drafter(drafter, **self.fsdp)  # before the optimizer sees it
         opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=gpu or None)
         self.total_steps = cfg.max_steps or max(1, int(cfg.epochs * (len(p.train) // cfg.batch_size)))
-        self.sched = get_cosine_schedule_with_warmup(opt, round(cfg.warmup_ratio * self.total_steps), self.total_steps)
+        self.sched = lr_schedule(opt, cfg, self.total_steps)
         if self.fsdp is not None and acc.distributed_type.value != 'FSDP':        # CPU: accelerate would wrap DDP
             self.model, self.opt = drafter, acc.prepare(opt)
         else: self.model, self.opt = acc.prepare(drafter, opt)   # accelerate's FSDP2 keeps a module already sharded
