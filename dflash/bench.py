@@ -163,15 +163,18 @@ class _GpuBench:
     dry_run: bool = option(False, 'print the sections, shapes and time budgets, run nothing')
     sections: list[str] | None = option(None, 'run only these sections (default: all; --dry-run lists them)')
 
-_OBJECTIVES = {'ce': ['--loss', 'ce'], 'dpace': ['--loss', 'dpace'], 'kl': ['--loss', 'kl'],
-               'kl+ce': ['--loss', 'kl', '--kl-weight', '0.5']}
+_COSINE = ['--schedule', 'cosine']
+_OBJECTIVES = {'ce': ['--loss', 'ce', *_COSINE], 'dpace': ['--loss', 'dpace', *_COSINE],
+               'dpace+wsd': ['--loss', 'dpace', '--schedule', 'wsd'], 'kl': ['--loss', 'kl', *_COSINE],
+               'kl+ce': ['--loss', 'kl', '--kl-weight', '0.5', *_COSINE]}     # the recipes compared
 
 @dataclass
 class _QualityBench:
-    """The drafter a user buys, per training objective: the shipped toy run (its data, steps and schedule) trained
-    under each objective and seed, then tau at each temperature in the real speculative loop on held-out prompts,
+    """The drafter a user buys, per training objective: the shipped toy run (its data and steps) trained under each
+    objective (and schedule) and seed, then tau at each temperature in the real speculative loop on held-out prompts,
     accuracy per block position, speedup against plain decoding, and training time per step as a ratio to ce."""
-    objectives: list[str] = option(tuple(_OBJECTIVES), 'objectives: ce (with the decay), dpace, kl, kl+ce (half each)',
+    objectives: list[str] = option(tuple(_OBJECTIVES), 'objectives, with a cosine schedule: ce (with the decay), dpace, '
+                                                      'kl, kl+ce (half each); and dpace with warmup-stable-decay',
                                    choices=list(_OBJECTIVES))
     seeds: list[int] = option((0, 1), 'seeds of each objective', ge=0)
     max_steps: int = option(0, "optimizer steps of every run (0: the toy run's own length)", ge=0)

@@ -41,7 +41,7 @@ class TrainConfig:
     num_anchors: int = option(512, "blocks per sequence (at most)", ge=1)
     gamma: float | None = option(7.0, "loss decay over block positions, exp(-(k-1)/gamma), for --loss ce and kl; "
                                       "none: no decay", gt=0)
-    loss: str = option('ce', "training objective: ce (cross-entropy with the --gamma decay); dpace (D-PACE: each "
+    loss: str = option('dpace', "training objective: ce (cross-entropy with the --gamma decay); dpace (D-PACE: each "
                              "position weighted by the expected accepted tokens that hang on it), dpace-confidence or "
                              "dpace-continuation (one factor of that weight); kl (distillation to the target's "
                              "next-token distribution, mixed with ce by --kl-weight)", choices=list(LOSSES))
@@ -58,7 +58,7 @@ class TrainConfig:
     lr: float = option(6e-4, "AdamW peak learning rate", ge=0)
     weight_decay: float = option(0.0, "AdamW weight decay", ge=0)
     warmup_ratio: float = option(0.04, "share of steps with linear warmup (then the --schedule)", ge=0, lt=1)
-    schedule: str = option('cosine', "learning rate after the warmup: cosine (a cosine decay to 0 over the other "
+    schedule: str = option('wsd', "learning rate after the warmup: cosine (a cosine decay to 0 over the other "
                                      "steps) or wsd (warmup-stable-decay: the peak held, then a cosine decay to 0 over "
                                      "the last --decay-ratio of the steps)", choices=['cosine', 'wsd'])
     decay_ratio: float = option(0.2, "--schedule wsd: share of steps in the final decay", gt=0, le=1)

@@ -21,7 +21,8 @@ __all__ = ['parse_config', 'toy_profile', 'main']
 # %% ../nbs/11_train.ipynb #eb366dd9
 _PROG = 'accelerate launch -m dflash.train'
 _DESCRIPTION = ("Train a DFlash drafter. With no arguments: the toy target and corpus shipped in the package; the "
-               "defaults shown are that run's. With --target, options not given take the DFlash recipe's defaults.")
+               "defaults shown are that run's. With --target, options not given take the recipe's defaults (DFlash's "
+               "published one, trained with D-PACE and warmup-stable-decay).")
 
 def _configure(argv=None) -> tuple[TrainConfig, dict | None, dict]:
     "(checked options, the run record being resumed or None, allowed changes {name: (old, new)}); one error for all."
