@@ -32,6 +32,14 @@ def cli(*args, wait=True):
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
 
 
+def wait_for_batches(p, out, n: int):
+    "Until the regeneration `p` writing `out` has indexed `n` batches (the index's header line besides), or has ended."
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        if index_path(out).is_file() and len(index_path(out).read_text().splitlines()) >= n + 1: return
+        time.sleep(0.02)
+
+
 def test_batched_equals_unbatched_greedy(small_data):
     "Left-padded batches with the KV cache give, token for token, what one-at-a-time greedy generate gives (float64)."
     model, tok = load_toy_target(dtype=torch.float64)
@@ -71,10 +79,7 @@ def test_killed_run_reruns_to_the_same_file(small_data, tmp_path):
     assert full.returncode == 0, full.stderr
     out = tmp_path / 'killed.jsonl'
     p = cli(*args, '--out', out, wait=False)
-    deadline = time.time() + 300
-    while time.time() < deadline and p.poll() is None:
-        if index_path(out).is_file() and len(index_path(out).read_text().splitlines()) >= 3: break   # 2 batches done
-        time.sleep(0.02)
+    wait_for_batches(p, out, 2)
     p.send_signal(signal.SIGKILL)
     p.wait()
     finished = len(index_path(out).read_text().splitlines()) - 1
@@ -217,10 +222,7 @@ def test_sigterm_to_the_command_exits_75_and_releases_the_lock(small_data, tmp_p
     args = ['--data', small_data, '--batch-size', '1', '--max-new-tokens', '32']
     out = tmp_path / 'o.jsonl'
     p = cli(*args, '--out', out, wait=False)
-    deadline = time.time() + 300
-    while time.time() < deadline and p.poll() is None:
-        if index_path(out).is_file() and len(index_path(out).read_text().splitlines()) >= 2: break   # 1 batch done
-        time.sleep(0.02)
+    wait_for_batches(p, out, 1)
     p.send_signal(signal.SIGTERM)
     said, _ = p.communicate(timeout=300)
     done = len(out.read_text().splitlines())
