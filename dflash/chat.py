@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 from torch import Tensor
 from .layout import valid_anchors
-from .files import disk_error, file_sha256, hf_hub_cache, resolve_local
+from .files import disk_error, file_sha256, hf_hub_cache, pretrained, resolve_local
 
 # %% auto #0
 __all__ = ['DataError', 'DataStats', 'read_jsonl', 'to_messages', 'tokenize_chat', 'tokenize_conversation', 'load_tokenizer',
@@ -297,7 +297,7 @@ def load_tokenizer(target, tokenizer=None, chat_template=None):
     "The tokenizer of `target` (or of the `tokenizer` directory / hub id), with `chat_template` (a file) when given."
     from transformers import AutoTokenizer
     src = resolve_local(tokenizer or target)
-    tok = AutoTokenizer.from_pretrained(src)
+    tok = pretrained(AutoTokenizer, src)                 # a directory, or a GGUF file's tokenizer
     if chat_template: _set_chat_template(tok, chat_template)
     return tok
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['default_target_layer_ids', 'DrafterConfig', 'mlp_width']
+__all__ = ['default_target_layer_ids', 'DrafterConfig', 'mlp_width', 'choose_mask_token']
 
 # %% ../nbs/00_config.ipynb #2292cdbd
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -105,10 +105,7 @@ def _rope_parameters(tc) -> dict:
 def _mask_token_id(tokenizer, vocab_size):
     if tokenizer is None:
         raise ValueError("mask_token_id: pass mask_token_id=... or a tokenizer to choose it from")
-    if tokenizer.mask_token_id is not None: return tokenizer.mask_token_id
-    if len(tokenizer) < vocab_size: return len(tokenizer)  # first embedding row no token uses
-    raise ValueError(f"mask_token_id: the tokenizer has no mask token and uses all {vocab_size} embedding rows; "
-                     "pass mask_token_id=...")
+    return choose_mask_token(tokenizer, vocab_size)[0]
 
 def mlp_width(tc) -> int:
     "The MLP width of a target's text config: `intermediate_size`, GPT-2's `n_inner`, or 4x the hidden size."
@@ -133,6 +130,39 @@ def from_target(cls: DrafterConfig, target_config, tokenizer=None, mask_token_id
                max_position_embeddings=getattr(tc, 'max_position_embeddings', 40960),
                mask_token_id=mask_token_id if mask_token_id is not None else _mask_token_id(tokenizer, tc.vocab_size),
                **kw)
+
+# %% ../nbs/00_config.ipynb #312fd9aa
+def _template_ids(tokenizer) -> set[int]:
+    "The token ids the tokenizer's chat template writes around a conversation of every common role (none without one)."
+    probes = ([{'role': 'system', 'content': 'a'}, {'role': 'user', 'content': 'b'}, {'role': 'assistant', 'content': 'c'},
+               {'role': 'user', 'content': 'd'}], [{'role': 'user', 'content': 'b'}, {'role': 'assistant', 'content': 'c'}])
+    ids = set()
+    for messages in probes if getattr(tokenizer, 'chat_template', None) else ():
+        try: text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception: continue                       # a template that refuses a role (no system turn): the other probe
+        ids |= set(tokenizer(text, add_special_tokens=False)['input_ids'])
+    return ids
+
+def choose_mask_token(tokenizer, vocab_size: int, used=()) -> tuple[int, str]:
+    """The mask token id for a target whose `tokenizer` has `vocab_size` embedding rows, and a line saying why: its mask
+    token; else the first embedding row no token uses; else the last special token that the chat template does not
+    write, that names none of the tokenizer's roles and that is not in `used` (the token ids of the data)."""
+    if tokenizer.mask_token_id is not None:
+        return tokenizer.mask_token_id, f"mask token {tokenizer.mask_token!r} (id {tokenizer.mask_token_id}): the tokenizer's"
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer), (f"mask token id {len(tokenizer)}: the first embedding row no token uses ({len(tokenizer)} "
+                                f"tokens, {vocab_size} rows)")
+    roles = {getattr(tokenizer, f'{r}_token_id', None) for r in ('bos', 'eos', 'unk', 'pad', 'sep', 'cls')}
+    taken = roles | _template_ids(tokenizer) | set(used)
+    free = [i for i, t in tokenizer.added_tokens_decoder.items() if t.special and i < vocab_size and i not in taken]
+    if not free:
+        raise ValueError(f"mask_token_id: the tokenizer has no mask token, its {len(tokenizer)} tokens use all "
+                         f"{vocab_size} embedding rows, and every special token is written by the chat template or "
+                         "used by the data; pass --mask-token-id with a token id the data never uses")
+    i = max(free)
+    return i, (f"mask token {tokenizer.convert_ids_to_tokens(i)!r} (id {i}): the tokenizer has no mask token and no free "
+               f"embedding row, and this special token is neither written by the chat template nor used by the data "
+               f"(--mask-token-id chooses another)")
 
 # %% ../nbs/00_config.ipynb #b8e120fa
 _SIZE_FIELDS = ('hidden_size', 'num_attention_heads', 'num_key_value_heads', 'head_dim', 'intermediate_size',

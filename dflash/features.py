@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 from .config import DrafterConfig, default_target_layer_ids
-from .files import file_sha256, json_problem, read_problem, resolve_local, write_atomic, write_json
+from .files import gguf_problem, is_gguf, pretrained, file_sha256, json_problem, read_problem, resolve_local, write_atomic, write_json
 from .stops import Preempted, StopRequest, any_stop
 from .chat import DataStats
 
@@ -54,18 +54,22 @@ def _not_causal(config) -> str | None:
     return None
 
 def check_target_dir(path: Path):
-    "The model directory's config, after checking it is a local decoder-only causal LM with weights."
+    """The config of target `path` (a model directory, or a GGUF file), after checking it is a local decoder-only
+    causal LM with weights."""
     from transformers import AutoConfig
-    if not path.is_dir(): raise FileNotFoundError(f"target {path}: no such directory")
-    if not (path / 'config.json').is_file():
-        raise ValueError(f"target {path}: no config.json, not a transformers model directory")
-    if bad := _config_problem(path): raise ValueError(f"target {path}: {bad}")
-    try: config = AutoConfig.from_pretrained(path)
+    if is_gguf(path):
+        if bad := gguf_problem(path): raise ValueError(f"target {bad}")
+    elif not path.is_dir(): raise FileNotFoundError(f"target {path}: no such directory")
+    elif not (path / 'config.json').is_file():
+        raise ValueError(f"target {path}: no config.json, not a transformers model directory (nor a .gguf file)")
+    elif bad := _config_problem(path): raise ValueError(f"target {path}: {bad}")
+    try: config = pretrained(AutoConfig, path)
     except Exception as e:                              # transformers' own checks of the config's fields
-        raise ValueError(f"target {path}: config.json does not load ({type(e).__name__}: {e})") from None
+        raise ValueError(f"target {path}: its config does not load ({type(e).__name__}: {e})") from None
     if bad := _not_causal(config):
         raise ValueError(f"target {path}: {bad}; DFlash drafts for decoder-only causal LMs (Qwen3, Llama, ...)")
-    if not _weight_files(path): raise ValueError(f"target {path}: no weight files ({', '.join(_WEIGHT_SUFFIXES)})")
+    if not is_gguf(path) and not _weight_files(path):
+        raise ValueError(f"target {path}: no weight files ({', '.join(_WEIGHT_SUFFIXES)})")
     return config
 
 def _checksum_memo() -> Path:
@@ -86,8 +90,10 @@ def _weights_sha256(f: Path) -> str:
     return digest
 
 def target_identity(path) -> str:
-    "Fingerprint of a model directory: config.json, and each weight file's name and whole content (sha256)."
+    """Fingerprint of a target: a model directory's config.json and each weight file's name and whole content
+    (sha256); a GGUF file's content, which holds config, tokenizer and weights."""
     path, h = Path(path), hashlib.sha256()
+    if is_gguf(path): return hashlib.sha256(f"gguf:{_weights_sha256(path)}".encode()).hexdigest()[:16]
     h.update((path / 'config.json').read_bytes())
     for f in _weight_files(path):
         h.update(f"{f.name}:{f.stat().st_size}:{_weights_sha256(f)}".encode())
@@ -124,14 +130,15 @@ class TargetFeatures:
             raise ValueError(f"target {path}: layer ids {bad or self.layer_ids} out of range: "
                              f"the target has {T} layers, "
                              f"ids must be in [0, {T - 1}]")
-        if tokenizer is None and ((path / 'tokenizer.json').is_file() or (path / 'tokenizer_config.json').is_file()):
-            tokenizer = path
-        if isinstance(tokenizer, (str, Path)): tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        if tokenizer is None and (is_gguf(path) or (path / 'tokenizer.json').is_file()
+                                  or (path / 'tokenizer_config.json').is_file()):
+            tokenizer = path                                                # a GGUF file holds its tokenizer
+        if isinstance(tokenizer, (str, Path)): tokenizer = pretrained(AutoTokenizer, tokenizer)
         self.tokenizer = tokenizer
         self.device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == 'cuda' else torch.float32)
-        model, loaded = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, output_loading_info=True,
-                                                             ignore_mismatched_sizes=True)     # refused below, named
+        model, loaded = pretrained(AutoModelForCausalLM, path, dtype=self.dtype, output_loading_info=True,
+                                   ignore_mismatched_sizes=True)                          # refused below, named
         if bad := _load_problem(loaded): raise ValueError(f"target {path}: {bad}")
         self.model = model.to(self.device).eval().requires_grad_(False)
         rows = self.embed_weight.shape[0]
@@ -352,6 +359,11 @@ class CacheDataset(Dataset):
         self._open = {}
 
     def __len__(self): return self.manifest['num_samples']
+
+    def token_ids(self):
+        "Each shard's token ids (T,), read without its features: a scan of every token the cache holds."
+        for s in self.manifest['shards']:
+            with safe_open(self.path / s['file'], framework='pt') as f: yield f.get_tensor('input_ids')
 
     def _shard(self, k: int):
         if k not in self._open:

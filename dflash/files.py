@@ -4,7 +4,7 @@
 
 # %% ../nbs/00b_files.ipynb #f11e0003
 from __future__ import annotations
-import errno, hashlib, importlib.resources, json, os, re, struct
+import errno, hashlib, importlib.resources, importlib.util, json, os, re, struct
 from pathlib import Path
 from typing import Callable
 from .options import unreadable
@@ -12,7 +12,8 @@ from .options import unreadable
 # %% auto #0
 __all__ = ['DISK_REFUSED', 'fsync_path', 'disk_error', 'write_atomic', 'write_json', 'disk_refused', 'hf_hub_cache',
            'resolve_local', 'read_problem', 'json_problem', 'safetensors_problem', 'model_dir_problems', 'file_sha256',
-           'dir_write_problem', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
+           'is_gguf', 'gguf_problem', 'pretrained', 'target_problems', 'target_config_dict', 'dir_write_problem',
+           'assets_dir', 'toy_target_dir', 'toy_data_dir']
 
 # %% ../nbs/00b_files.ipynb #99b1472b
 def fsync_path(path):
@@ -147,6 +148,48 @@ def file_sha256(path, chunk: int = 1 << 22) -> str:
     with open(path, 'rb') as f:
         while b := f.read(chunk): h.update(b)
     return h.hexdigest()
+
+# %% ../nbs/00b_files.ipynb #b087ba41
+def is_gguf(path) -> bool:
+    "Whether `path` names a GGUF file (one file: config, tokenizer and weights), by its suffix."
+    return str(path).lower().endswith('.gguf')
+
+def gguf_problem(path) -> str | None:
+    "What keeps the `.gguf` file `path` from loading as a target (missing, unreadable, not GGUF, no `gguf`), or None."
+    p = Path(path)
+    if not p.is_file(): return f"{p}: no such file"
+    if bad := read_problem(p): return bad
+    with open(p, 'rb') as f: magic = f.read(4)
+    if magic != b'GGUF': return f"{p}: not a GGUF file (it starts with {magic!r}, not b'GGUF')"
+    if importlib.util.find_spec('gguf') is None:
+        return (f"{p}: transformers reads a GGUF file with the gguf package, which is not installed: "
+                "pip install 'dflash[gguf]' (or pip install gguf)")
+    return None
+
+def pretrained(cls, target, **kw):
+    """`cls.from_pretrained(target, **kw)` for a transformers config, tokenizer or model class `cls`, where `target` is
+    a model directory or a GGUF file (read and dequantized by transformers)."""
+    p = Path(target)
+    if is_gguf(p): return cls.from_pretrained(p.parent, gguf_file=p.name, **kw)
+    return cls.from_pretrained(p, **kw)
+
+def target_problems(target, name: str = '--target') -> list[str]:
+    "What is wrong with target model `target` (option `name`): a GGUF file, else a directory or hub id (`model_dir_problems`)."
+    p = Path(target).expanduser()
+    if p.is_file() and not is_gguf(p):
+        return [f"{name} = {str(target)!r}: a file, not a model directory or a .gguf file"]
+    if is_gguf(p) and p.exists(): return [f"{name}: {bad}"] if (bad := gguf_problem(p)) else []
+    return model_dir_problems(target, name)
+
+def target_config_dict(target) -> tuple[dict | None, str | None]:
+    """(the config of model `target`, None) or (None, what is wrong with it): a directory's `config.json`, or the
+    config transformers reads from a GGUF file's metadata."""
+    if not is_gguf(target): return json_problem(Path(target) / 'config.json', 'config.json')
+    if bad := gguf_problem(target): return None, bad
+    from transformers import AutoConfig
+    try: return pretrained(AutoConfig, target).to_dict(), None
+    except Exception as e:                              # transformers' own words: an architecture it cannot read
+        return None, f"{target}: transformers cannot read its config ({type(e).__name__}: {e})"
 
 # %% ../nbs/00b_files.ipynb #8dcfcfca
 def dir_write_problem(path, name: str) -> str | None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from .options import option, flag
 from .threads import threads_option
-from .files import model_dir_problems, json_problem, resolve_local, file_sha256, toy_target_dir
+from .files import target_problems, target_config_dict, json_problem, resolve_local, file_sha256, toy_target_dir
 from .locks import LockError, take_lock, start_heartbeat, release_lock
 
 # %% auto #0
@@ -25,8 +25,8 @@ LOSSES = ('ce', 'dpace', 'dpace-confidence', 'dpace-continuation', 'kl')   # `--
 
 @dataclass
 class TrainConfig:
-    target: str | None = option(None, "target model: a local directory or a hub id (local Hugging Face cache only) "
-                                      "(default: the shipped toy target)")
+    target: str | None = option(None, "target model: a local directory, a hub id (local Hugging Face cache only) or a "
+                                      ".gguf file (default: the shipped toy target)")
     data: str | None = option(None, "chat data for training, JSONL (the toy run's: in the package's assets)",
                               path='file')
     eval_data: str | None = option(None, "held-out chat JSONL (none: no held-out evaluation)",
@@ -38,6 +38,10 @@ class TrainConfig:
     target_layer_ids: list[int] | None = option(None, "target layers the drafter reads, space separated "
                                                       "(default: DFlash's spread)", ge=0)
     block_size: int = option(16, "tokens per drafted block", ge=2)
+    mask_token_id: int | None = option(None, "token id of a block's masked positions, written into the drafter's "
+                                             "config (default: the tokenizer's mask token, else a free embedding "
+                                             "row, else a special token neither the chat template nor the data uses)",
+                                       ge=0)
     num_anchors: int = option(512, "blocks per sequence (at most)", ge=1)
     gamma: float | None = option(7.0, "loss decay over block positions, exp(-(k-1)/gamma), for --loss ce and kl; "
                                       "none: no decay", gt=0)
@@ -154,11 +158,14 @@ def check_train(c: TrainConfig) -> list[str]:
     if Path(c.out).exists() and not Path(c.out).is_dir():
         probs.append(f"--out = {c.out!r}: exists and is not a directory")
     if c.target is not None:
-        probs += (bad := model_dir_problems(c.target, '--target'))
+        probs += (bad := target_problems(c.target, '--target'))
         if c.data is None and c.cache is None: probs.append("--target needs --data FILE (chat JSONL) or --cache DIR")
-        conf = None if bad else json_problem(resolve_local(c.target) / 'config.json')[0]
-        probs += _layer_problems(c, (conf or {}).get('num_hidden_layers'))
-    else: probs += _layer_problems(c, json_problem(toy_target_dir() / 'config.json')[0]['num_hidden_layers'])
+        conf = None if bad else target_config_dict(resolve_local(c.target))[0]
+    else: conf = json_problem(toy_target_dir() / 'config.json')[0]
+    probs += _layer_problems(c, (conf or {}).get('num_hidden_layers'))
+    V = (conf or {}).get('vocab_size', (conf or {}).get('text_config', {}).get('vocab_size'))
+    if isinstance(c.mask_token_id, int) and isinstance(V, int) and not c.mask_token_id < V:
+        probs.append(f"--mask-token-id = {c.mask_token_id}: allowed 0..{V - 1} (the target's vocabulary has {V} rows)")
     for name in ('data', 'eval_data'):
         p = getattr(c, name)
         if p is not None and Path(p).is_file() and not _has_line(p):
@@ -255,7 +262,7 @@ def claim_run(c: TrainConfig) -> Path:
 
 # %% ../nbs/09b_runs.ipynb #e14d0c26
 _FIXED_ON_RESUME = ('target', 'data', 'eval_data', 'cache', 'num_layers', 'target_layer_ids', 'block_size',
-                   'num_anchors', 'gamma', 'max_length', 'batch_size', 'seed')
+                   'num_anchors', 'gamma', 'max_length', 'batch_size', 'seed', 'mask_token_id')
 _PATHS = ('target', 'data', 'eval_data', 'cache')
 
 def _same(k, a, b) -> bool:

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from accelerate import Accelerator
 from accelerate.utils import set_seed, parse_flag_from_env
 from transformers import AutoConfig, AutoTokenizer, get_cosine_schedule_with_warmup, get_wsd_schedule
-from .config import DrafterConfig
+from .config import DrafterConfig, choose_mask_token
 from .layout import BlockLayout, valid_anchors
 from .drafter import DFlashDrafter
 from .recompute import set_checkpointing, parse_policy
@@ -30,7 +30,7 @@ from .chunking import free_bytes
 from .objective import dflash_objective, Objective, ObjectiveSums
 from .chat import ChatDataset
 from .features import CacheDataset, TargetFeatures, collate, target_identity, check_target_dir
-from .files import (json_problem, file_sha256, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir,
+from .files import (json_problem, file_sha256, is_gguf, pretrained, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir,
                           resolve_local, disk_error)
 from .stops import Preempted, StopRequest
 from .runs import TrainConfig, launch_problems, RunDirError, RunFailed
@@ -40,9 +40,20 @@ __all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'whole_or_
            'Trainer', 'timed']
 
 # %% ../nbs/10_trainer.ipynb #0ebcce23
+def _gguf_head_weights(path: Path) -> tuple[Tensor, Tensor]:
+    "A GGUF target's input embedding and LM head (V, H), dequantized to fp32 from its file, without loading the model."
+    from gguf import GGUFReader, dequantize
+    found = {t.name: t for t in GGUFReader(path).tensors if t.name in ('token_embd.weight', 'output.weight')}
+    if 'token_embd.weight' not in found: raise ValueError(f"target {path}: no token_embd.weight in the GGUF file")
+    embed, head = (torch.from_numpy(dequantize(t.data, t.tensor_type).astype('float32'))
+                   for t in (found['token_embd.weight'], found.get('output.weight', found['token_embd.weight'])))
+    return embed, head                                  # no output.weight: tied embeddings, one matrix
+
 def _frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
-    "The target's input embedding and LM head weights (V, H), read from its safetensors without loading the model."
+    """The target's input embedding and LM head weights (V, H), read from its safetensors (or its GGUF file) without
+    loading the model."""
     target_dir = Path(target_dir)
+    if is_gguf(target_dir): return _gguf_head_weights(target_dir)
     files = sorted(target_dir.glob('*.safetensors'))
     if not files: raise FileNotFoundError(f"target {target_dir}: no *.safetensors weights")
     found = {}
@@ -72,7 +83,7 @@ def _has_chat_template(tok) -> bool:
 
 def _target_tokenizer(target: Path, chat: bool):
     "The tokenizer in `target`, after checking it loads, has a vocabulary and (`chat`: renders --data) a chat template."
-    try: tok = AutoTokenizer.from_pretrained(target)
+    try: tok = pretrained(AutoTokenizer, target)
     except Exception as e:                               # broken files: tokenizers' and transformers' own errors
         raise ValueError(f"--target {target}: its tokenizer does not load ({type(e).__name__}: {e}); put the "
                          "model's own tokenizer files beside it") from None
@@ -86,6 +97,29 @@ def _target_tokenizer(target: Path, chat: bool):
                          "--chat-template FILE ...` and train with --cache")
     return tok
 
+def _token_ids_used(datasets, V: int) -> set[int]:
+    "The token ids below `V` that occur in `datasets` (chat samples, or a cache: its shards' token ids)."
+    seen = torch.zeros(V + 1, dtype=torch.bool)
+    for ds in datasets:
+        rows = ds.token_ids() if isinstance(ds, CacheDataset) else (ds[i]['input_ids'] for i in range(len(ds)))
+        for ids in rows: seen[ids.long().clamp(0, V)] = True
+    return set(seen[:V].nonzero().flatten().tolist())
+
+def _mask_token(cfg: TrainConfig, tok, V: int, datasets) -> int:
+    """The run's mask token id: --mask-token-id, else `choose_mask_token` (said in one line); refused when the data
+    uses it, since the drafter could not tell a masked position from that token."""
+    used = _token_ids_used(datasets, V)
+    if cfg.mask_token_id is None: mask, why = choose_mask_token(tok, V, used)
+    else:
+        mask = cfg.mask_token_id
+        why = f"mask token {tok.convert_ids_to_tokens(mask)!r} (id {mask}): --mask-token-id"
+    if mask in used:
+        raise ValueError(f"mask token id {mask} ({tok.convert_ids_to_tokens(mask)!r}): the training data uses it, so "
+                         "the drafter could not tell a masked position from that token; pass --mask-token-id with a "
+                         "token the data never uses")
+    if int(os.environ.get('RANK', '0')) == 0: print(why)
+    return mask
+
 def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     "Resolve the target and data of `cfg` (defaults: the toy) and build the datasets."
     from dflash.chat import load_chat_data
@@ -95,7 +129,7 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     eval_data = cfg.eval_data or (toy_data_dir() / 'eval.jsonl' if toy else None)
     if data is None and cfg.cache is None:
         raise ValueError("--data FILE (chat JSONL) or --cache DIR is needed with --target")
-    tok, tc = _target_tokenizer(target, chat=cfg.cache is None), AutoConfig.from_pretrained(target)
+    tok, tc = _target_tokenizer(target, chat=cfg.cache is None), pretrained(AutoConfig, target)
     if len(tok) > (V := tc.get_text_config().vocab_size):
         raise ValueError(f"--target {target}: its tokenizer has {len(tok)} tokens, more than the model's vocab_size "
                          f"({V} in config.json): tokenizer and model do not belong together; put the model's own "
@@ -104,6 +138,7 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     if cfg.cache:
         features, ev, (embed, lm_head) = None, None, _frozen_head_weights(target)
         train = CacheDataset(cfg.cache, target)
+        dkw['mask_token_id'] = _mask_token(cfg, tok, V, [train])
         if cfg.loss == 'kl' and not train.manifest.get('final_hidden'):
             raise ValueError(f"--loss kl: the cache {cfg.cache} holds no final hidden state of the target (the "
                              "teacher); write one with `python -m dflash.data cache ... --final-hidden`")
@@ -112,13 +147,14 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
             raise ValueError(f"cache {cfg.cache} holds target layers {ids}, not the requested {cfg.target_layer_ids}; "
                              "leave --target-layer-ids out to train on those")
         train = _cut_cache(train, cfg.max_length)
-        dcfg = DrafterConfig.from_target(tc, tokenizer=tok, target_layer_ids=ids, **dkw)
+        dcfg = DrafterConfig.from_target(tc, target_layer_ids=ids, **dkw)
         embed, lm_head = embed.to(device), lm_head.to(device)
     else:
         train = load_chat_data(data, tok, max_length=cfg.max_length, report=True)   # tokenized once, cached; counted
         ev = ChatDataset.from_jsonl(eval_data, tok, cfg.max_length) if eval_data else None
         if ev is not None and not len(ev):
             raise ValueError(f"--eval-data {eval_data}: no usable conversation to evaluate on")
+        dkw['mask_token_id'] = _mask_token(cfg, tok, V, [d for d in (train, ev) if d is not None])
         features = TargetFeatures(target, layer_ids=cfg.target_layer_ids, num_draft_layers=cfg.num_layers,
                                   device=device, tokenizer=tok)
         embed, lm_head = features.embed_weight, features.lm_head_weight
@@ -409,7 +445,7 @@ def _shard_drafter(drafter: DFlashDrafter, **settings) -> DFlashDrafter:
 
 def _refuse_online_misfit(cfg: TrainConfig, acc: Accelerator):
     "Stop an online GPU run whose step and target the plan says cannot share the device."
-    tc = AutoConfig.from_pretrained(resolve_local(cfg.target) if cfg.target else toy_target_dir())
+    tc = pretrained(AutoConfig, resolve_local(cfg.target) if cfg.target else toy_target_dir())
     dcfg = DrafterConfig.from_target(tc, mask_token_id=tc.vocab_size - 1, num_hidden_layers=cfg.num_layers,
                                      block_size=cfg.block_size)
     budget = int(free_bytes(acc.device) * cfg.memory_fraction)
