@@ -34,7 +34,7 @@ setuptools.setup(
     package_data={'dflash': ['assets/**/*']},
     python_requires='>=' + min_python,
     install_requires=cfg['requirements'].split(),
-    extras_require={'dev': cfg['dev_requirements'].split()},
+    extras_require={'dev': cfg['dev_requirements'].split(), 'gguf': cfg['gguf_requirements'].split()},
     entry_points={'console_scripts': cfg.get('console_scripts', '').split()},
     zip_safe=False,
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os, sys
 from dataclasses import dataclass
 from pathlib import Path
-from .files import disk_refused, model_dir_problems, resolve_local
+from .files import disk_refused, target_problems, resolve_local
 from .options import Command, option, parse_subcommand, usage_text, OptionsError, exit_bad_options
 from .regenerate import REGENERATE
 from .stops import EXIT_PREEMPTED, Preempted, StopRequest
@@ -21,7 +21,8 @@ __all__ = ['COMMANDS', 'DataOptions', 'CacheOptions', 'main']
 @dataclass
 class DataOptions:
     "The options every data subcommand shares: target, tokenizer, chat template, data, length, bad lines."
-    target: str | None = option(None, 'transformers causal LM: local directory or hub id (local cache only); required')
+    target: str | None = option(None, 'transformers causal LM: local directory, hub id (local cache only) or .gguf '
+                                      'file; required')
     data: str | None = option(None, 'chat data: JSONL, JSON, parquet, a directory of them, a saved `datasets` dataset, '
                                     'or a hub dataset id (local cache only); required')
     tokenizer: str | None = option(None, 'tokenizer directory or hub id (default: the target)')
@@ -37,6 +38,8 @@ class CacheOptions(DataOptions):
     layers: str | None = option(None, 'target layer ids, comma separated, like 1,9,17 '
                                       '(default: the DFlash choice for --num-draft-layers)')
     num_draft_layers: int = option(5, 'drafter layers, for the default --layers', ge=1)
+    mask_token_id: int | None = option(None, "the drafter's mask token, checked against the data and recorded for "
+                                             "`dflash.train` (default: chosen as `dflash.train` chooses it)", ge=0)
     shard_size: int = option(64, 'samples per shard', ge=1)
     batch_tokens: int = option(8192, 'tokens per target forward: samples of equal length share a forward, unpadded',
                                ge=1)
@@ -55,7 +58,7 @@ def _check_data(o: DataOptions) -> list[str]:
     """Problems beyond each value's range: required options, a target or tokenizer that is not here (a directory, or a
     hub id in the local cache) or whose files are broken, a data file that is not here."""
     probs = [f"{flag} is required" for flag, v in (('--target', o.target), ('--data', o.data)) if v is None]
-    if o.target is not None: probs += model_dir_problems(o.target, '--target')
+    if o.target is not None: probs += target_problems(o.target, '--target')
     if o.tokenizer is not None:
         try: resolve_local(o.tokenizer)
         except FileNotFoundError as e: probs.append(f"--tokenizer: {e}")
@@ -103,7 +106,9 @@ if __name__ == '__main__' and '__file__' in globals(): _parse_command()    # hel
 import torch
 from .threads import use_threads
 from .chat import load_tokenizer, load_chat_data
-from .features import TargetFeatures, write_cache
+from transformers import AutoConfig
+from .features import TargetFeatures, data_mask_token, write_cache
+from .files import pretrained
 
 # %% ../nbs/08c_data.ipynb #1c4a5830
 def _tokenize_command(o: DataOptions):
@@ -123,11 +128,13 @@ def _cache_command(o: CacheOptions):
     tok = load_tokenizer(o.target, o.tokenizer, o.chat_template)
     ds = load_chat_data(o.data, tok, max_length=o.max_length, skip_bad_lines=o.skip_bad_lines, num_proc=o.num_proc,
                         report=True)
+    V = pretrained(AutoConfig, resolve_local(o.target)).get_text_config().vocab_size
+    mask = data_mask_token(tok, V, [ds], o.mask_token_id, say=state.is_main_process)    # before the target loads
     dtype = None if o.dtype == 'auto' else getattr(torch, o.dtype)
     device = o.device or (state.device if state.device.type != 'mps' else 'cpu')
     feats = TargetFeatures(o.target, layer_ids=_layer_ids(o.layers) if o.layers else None,
                            num_draft_layers=o.num_draft_layers, dtype=dtype, device=device, tokenizer=tok)
-    info = {'path': str(o.data), 'max_length': o.max_length, 'stats': ds.stats.as_dict()}
+    info = {'path': str(o.data), 'max_length': o.max_length, 'stats': ds.stats.as_dict(), 'mask_token_id': mask}
     with StopRequest() as stop:
         man = write_cache(feats, ds, o.out, shard_size=o.shard_size, progress=o.progress, batch_tokens=o.batch_tokens,
                           final_hidden=o.final_hidden, data_info=info, stop=stop)

@@ -13,14 +13,14 @@ from torch.utils.data import Dataset
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
-from .config import DrafterConfig, default_target_layer_ids
+from .config import DrafterConfig, choose_mask_token, default_target_layer_ids
 from .files import gguf_problem, is_gguf, pretrained, file_sha256, json_problem, read_problem, resolve_local, write_atomic, write_json
 from .stops import Preempted, StopRequest, any_stop
 from .chat import DataStats
 
 # %% auto #0
 __all__ = ['check_target_dir', 'target_identity', 'target_features', 'TargetFeatures', 'cache_bytes_per_token', 'write_cache',
-           'CacheDataset', 'collate']
+           'CacheDataset', 'data_mask_token', 'collate']
 
 # %% ../nbs/08a_features.ipynb #3bfa4cc6
 _WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pt', '.pth')
@@ -384,6 +384,31 @@ class CacheDataset(Dataset):
         return out
 
     def __getstate__(self): return {**self.__dict__, '_open': {}}   # DataLoader workers open their own
+
+# %% ../nbs/08a_features.ipynb #267a6dc4
+def _token_ids_used(datasets, V: int) -> set[int]:
+    "The token ids below `V` that occur in `datasets` (chat samples, or a cache: its shards' token ids)."
+    seen = torch.zeros(V + 1, dtype=torch.bool)
+    for ds in datasets:
+        rows = ds.token_ids() if isinstance(ds, CacheDataset) else (ds[i]['input_ids'] for i in range(len(ds)))
+        for ids in rows: seen[ids.long().clamp(0, V)] = True
+    return set(seen[:V].nonzero().flatten().tolist())
+
+def data_mask_token(tokenizer, vocab_size: int, datasets, requested: int | None = None, say: bool = True) -> int:
+    """The mask token id for training on `datasets`: `requested` (--mask-token-id), else `choose_mask_token` among the
+    ids the data leaves free; said in one line (`say`, main process). A mask token the data uses is refused: the
+    drafter could not tell a masked position from that token."""
+    used = _token_ids_used(datasets, vocab_size)
+    if requested is None: mask, why = choose_mask_token(tokenizer, vocab_size, used)
+    else:
+        mask = requested
+        why = f"mask token {tokenizer.convert_ids_to_tokens(mask)!r} (id {mask}): asked for (--mask-token-id)"
+    if mask in used:
+        raise ValueError(f"mask token id {mask} ({tokenizer.convert_ids_to_tokens(mask)!r}): the training data uses "
+                         "it, so the drafter could not tell a masked position from that token; pass --mask-token-id "
+                         "with a token the data never uses")
+    if say and int(os.environ.get('RANK', '0')) == 0: print(why)
+    return mask
 
 # %% ../nbs/08a_features.ipynb #4996ba8a
 def collate(samples: list[dict], pad_token_id: int = 0) -> dict:

@@ -15,7 +15,8 @@ _ABOUT = 'Predict the peak memory of a drafter training step per checkpointing p
 @dataclass
 class PlanOptions:
     target_config: str | None = option(None, "the target: its transformers config.json, the model holding it (a local "
-                                             "directory or a hub id in the local Hugging Face cache), or the name of a "
+                                             "directory, a .gguf file or a hub id in the local Hugging Face cache), or "
+                                             "the name of a "
                                              "size shipped with dflash: " +
                                              ', '.join(sorted(p.name for p in (assets_dir() / 'targets').iterdir()
                                                               if p.is_dir())) + "; required")
@@ -24,6 +25,8 @@ class PlanOptions:
     memory: str = option('80GiB', 'GPU memory for training: 80GiB, 96GB, 24000MiB, ...')
     layers: int = option(5, 'drafter layers', ge=1)
     block_size: int = option(16, 'tokens per block', ge=2)
+    mask_token_id: int | None = option(None, "mask token id of the planned blocks, as `dflash.train` takes it (the "
+                                             "memory does not depend on which; default: the last vocabulary row)", ge=0)
     dtype: str = option('bf16', 'autocast dtype over fp32 master weights (fp32: none)',
                         choices=['bf16', 'fp16', 'fp32'])
     attention: str = option('sdpa', 'attention backend', choices=['sdpa', 'eager'])
@@ -56,7 +59,7 @@ from .drafter import DFlashDrafter
 from .recompute import set_checkpointing, parse_policy
 from .objective import dflash_objective, objective_bytes_per_row, Objective
 from .memory import MemoryTracker, fmt_bytes
-from .files import write_atomic, resolve_local
+from .files import is_gguf, pretrained, resolve_local, write_atomic
 
 # %% ../nbs/07a_plan.ipynb #3b47ea57
 _UNITS = {'': 1, 'b': 1, 'kb': 10**3, 'mb': 10**6, 'gb': 10**9, 'tb': 10**12,
@@ -285,7 +288,7 @@ def _config_path(target_config) -> Path:
     """The `config.json` that `--target-config` names: a JSON file, a shipped target's name, or that of a model directory
     or hub id in the local Hugging Face cache (`FileNotFoundError`, naming where it looked, when there is none)."""
     p = Path(target_config).expanduser()
-    if p.is_file() or p.suffix == '.json': return p
+    if p.is_file() or p.suffix == '.json' or is_gguf(p): return p
     name = str(target_config).lower()
     if not p.exists() and name in shipped_targets(): return shipped_targets()[name]
     return resolve_local(target_config) / 'config.json'
@@ -294,6 +297,7 @@ def _target_config(path):
     "The (text) config of a `config.json` file, a directory holding one, or a shipped target's name."
     from transformers import AutoConfig
     p = _config_path(path)
+    if is_gguf(p): return pretrained(AutoConfig, p).get_text_config()         # the config in a GGUF file's metadata
     if not p.is_file(): raise FileNotFoundError(f"--target-config {path}: no such config.json")
     d = json.loads(p.read_text())
     if 'model_type' not in d: raise ValueError(f"--target-config {path}: no 'model_type', not a transformers config")
@@ -337,7 +341,7 @@ def _write_fits_table(path, table: str):
 
 # %% ../nbs/07a_plan.ipynb #dbcad539
 from .options import parse_options, OptionsError, exit_bad_options
-from .files import json_problem
+from .files import json_problem, target_config_dict
 from .recompute import checkpointed_layers
 
 def _check_plan(o: PlanOptions) -> list[str]:
@@ -353,11 +357,16 @@ def _check_plan(o: PlanOptions) -> list[str]:
             probs.append("--fits-table plans every shipped target: leave out --target-config")
     elif o.target_config is None: probs.append("--target-config is required (or --fits-table FILE)")
     else:
-        try: d, bad = json_problem(_config_path(o.target_config), 'config.json')
+        try:
+            p = _config_path(o.target_config)
+            d, bad = target_config_dict(p) if is_gguf(p) else json_problem(p, 'config.json')
         except FileNotFoundError as e: d, bad = None, f"{e}; the shipped targets are {', '.join(shipped_targets())}"
         if bad: probs.append(f"--target-config: {bad}")
         elif 'model_type' not in d:
             probs.append(f"--target-config {o.target_config}: no 'model_type', not a transformers config")
+        elif o.mask_token_id is not None and not o.mask_token_id < (V := d.get('vocab_size') or
+                                                                     d.get('text_config', {}).get('vocab_size', 0)):
+            probs.append(f"--mask-token-id = {o.mask_token_id}: allowed 0..{V - 1} (the target's vocabulary)")
     try: parse_memory(o.memory)
     except ValueError as e: probs.append(f"--memory: {e}")
     for pol in o.policies or []:
@@ -376,8 +385,8 @@ def main(argv=None) -> int:
     budget = parse_memory(a.memory)
     a.policies = [parse_policy(p) for p in a.policies] if a.policies else list(_POLICIES)
     tc = _target_config(a.target_config)
-    cfg = DrafterConfig.from_target(tc, mask_token_id=tc.vocab_size - 1, num_hidden_layers=a.layers,
-                                    block_size=a.block_size)
+    mask = a.mask_token_id if a.mask_token_id is not None else tc.vocab_size - 1
+    cfg = DrafterConfig.from_target(tc, mask_token_id=mask, num_hidden_layers=a.layers, block_size=a.block_size)
     print(f"drafter: {a.layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads of {cfg.head_dim}, "
           f"intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}; S={a.seq_len}, "

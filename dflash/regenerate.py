@@ -8,7 +8,7 @@ import hashlib, importlib.util, json, os, sys, time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from .options import Command, option, build_options, parse_options, OptionsError, exit_bad_options
-from .files import (disk_error, disk_refused, file_sha256, model_dir_problems, resolve_local, toy_target_dir,
+from .files import (disk_error, disk_refused, file_sha256, pretrained, resolve_local, target_problems, toy_target_dir,
                           write_atomic)
 from .threads import threads_option, use_threads
 from .locks import LockError, take_lock, start_heartbeat, release_lock
@@ -72,7 +72,7 @@ def _check_options(cfg: RegenConfig) -> list[str]:
                 p.append(f"--out = {cfg.out!r}: must differ from --data")
     if cfg.out is not None and Path(cfg.out).is_dir():
         p.append(f"--out = {cfg.out!r}: is a directory, expected a JSONL file path")
-    if cfg.target is not None: p += model_dir_problems(cfg.target, '--target')   # a directory or a hub id, readable
+    if cfg.target is not None: p += target_problems(cfg.target, '--target')   # a directory or a hub id, readable
     if cfg.engine == 'vllm' and (why := vllm_unavailable()):
         p.append(f"--engine vllm: {why}; use --engine transformers")
     return p
@@ -331,13 +331,13 @@ def _make_engine(cfg: RegenConfig, tokenizer, device):
     "The engine `cfg` asks for, with its stop ids."
     from transformers import AutoModelForCausalLM, GenerationConfig
     target = _target_dir(cfg)
-    try: gen_cfg = GenerationConfig.from_pretrained(target)
-    except OSError: gen_cfg = None
+    try: gen_cfg = pretrained(GenerationConfig, target)
+    except (OSError, ValueError): gen_cfg = None            # none saved: the tokenizer's end of turn
     stops = end_of_turn_ids(tokenizer, gen_cfg)
     if cfg.engine == 'vllm':
         return VLLMEngine(target, stops, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                           top_p=cfg.top_p, dtype=cfg.dtype)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=_dtype(cfg, device)).to(device).eval()
+    model = pretrained(AutoModelForCausalLM, target, dtype=_dtype(cfg, device)).to(device).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     return TransformersEngine(model, stops, pad, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p)
@@ -369,7 +369,7 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
         raise ValueError("engine vllm: run it as one process (vLLM batches by itself); drop accelerate launch")
     target = _target_dir(cfg)
     check_target_dir(target)
-    tok = AutoTokenizer.from_pretrained(target)
+    tok = pretrained(AutoTokenizer, target)
     tkw = _template_kwargs(tok, cfg.thinking, str(target))
     header = run_header(cfg)
     done = read_index(cfg.out, header)

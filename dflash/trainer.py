@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from accelerate import Accelerator
 from accelerate.utils import set_seed, parse_flag_from_env
 from transformers import AutoConfig, AutoTokenizer, get_cosine_schedule_with_warmup, get_wsd_schedule
-from .config import DrafterConfig, choose_mask_token
+from .config import DrafterConfig
 from .layout import BlockLayout, valid_anchors
 from .drafter import DFlashDrafter
 from .recompute import set_checkpointing, parse_policy
@@ -29,7 +29,7 @@ from .plan import budgets, recommend_policy, step_memory, online_target_bytes, o
 from .chunking import free_bytes
 from .objective import dflash_objective, Objective, ObjectiveSums
 from .chat import ChatDataset
-from .features import CacheDataset, TargetFeatures, collate, target_identity, check_target_dir
+from .features import CacheDataset, TargetFeatures, collate, data_mask_token, target_identity, check_target_dir
 from .files import (json_problem, file_sha256, is_gguf, pretrained, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir,
                           resolve_local, disk_error)
 from .stops import Preempted, StopRequest
@@ -45,9 +45,9 @@ def _gguf_head_weights(path: Path) -> tuple[Tensor, Tensor]:
     from gguf import GGUFReader, dequantize
     found = {t.name: t for t in GGUFReader(path).tensors if t.name in ('token_embd.weight', 'output.weight')}
     if 'token_embd.weight' not in found: raise ValueError(f"target {path}: no token_embd.weight in the GGUF file")
-    embed, head = (torch.from_numpy(dequantize(t.data, t.tensor_type).astype('float32'))
-                   for t in (found['token_embd.weight'], found.get('output.weight', found['token_embd.weight'])))
-    return embed, head                                  # no output.weight: tied embeddings, one matrix
+    embed, head = (torch.from_numpy(dequantize(found[k].data, found[k].tensor_type).astype('float32'))
+                   if k in found else None for k in ('token_embd.weight', 'output.weight'))
+    return embed, embed if head is None else head      # no output.weight: tied embeddings, one matrix
 
 def _frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
     """The target's input embedding and LM head weights (V, H), read from its safetensors (or its GGUF file) without
@@ -97,29 +97,6 @@ def _target_tokenizer(target: Path, chat: bool):
                          "--chat-template FILE ...` and train with --cache")
     return tok
 
-def _token_ids_used(datasets, V: int) -> set[int]:
-    "The token ids below `V` that occur in `datasets` (chat samples, or a cache: its shards' token ids)."
-    seen = torch.zeros(V + 1, dtype=torch.bool)
-    for ds in datasets:
-        rows = ds.token_ids() if isinstance(ds, CacheDataset) else (ds[i]['input_ids'] for i in range(len(ds)))
-        for ids in rows: seen[ids.long().clamp(0, V)] = True
-    return set(seen[:V].nonzero().flatten().tolist())
-
-def _mask_token(cfg: TrainConfig, tok, V: int, datasets) -> int:
-    """The run's mask token id: --mask-token-id, else `choose_mask_token` (said in one line); refused when the data
-    uses it, since the drafter could not tell a masked position from that token."""
-    used = _token_ids_used(datasets, V)
-    if cfg.mask_token_id is None: mask, why = choose_mask_token(tok, V, used)
-    else:
-        mask = cfg.mask_token_id
-        why = f"mask token {tok.convert_ids_to_tokens(mask)!r} (id {mask}): --mask-token-id"
-    if mask in used:
-        raise ValueError(f"mask token id {mask} ({tok.convert_ids_to_tokens(mask)!r}): the training data uses it, so "
-                         "the drafter could not tell a masked position from that token; pass --mask-token-id with a "
-                         "token the data never uses")
-    if int(os.environ.get('RANK', '0')) == 0: print(why)
-    return mask
-
 def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     "Resolve the target and data of `cfg` (defaults: the toy) and build the datasets."
     from dflash.chat import load_chat_data
@@ -138,7 +115,8 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     if cfg.cache:
         features, ev, (embed, lm_head) = None, None, _frozen_head_weights(target)
         train = CacheDataset(cfg.cache, target)
-        dkw['mask_token_id'] = _mask_token(cfg, tok, V, [train])
+        said = cfg.mask_token_id if cfg.mask_token_id is not None else train.manifest['data'].get('mask_token_id')
+        dkw['mask_token_id'] = data_mask_token(tok, V, [train], said)
         if cfg.loss == 'kl' and not train.manifest.get('final_hidden'):
             raise ValueError(f"--loss kl: the cache {cfg.cache} holds no final hidden state of the target (the "
                              "teacher); write one with `python -m dflash.data cache ... --final-hidden`")
@@ -154,7 +132,7 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
         ev = ChatDataset.from_jsonl(eval_data, tok, cfg.max_length) if eval_data else None
         if ev is not None and not len(ev):
             raise ValueError(f"--eval-data {eval_data}: no usable conversation to evaluate on")
-        dkw['mask_token_id'] = _mask_token(cfg, tok, V, [d for d in (train, ev) if d is not None])
+        dkw['mask_token_id'] = data_mask_token(tok, V, [d for d in (train, ev) if d is not None], cfg.mask_token_id)
         features = TargetFeatures(target, layer_ids=cfg.target_layer_ids, num_draft_layers=cfg.num_layers,
                                   device=device, tokenizer=tok)
         embed, lm_head = features.embed_weight, features.lm_head_weight

@@ -5,7 +5,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
 # imported only by an option that checks for the package first and says how to install it when it is missing
-OPTIONAL = {'vllm'}   # `python -m dflash.regenerate --engine vllm` (needs a GPU too)
+OPTIONAL = {'vllm',   # `python -m dflash.regenerate --engine vllm` (needs a GPU too)
+            'gguf'}   # a `.gguf` target: `pip install 'dflash[gguf]'`, named by the options' check when missing
 
 def _name(req: str) -> str: return re.split(r'[<>=!~;\[ ]', req.strip(), maxsplit=1)[0].lower().replace('_', '-')
 
