@@ -231,6 +231,21 @@ def check_semantics(drafter: DFlashDrafter, context: Tensor, layout: BlockLayout
             worst = max(worst, (h[n, i] - one).abs().max().item())
     return worst
 
+# %% ../nbs/05_drafter.ipynb #0399dba6
+@patch
+def init_from_target(self: DFlashDrafter, target_layers) -> list[str]:
+    """Start decoder layer i from the i-th of the last `num_hidden_layers` of `target_layers` (a transformers model's
+    decoder layers): every parameter of the same name and shape is copied. Returns the names copied."""
+    source, copied = list(target_layers)[-len(self.layers):], []
+    with torch.no_grad():
+        for i, (mine, theirs) in enumerate(zip(self.layers, source)):
+            state = theirs.state_dict()
+            for name, p in mine.named_parameters():
+                if name in state and state[name].shape == p.shape:
+                    p.copy_(state[name])
+                    copied.append(f'layers.{i}.{name}')
+    return copied
+
 # %% ../nbs/05_drafter.ipynb #488d8161
 @patch
 def save_pretrained(self: DFlashDrafter, path):

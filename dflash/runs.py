@@ -38,6 +38,8 @@ class TrainConfig:
     target_layer_ids: list[int] | None = option(None, "target layers the drafter reads, space separated "
                                                       "(default: DFlash's spread)", ge=0)
     block_size: int = option(16, "tokens per drafted block", ge=2)
+    init_from_target: bool = option(False, "start the drafter's layers from the target's top layers (weights of the "
+                                           "same name and shape) instead of a random initialisation")
     mask_token_id: int | None = option(None, "token id of a block's masked positions, written into the drafter's "
                                              "config (default: the tokenizer's mask token, else a free embedding "
                                              "row, else a special token neither the chat template nor the data uses)",

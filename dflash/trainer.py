@@ -416,6 +416,13 @@ def _fsdp_settings(acc: Accelerator) -> dict | None:
     if parse_flag_from_env('FSDP_OFFLOAD_PARAMS'): kw['offload_policy'] = CPUOffloadPolicy()
     return kw
 
+def _target_layers(cfg: TrainConfig, parts: _RunParts):
+    "The target's decoder layers: those of the online target, else (a cache run) the target loaded on the CPU."
+    from transformers import AutoModelForCausalLM
+    if parts.features is not None: return parts.features.model.base_model.layers
+    target = resolve_local(cfg.target) if cfg.target else toy_target_dir()
+    return pretrained(AutoModelForCausalLM, target, dtype=torch.float32).base_model.layers
+
 def _shard_drafter(drafter: DFlashDrafter, **settings) -> DFlashDrafter:
     "FSDP2 over all processes: each decoder layer its own unit, then the rest (fc, norms) at the root."
     for layer in drafter.layers: fully_shard(layer, **settings)
@@ -473,6 +480,9 @@ class Trainer:
                                               teacher=self.objective.teacher)
         options = {'budget_bytes': attention_budget} if cfg.attention == 'sdpa' else {}
         drafter = DFlashDrafter(p.drafter_config, cfg.attention, **options)      # the same on every process (seeded)
+        if cfg.init_from_target:
+            copied = drafter.init_from_target(_target_layers(cfg, p))
+            if acc.is_main_process: print(f"drafter layers start from the target's top layers: {len(copied)} weights")
         set_checkpointing(drafter, self.policy, budget_bytes=attention_budget)
         if self.fsdp is not None: drafter = _shard_drafter(drafter, **self.fsdp)  # before the optimizer sees it
         opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=gpu or None)

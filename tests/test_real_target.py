@@ -61,9 +61,10 @@ def test_train_on_the_gguf_file_with_no_other_option(tmp_path):
 
 def test_mask_token_avoids_what_the_data_uses_and_the_drafter_reloads(tmp_path, smollm2):
     data = chats(tmp_path / 'd.jsonl', say=' <empty_output>')               # the data uses SmolLM2's last special token
-    r = launch_train(tmp_path / 'run', '--target', str(smollm2), '--data', str(data), *TINY)
+    r = launch_train(tmp_path / 'run', '--target', str(smollm2), '--data', str(data), *TINY, '--init-from-target')
     assert r.returncode == 0, r.stdout + r.stderr
     assert "mask token '<jupyter_script>' (id 15)" in r.stdout               # the one before it
+    assert "drafter layers start from the target's top layers: 9 weights" in r.stdout   # Llama: no q_norm, k_norm
     drafter = DFlashDrafter.from_pretrained(tmp_path / 'run' / 'drafter')
     assert drafter.config.mask_token_id == 15
     from safetensors import safe_open
