@@ -45,6 +45,7 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_parameters: dict = field(default_factory=lambda: {'rope_type': 'default', 'rope_theta': 1_000_000.0})
     max_position_embeddings: int = 40960
+    draft_vocab_size: int | None = None           # None: draft over the whole vocabulary
 
     def __post_init__(self):
         if self.target_layer_ids is None:
@@ -77,6 +78,9 @@ def validate(self: DrafterConfig):
            f"must divide num_attention_heads={c.num_attention_heads}")
     _check(c.block_size >= 2, 'block_size', c.block_size, "must be >= 2 (the anchor token plus at least one to draft)")
     _check(0 <= c.mask_token_id < c.vocab_size, 'mask_token_id', c.mask_token_id, f"must be in [0, {c.vocab_size - 1}]")
+    K = c.draft_vocab_size
+    _check(K is None or isinstance(K, int) and 1 <= K <= c.vocab_size, 'draft_vocab_size', K,
+           f"must be None or in [1, {c.vocab_size}]")
     ids = c.target_layer_ids
     _check(len(ids) >= 1 and len(set(ids)) == len(ids), 'target_layer_ids', ids,
            "must be a non-empty list of distinct ids")
@@ -179,6 +183,7 @@ def to_dict(self: DrafterConfig) -> dict:
             'rope_theta': rp['rope_theta'], 'rope_scaling': rope_scaling,
             'hidden_act': 'silu', 'attention_bias': False, 'attention_dropout': 0.0, 'tie_word_embeddings': False,
             'use_sliding_window': 'sliding_attention' in self.layer_types, 'max_window_layers': self.num_hidden_layers,
+            **({'draft_vocab_size': self.draft_vocab_size} if self.draft_vocab_size else {}),
             'dflash_config': {'mask_token_id': self.mask_token_id, 'target_layer_ids': list(self.target_layer_ids)}}
 
 class _Attrs:
@@ -194,7 +199,8 @@ def from_dict(cls: DrafterConfig, d: dict, source: str = 'config', mask_token_id
                            'num_hidden_layers', 'num_target_layers') if k not in d]
     if missing: raise ValueError(f"{source}: missing fields {missing}")
     ints = ('hidden_size', 'num_attention_heads', 'num_key_value_heads', 'head_dim', 'intermediate_size', 'vocab_size',
-            'num_hidden_layers', 'num_target_layers', 'block_size', 'sliding_window', 'max_position_embeddings')
+            'num_hidden_layers', 'num_target_layers', 'block_size', 'sliding_window', 'max_position_embeddings',
+            'draft_vocab_size')
     isint = lambda v: isinstance(v, int) and not isinstance(v, bool)
     bad = [f"{k}={d[k]!r}" for k in ints if d.get(k) is not None and not isint(d[k])]
     eps = d.get('rms_norm_eps')

@@ -154,6 +154,10 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(H, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(H, eps=config.rms_norm_eps)
+        if (K := config.draft_vocab_size) is not None:                # a draft vocabulary: its own rows of the head
+            self.lm_head = nn.Linear(H, K, bias=False).requires_grad_(False)       # frozen (K, H)
+            self.register_buffer('d2t', torch.zeros(K, dtype=torch.long))          # target id = draft id + d2t
+            self.register_buffer('t2d', torch.zeros(config.vocab_size, dtype=torch.bool))   # in the draft vocabulary
         self.rotary_emb = Qwen3RotaryEmbedding(_qwen3_config(config))
         self._inv_freq32 = self.rotary_emb.inv_freq.detach().clone()   # (D/2,) fp32, kept through dtype casts
         self.set_attention(attention, **attention_options)
@@ -231,6 +235,26 @@ def check_semantics(drafter: DFlashDrafter, context: Tensor, layout: BlockLayout
             worst = max(worst, (h[n, i] - one).abs().max().item())
     return worst
 
+# %% ../nbs/05_drafter.ipynb #beb20d6f
+@patch
+def set_draft_vocab(self: DFlashDrafter, token_ids: Tensor, lm_head: Tensor):
+    "Draft over the target tokens `token_ids` (K,), ascending: their rows of the target's `lm_head` (V, H), d2t, t2d."
+    ids = token_ids.to(self.d2t.device)
+    with torch.no_grad():
+        self.lm_head.weight.copy_(lm_head[token_ids.to(lm_head.device)])
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+@patch
+def draft_logits(self: DFlashDrafter, hidden: Tensor, lm_head: Tensor) -> Tensor:
+    """Logits over the target's vocabulary of hidden states (..., H): through `lm_head` (V, H), the target's; with a
+    draft vocabulary through the drafter's own rows, −∞ for the tokens outside it."""
+    if self.config.draft_vocab_size is None: return F.linear(hidden, lm_head.to(hidden.dtype))
+    small = F.linear(hidden, self.lm_head.weight.to(hidden.dtype))            # (..., K)
+    out = small.new_full((*small.shape[:-1], self.config.vocab_size), float('-inf'))
+    return out.index_copy_(-1, torch.arange(small.shape[-1], device=small.device) + self.d2t, small)
+
 # %% ../nbs/05_drafter.ipynb #0399dba6
 @patch
 def init_from_target(self: DFlashDrafter, target_layers) -> list[str]:
@@ -305,4 +329,4 @@ def from_pretrained(cls: DFlashDrafter, path, attention: str = 'eager', dtype: t
     state = _load_weights(path)
     _check_state(model.state_dict(), state, str(path / 'model.safetensors'))
     model.load_state_dict(state)
-    return model.to(dtype or next(iter(state.values())).dtype)
+    return model.to(dtype or next(t.dtype for t in state.values() if t.is_floating_point()))   # not d2t's

@@ -130,7 +130,8 @@ def _static_bytes(cfg: DrafterConfig, seq_len: int, rows: int, dtype, teacher: b
     with torch.device('meta'): d = DFlashDrafter(cfg)
     es = torch.empty((), dtype=dtype).element_size()
     per_token = cfg.context_size + (cfg.hidden_size if teacher else 0)
-    frozen = (2 * cfg.vocab_size * cfg.hidden_size + rows * seq_len * per_token) * es
+    heads = cfg.vocab_size + (cfg.draft_vocab_size or cfg.vocab_size)              # embedding and LM head rows
+    frozen = (heads * cfg.hidden_size + rows * seq_len * per_token) * es
     return sum(p.numel() for p in d.parameters()) * 4, frozen
 
 def budgets(cfg: DrafterConfig, seq_len: int, memory_bytes: int, dtype='bf16',
@@ -167,19 +168,20 @@ def step_memory(cfg: DrafterConfig, seq_len: int, num_anchors: int, *, policy='n
 def _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_size, attention_budget, objective_budget,
                  optimizer, t0, teacher=False) -> _StepMemory:
     opts = dict(budget_bytes=attention_budget, chunk_cost=_FAKE_CHUNK_COST) if attention == 'sdpa' else {}
-    one_block = cfg.block_size * objective_bytes_per_row(cfg.vocab_size, dt, teacher)
+    W = cfg.draft_vocab_size or cfg.vocab_size                      # the objective's width: the draft vocabulary
+    one_block = cfg.block_size * objective_bytes_per_row(W, dt, teacher)
     objective_budget = max(objective_budget, one_block)
     with torch.device('meta'): drafter = DFlashDrafter(cfg, attention, **opts)
     chosen = set_checkpointing(drafter, policy, budget_bytes=attention_budget)
     lay = plan_layout(seq_len, num_anchors, block_size=cfg.block_size, rows=micro_batch_size,
-                      mask_token_id=cfg.mask_token_id, vocab=cfg.vocab_size)
+                      mask_token_id=cfg.mask_token_id, vocab=W)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     _fake_module(drafter, mode)
     params = [p for p in drafter.parameters() if p.requires_grad]
     with mode:
         context = torch.empty(micro_batch_size, seq_len, cfg.context_size, dtype=dt)    # (N, S, L·H) target features
         embed = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dt)                  # frozen (V, H)
-        lm_head = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dt)
+        lm_head = torch.empty(W, cfg.hidden_size, dtype=dt)                             # frozen (W, H)
         final = [torch.empty(micro_batch_size, seq_len, cfg.hidden_size, dtype=dt)] if teacher else []   # (N, S, H)
         opt = torch.optim.AdamW(params, lr=1e-4, **{optimizer: True})
         for p in params: p.grad = torch.empty_like(p)
