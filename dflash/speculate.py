@@ -4,18 +4,19 @@
 
 # %% ../nbs/09a_speculate.ipynb #3aa57e83
 from __future__ import annotations
-import inspect, sys, time
+import csv, inspect, io, sys, time
 from pathlib import Path
 from dataclasses import dataclass, field
 from .config import DrafterConfig
 from .options import option, parse_options, OptionsError, exit_bad_options
 from .threads import threads_option
+from .stops import EXIT_PREEMPTED, Preempted, StopRequest
 from .files import (json_problem, model_dir_problems, resolve_local, safetensors_problem, dir_write_problem,
                           disk_refused, write_atomic, write_json)
 
 # %% auto #0
 __all__ = ['SpeculateOptions', 'warp', 'sample_tokens', 'verify_block', 'speculative_generate', 'greedy_generate',
-           'sample_generate', 'eval_prompts', 'acceptance_eval', 'plot_acceptance', 'main']
+           'sample_generate', 'lookup_generate', 'eval_prompts', 'acceptance_eval', 'plot_acceptance', 'main']
 
 # %% ../nbs/09a_speculate.ipynb #bfab8dcc
 @dataclass
@@ -24,27 +25,36 @@ class SpeculateOptions:
                                       'cache only); required')
     drafter: str | None = option(None, 'drafter (config.json + model.safetensors): a local directory or a hub id '
                                        '(local cache only); required')
-    data: str | None = option(None, 'chat JSONL; prompts are the turns before the first assistant turn; required',
-                              path='file')
+    data: str | None = option(None, "chat JSONL; a prompt is a record's turns before its first assistant turn, or all "
+                                    'the turns of a record without one; required', path='file')
     max_new_tokens: int = option(128, 'tokens to generate per prompt', ge=1)
     block_size: int | None = option(None, "block size (default: the drafter's)", ge=2)
     num_prompts: int = option(32, 'prompts to evaluate', ge=1)
     dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, float32 on CPU)',
                                choices=['float32', 'bfloat16', 'float16'])
-    out: str | None = option(None, 'directory for acceptance.json and acceptance.png (default: none)')
+    out: str | None = option(None, 'directory for acceptance.json, acceptance.png and prompts.csv (a row per prompt '
+                                   'and temperature, rewritten after each; default: none)')
     temperature: list[float] = option((0.0, 1.0), 'sampling temperatures, each evaluated and reported in turn '
                                       "(0: greedy decoding, exactly the target's greedy output)", ge=0)
     top_p: float = option(1.0, "nucleus (top-p) cut of the sampling distribution, target's and drafter's alike "
                           '(1: none)', gt=0, le=1)
     seed: int = option(0, 'seed of the sampling generator: a run is reproducible', ge=0)
-    progress: bool = option(True, 'show a progress bar: prompts done, tokens/s, running tau (--no-progress: none)')
+    lookup_tokens: int = option(10, "tokens drafted per step by transformers' prompt lookup decoding, a second "
+                                    'baseline timed at T = 0 (0: none)', ge=0)
+    progress: bool = option(True, 'print a running total after every prompt: tau, tokens/s and speedups so far '
+                                  '(--no-progress: none)')
     threads: int | None = threads_option()
 
 def _check_speculate(o: SpeculateOptions) -> list[str]:
-    "Problems beyond each option's range: required options, and the model directories read without loading them."
+    "Problems beyond each option's range: required options, the model directories and the prompts, read without loading."
     probs = [f"--{k} is required" for k in ('target', 'drafter', 'data') if getattr(o, k) is None]
     if o.out is not None and (bad := dir_write_problem(o.out, '--out')): probs.append(bad)   # before minutes of work
     if o.target is not None: probs += model_dir_problems(o.target, '--target')
+    if o.data is not None and Path(o.data).is_file():            # a missing one: named by its own check
+        from dflash.chat import DataError
+        n = o.num_prompts if isinstance(o.num_prompts, int) and o.num_prompts >= 1 else 1
+        try: _prompt_turns(o.data, n)                              # the turns of the prompts to be run
+        except DataError as e: probs.append(f"--data: {e}")
     if o.drafter is not None:
         try: d = resolve_local(o.drafter)                          # a directory, or a hub id's local snapshot
         except FileNotFoundError as e: return probs + [f"--drafter: {e}"]
@@ -66,6 +76,24 @@ def _parse_speculate(argv=None) -> SpeculateOptions:
                               check=_check_speculate)[0]
     except OptionsError as e: exit_bad_options(e)
 
+# %% ../nbs/09a_speculate.ipynb #78b6154e
+def _prompt_turns(path, n: int | None = None) -> list[tuple[str, list[dict]]]:
+    """(where, turns) of the first `n` prompts of a chat JSONL: a record's turns before its first assistant turn, or
+    all of a record without one; a DataError when there is none, or at a malformed record on the way."""
+    from dflash.chat import DataError, read_jsonl, to_messages     # torch with it: for a run about to load it
+    prompts, records = [], 0
+    for where, rec in read_jsonl(path):
+        records += 1
+        msgs = to_messages(rec, where)
+        k = next((i for i, m in enumerate(msgs) if m['role'] == 'assistant'), len(msgs))
+        if k == 0: continue                                       # opens with the assistant: nothing to answer
+        prompts.append((where, msgs[:k]))
+        if n is not None and len(prompts) == n: break
+    if not prompts:
+        raise DataError(f"{path}: nothing to prompt with ({records} record{'' if records == 1 else 's'}; a prompt is "
+                        "a record's turns before its first assistant turn, or all the turns of a record without one)")
+    return prompts
+
 # %% ../nbs/09a_speculate.ipynb #cb096869
 if __name__ == '__main__' and '__file__' in globals(): _parse_speculate()   # help and bad options before torch loads
 
@@ -73,10 +101,9 @@ if __name__ == '__main__' and '__file__' in globals(): _parse_speculate()   # he
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from tqdm import tqdm
 from transformers import DynamicCache, GenerationConfig
 from .drafter import DFlashDrafter, ContextCache
-from .chat import read_jsonl, to_messages
+from .chat import DataError
 from .features import target_features
 from .threads import use_threads
 
@@ -225,56 +252,115 @@ def sample_generate(target, input_ids: Tensor, max_new_tokens: int = 128, stop_t
         out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gc)
     return out[0, input_ids.shape[1]:].tolist()
 
+# %% ../nbs/09a_speculate.ipynb #b9457e08
+@torch.no_grad()
+def lookup_generate(target, input_ids: Tensor, max_new_tokens: int = 128, stop_token_ids=(),
+                    num_tokens: int = 10) -> list[int]:
+    "Greedy prompt lookup decoding by transformers' generate, up to `num_tokens` drafted per step: the new tokens."
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(stop_token_ids) or None,
+                          pad_token_id=(list(stop_token_ids) or [0])[0], prompt_lookup_num_tokens=num_tokens)
+    out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gc)
+    return out[0, input_ids.shape[1]:].tolist()
+
 # %% ../nbs/09a_speculate.ipynb #383a0605
 def eval_prompts(path, tokenizer, n: int | None = None) -> list[Tensor]:
-    "Token ids (1, P) of the first `n` conversations of a chat JSONL, up to their first assistant turn."
-    prompts = []
-    for where, rec in read_jsonl(path):
-        msgs = to_messages(rec, where)
-        k = next((i for i, m in enumerate(msgs) if m['role'] == 'assistant'), None)
-        if not k: continue                                        # no assistant turn, or nothing before it
-        ids = tokenizer.apply_chat_template(msgs[:k], add_generation_prompt=True, tokenize=True, return_dict=True)
-        prompts.append(torch.tensor(ids['input_ids'])[None])
-        if n is not None and len(prompts) == n: break
-    return prompts
+    """Token ids (1, P) of the first `n` prompts of a chat JSONL (`_prompt_turns`), rendered by the tokenizer's chat
+    template with the generation prompt."""
+    from jinja2 import TemplateError
+    out = []
+    for where, turns in _prompt_turns(path, n):
+        try: ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True)
+        except TemplateError as e: raise DataError(f"{where}: the chat template rejects it ({e})") from None
+        out.append(torch.tensor(ids['input_ids'])[None])
+    return out
+
+# %% ../nbs/09a_speculate.ipynb #d76e88d4
+def _timed(fn, device):
+    "`fn()`, with the wall seconds and this process's CPU seconds it took (a GPU's queue drained before and after)."
+    _sync(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - wall, time.process_time() - cpu
+
+def _ratio(a: float, b: float) -> float | None: return a / b if b else None
+
+def _totals(rows: list[dict], acc: list[int], B: int, plain: bool, lookup: bool, **about) -> dict:
+    "One temperature's figures from its prompt records `rows`; `acc`: the tokens of every verify step."
+    s = lambda k: sum(r[k] for r in rows)
+    x = {**about, 'prompts': len(rows), 'tau': sum(acc) / max(len(acc), 1), 'steps': len(acc),
+         'tokens': s('new_tokens'), 'spec_s': s('spec_s'), 'spec_cpu_s': s('spec_cpu_s'), 'draft_s': s('draft_s'),
+         'verify_s': s('verify_s'), 'histogram': [acc.count(k) for k in range(1, B + 1)]}
+    for name, on in (('plain', plain), ('lookup', lookup)):       # each baseline's tokens, seconds, speedup over it
+        if not on: continue
+        tok, wall, cpu = s(f'{name}_tokens'), s(f'{name}_s'), s(f'{name}_cpu_s')
+        key = 'speedup' if name == 'plain' else 'speedup_vs_lookup'
+        x.update({f'{name}_tokens': tok, f'{name}_s': wall, f'{name}_cpu_s': cpu,      # tokens/s over tokens/s
+                  key: _ratio(x['tokens'] * wall, x['spec_s'] * tok), f'{key}_cpu': _ratio(x['tokens'] * cpu,
+                                                                                            x['spec_cpu_s'] * tok)})
+    if plain and about.get('temperature') == 0:
+        x.update(same_output=sum(r['same_output'] for r in rows), mismatches=[r['prompt'] for r in rows
+                                                                              if not r['same_output']])
+    if lookup:
+        x.update(lookup_same_output=sum(r['lookup_same_output'] for r in rows),
+                 lookup_mismatches=[r['prompt'] for r in rows if not r['lookup_same_output']])
+    return x
+
+def _running_line(x: dict, n: int) -> str:
+    "The running total: prompts done of `n`, τ, tokens/s and the speedups so far."
+    rate = lambda tokens, s: f"{tokens / s:.1f} tok/s" if s else '-'
+    times = lambda v: '-' if v is None else f"{v:.2f}x"
+    line = (f"T={x['temperature']:g} {x['prompts']}/{n} prompts: tau {x['tau']:.2f}, speculative "
+            f"{rate(x['tokens'], x['spec_s'])}")
+    if 'plain_s' in x: line += (f", plain {rate(x['plain_tokens'], x['plain_s'])} (speedup {times(x['speedup'])}, "
+                                f"CPU {times(x['speedup_cpu'])})")
+    if 'lookup_s' in x: line += (f", prompt lookup {rate(x['lookup_tokens'], x['lookup_s'])} "
+                                 f"(speedup {times(x['speedup_vs_lookup'])})")
+    if 'same_output' in x: line += f", same output {x['same_output']}/{x['prompts']}"
+    return line
 
 @torch.no_grad()
 def acceptance_eval(target, drafter: DFlashDrafter, prompts: list[Tensor], *, max_new_tokens: int = 64,
                     block_size: int | None = None, stop_token_ids=(), temperature: float = 0., top_p: float = 1.,
-                    seed: int = 0, baseline: bool = False, progress: bool = False) -> dict:
-    """τ, the acceptance histogram and timings of speculative decoding over `prompts` at `temperature` (0: greedy)
-    and `top_p` (and of plain decoding, if `baseline`); `progress`: a bar of prompts done with tokens/s and the
-    running τ. `speedup` is the ratio of tokens per second (at T = 0 both emit the same tokens)."""
+                    seed: int = 0, baseline: bool = False, lookup_tokens: int = 0, progress: bool = False,
+                    stop: StopRequest | None = None, on_prompt=None) -> dict:
+    """τ, the acceptance histogram and timings of speculative decoding over `prompts` at `temperature` (0: greedy) and
+    `top_p`. With `baseline`, each prompt is decoded plainly right after, and at T = 0 by prompt lookup drafting
+    `lookup_tokens` a step (0: not), each timed in wall and CPU seconds; `speedup` is the ratio of tokens per second, and
+    at T = 0 `same_output` counts the prompts whose speculative tokens are plain greedy's. `on_prompt(record, totals)`
+    follows each prompt; `progress` prints the running total; `stop`, if set before a prompt, ends the evaluation."""
     dev = next(target.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed)
-    acc, draft_s, verify_s, tokens = [], 0., 0., 0
-    t0 = time.perf_counter()
-    bar = tqdm(prompts, desc=f'speculative T={temperature:g}', unit='prompt', disable=not progress)
-    for p in bar:
-        r = speculative_generate(target, drafter, p.to(dev), max_new_tokens=max_new_tokens, block_size=block_size,
-                                 stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, generator=gen)
-        acc += r.acceptance
-        draft_s += r.draft_s
-        verify_s += r.verify_s
-        tokens += len(r.tokens)
-        bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.1f} tok/s, tau {sum(acc) / max(len(acc), 1):.2f}")
-    spec_s = time.perf_counter() - t0
-    out = {'temperature': temperature, 'top_p': top_p, 'seed': seed, 'prompts': len(prompts),
-           'tau': sum(acc) / max(len(acc), 1), 'steps': len(acc), 'tokens': tokens, 'spec_s': spec_s,
-           'draft_s': draft_s, 'verify_s': verify_s,
-           'histogram': [acc.count(k) for k in range(1, (block_size or drafter.config.block_size) + 1)]}
-    if baseline:
-        plain_tokens = 0
-        t0 = time.perf_counter()
-        for i, p in enumerate(tqdm(prompts, desc=f'plain T={temperature:g}', unit='prompt', disable=not progress)):
-            plain_tokens += len(greedy_generate(target, p.to(dev), max_new_tokens, stop_token_ids) if temperature == 0
-                                else sample_generate(target, p.to(dev), max_new_tokens, stop_token_ids,
-                                                     temperature=temperature, top_p=top_p, seed=seed + i))
-        out['plain_s'] = time.perf_counter() - t0
-        out['plain_tokens'] = plain_tokens
-        out['speedup'] = (tokens / spec_s) / (plain_tokens / out['plain_s'])
-    return out
+    B, greedy = block_size or drafter.config.block_size, temperature == 0
+    lookup = baseline and greedy and lookup_tokens > 0
+    rows, acc = [], []
+    total = lambda: _totals(rows, acc, B, baseline, lookup, temperature=temperature, top_p=top_p, seed=seed)
+    for i, p in enumerate(prompts):
+        if stop: break                                                       # at a prompt boundary
+        p = p.to(dev)
+        spec, wall, cpu = _timed(lambda: speculative_generate(
+            target, drafter, p, max_new_tokens=max_new_tokens, block_size=block_size, stop_token_ids=stop_token_ids,
+            temperature=temperature, top_p=top_p, generator=gen), dev)
+        row = dict(prompt=i, temperature=temperature, new_tokens=len(spec.tokens), steps=len(spec.acceptance),
+                   tau=spec.tau, spec_s=wall, spec_cpu_s=cpu, draft_s=spec.draft_s, verify_s=spec.verify_s)
+        if baseline:                                                         # the same prompt, right after
+            plain, wall, cpu = _timed(lambda: greedy_generate(target, p, max_new_tokens, stop_token_ids) if greedy
+                                      else sample_generate(target, p, max_new_tokens, stop_token_ids,
+                                                           temperature=temperature, top_p=top_p, seed=seed + i), dev)
+            row.update(plain_tokens=len(plain), plain_s=wall, plain_cpu_s=cpu)
+            if greedy: row['same_output'] = spec.tokens == plain
+        if lookup:
+            looked, wall, cpu = _timed(lambda: lookup_generate(target, p, max_new_tokens, stop_token_ids,
+                                                               lookup_tokens), dev)
+            row.update(lookup_tokens=len(looked), lookup_s=wall, lookup_cpu_s=cpu, lookup_same_output=looked == plain)
+        rows.append(row)
+        acc += spec.acceptance
+        if on_prompt or progress: so_far = total()
+        if on_prompt: on_prompt(row, so_far)
+        if progress: print(_running_line(so_far, len(prompts)), flush=True)
+    return total()
 
+# %% ../nbs/09a_speculate.ipynb #3f7d6455
 def plot_acceptance(hist: list[int], ax=None, title: str = ''):
     "Bar chart of how many verify steps accepted 1, 2, ... tokens."
     import matplotlib.pyplot as plt
@@ -285,11 +371,18 @@ def plot_acceptance(hist: list[int], ax=None, title: str = ''):
 
 # %% ../nbs/09a_speculate.ipynb #d1b01d47
 def main(argv=None) -> dict:
-    """`python -m dflash.speculate`: tau, its histogram and the speed against plain decoding at each `--temperature`,
-    with a progress bar; returns {'runs': [one acceptance_eval result per temperature], ...}. A full or read-only disk
-    ends as one `error:` line, exit status 2."""
+    """`python -m dflash.speculate`: tau, its histogram and the speed against plain decoding (and prompt lookup at T = 0)
+    at each `--temperature`, prompt by prompt with a running total; returns {'runs': [one acceptance_eval result per
+    temperature], ...}. SIGTERM or SIGINT stops it between two prompts with the results so far written, exit status
+    75; a data file without a prompt, or a full or read-only disk, ends as one `error:` line, exit status 2."""
     a = _parse_speculate(argv)
     try: return _speculate(a)
+    except DataError as e:                                          # a record past what the option check read
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except Preempted as e:
+        print(str(e), file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
     except OSError as e:
         said = disk_refused(e)
         if said is None: raise
@@ -311,37 +404,89 @@ def _speculate(a: SpeculateOptions) -> dict:
     tok = AutoTokenizer.from_pretrained(tdir)
     drafter = DFlashDrafter.from_pretrained(ddir, dtype=dtype).to(dev).eval()
     prompts = eval_prompts(a.data, tok, a.num_prompts)
-    if not prompts: raise ValueError(f"{a.data}: no conversation with a turn before an assistant turn")
-    runs = [acceptance_eval(target, drafter, prompts, max_new_tokens=a.max_new_tokens, block_size=a.block_size,
-                            stop_token_ids=[tok.eos_token_id], temperature=t, top_p=a.top_p, seed=a.seed,
-                            baseline=True, progress=a.progress) for t in a.temperature]
+    out = Path(a.out) if a.out else None
     r = {'threads': threads, 'prompts': len(prompts), 'max_new_tokens': a.max_new_tokens, 'top_p': a.top_p,
-         'seed': a.seed, 'runs': runs}
+         'seed': a.seed, 'prompt_lookup_num_tokens': a.lookup_tokens, 'temperatures': list(a.temperature), 'partial': False,
+         'done': 0, 'total': len(prompts) * len(a.temperature), 'runs': []}
+    rows = []
+    def keep(row, totals):                                           # the CSV follows the run, prompt by prompt
+        rows.append(row)
+        if out: write_atomic(out / 'prompts.csv', _csv_text(rows))
+    lookup = f", then by prompt lookup ({a.lookup_tokens} tokens a step) at T = 0" if a.lookup_tokens else ''
     print(f"prompts {len(prompts)}, at most {a.max_new_tokens} new tokens each; top-p {a.top_p:g}, seed {a.seed}; "
-          f"{threads} CPU thread(s) for speculative and plain decoding alike")
-    for x in runs:
-        print(f"T={x['temperature']:g}: tau (mean acceptance length) {x['tau']:.3f}  tokens {x['tokens']}  "
-              f"verify steps {x['steps']}")
-        print("  histogram (tokens per step: steps) " + '  '.join(f"{k}:{n}" for k, n in enumerate(x['histogram'], 1)))
-        print(f"  draft {x['draft_s']:.2f}s  verify {x['verify_s']:.2f}s  speculative {x['spec_s']:.2f}s "
-              f"({x['tokens'] / x['spec_s']:.0f} tok/s)  plain {x['plain_s']:.2f}s "
-              f"({x['plain_tokens'] / x['plain_s']:.0f} tok/s)  speedup {x['speedup']:.2f}x")
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
+          f"each prompt decoded speculatively, then plainly{lookup}, on the same {threads} CPU thread(s)", flush=True)
+    if out: out.mkdir(parents=True, exist_ok=True)
+    with StopRequest() as stop:
+        for t in a.temperature:
+            kw = dict(block_size=a.block_size, stop_token_ids=[tok.eos_token_id], temperature=t, top_p=a.top_p,
+                      seed=a.seed, baseline=True, lookup_tokens=a.lookup_tokens)
+            acceptance_eval(target, drafter, prompts[:1], max_new_tokens=min(8, a.max_new_tokens), **kw)  # warm-up
+            x = acceptance_eval(target, drafter, prompts, max_new_tokens=a.max_new_tokens, progress=a.progress,
+                                stop=stop, on_prompt=keep, **kw)
+            if x['prompts']: r['runs'].append(x)
+            if stop: break
+    r['done'] = len(rows)
+    if r['done'] < r['total']: r.update(partial=True, stopped_by=stop.reason)
+    _print_report(r)
+    if out:
         write_json(out / 'acceptance.json', r)
-        fig = _plot_runs(runs)
-        write_atomic(out / 'acceptance.png', lambda p: fig.savefig(p, format='png', dpi=120, bbox_inches='tight'))
-        print(f"wrote {out / 'acceptance.json'} and {out / 'acceptance.png'}")
+        write_atomic(out / 'prompts.csv', _csv_text(rows))
+        if r['runs']:
+            fig = _plot_runs(r['runs'], len(prompts))
+            write_atomic(out / 'acceptance.png', lambda p: fig.savefig(p, format='png', dpi=120, bbox_inches='tight'))
+        print(f"wrote {out / 'acceptance.json'}, {out / 'prompts.csv'}" +
+              (f" and {out / 'acceptance.png'}" if r['runs'] else ''))
+    if r['partial']:
+        raise Preempted(f"stopped by {stop.reason} after {r['done']} of {r['total']} prompt runs ({len(prompts)} prompts "
+                        f"x {len(a.temperature)} temperatures): " +
+                        (f"the results so far are in {out}, marked partial" if out else "no --out, nothing written"))
     return r
 
-def _plot_runs(runs: list[dict]):
-    "One acceptance histogram per temperature, side by side."
+def _print_report(r: dict):
+    "The totals of each temperature: τ, histogram, each method's seconds and tokens/s, speedups, same output."
+    rate = lambda tokens, s: f"{tokens / s:.1f} tok/s" if s else '-'
+    times = lambda v: '-' if v is None else f"{v:.2f}x"
+    if r['partial']: print(f"partial: stopped by {r['stopped_by']} after {r['done']} of {r['total']} prompt runs")
+    for x in r['runs']:
+        print(f"T={x['temperature']:g}: tau (mean acceptance length) {x['tau']:.3f}  tokens {x['tokens']}  "
+              f"verify steps {x['steps']}  prompts {x['prompts']}")
+        print("  histogram (tokens per step: steps) " + '  '.join(f"{k}:{n}" for k, n in enumerate(x['histogram'], 1)))
+        print(f"  speculative    {x['spec_s']:.2f}s wall, {x['spec_cpu_s']:.2f}s CPU, {rate(x['tokens'], x['spec_s'])} "
+              f"(draft {x['draft_s']:.2f}s, verify {x['verify_s']:.2f}s)")
+        print(f"  plain          {x['plain_s']:.2f}s wall, {x['plain_cpu_s']:.2f}s CPU, "
+              f"{rate(x['plain_tokens'], x['plain_s'])}: speedup {times(x['speedup'])} (CPU {times(x['speedup_cpu'])})")
+        if 'lookup_s' in x:
+            print(f"  prompt lookup  {x['lookup_s']:.2f}s wall, {x['lookup_cpu_s']:.2f}s CPU, "
+                  f"{rate(x['lookup_tokens'], x['lookup_s'])}: speedup {times(x['speedup_vs_lookup'])} "
+                  f"(CPU {times(x['speedup_vs_lookup_cpu'])})")
+        if 'same_output' in x:
+            differ = lambda m: f" (differs at prompts {', '.join(map(str, m))})" if m else ''
+            line = f"  same tokens as plain greedy: speculative {x['same_output']}/{x['prompts']}{differ(x['mismatches'])}"
+            if 'lookup_same_output' in x:
+                line += (f", prompt lookup {x['lookup_same_output']}/{x['prompts']}"
+                         f"{differ(x['lookup_mismatches'])}")
+            print(line)
+
+_CSV_COLUMNS = ('prompt', 'temperature', 'new_tokens', 'steps', 'tau', 'spec_s', 'spec_cpu_s', 'draft_s', 'verify_s',
+                'plain_tokens', 'plain_s', 'plain_cpu_s', 'lookup_tokens', 'lookup_s', 'lookup_cpu_s', 'same_output',
+                'lookup_same_output')
+
+def _csv_text(rows: list[dict]) -> str:
+    "The prompt records as CSV, one row each; a column a record lacks (no prompt lookup at T > 0) is empty."
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, _CSV_COLUMNS, restval='', lineterminator='\n')
+    w.writeheader()
+    w.writerows({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()} for row in rows)
+    return buf.getvalue()
+
+def _plot_runs(runs: list[dict], prompts: int):
+    "One acceptance histogram per temperature, side by side; a run stopped early says how many prompts it has."
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.6), layout='constrained', sharey=True,
                              squeeze=False)
     for ax, x in zip(axes[0], runs):
-        plot_acceptance(x['histogram'], ax, f"T = {x['temperature']:g}: tau = {x['tau']:.2f}")
+        part = f" ({x['prompts']} of {prompts} prompts)" if x['prompts'] < prompts else ''
+        plot_acceptance(x['histogram'], ax, f"T = {x['temperature']:g}: tau = {x['tau']:.2f}{part}")
     return fig
 
 

@@ -1,14 +1,19 @@
 "Speculative decoding with the trained toy drafter: lossless, and its tau agrees with the training-time estimate."
-import json, subprocess, sys
+import csv, json, os, signal, subprocess, sys, time
 import pytest, torch
+from dflash.config import DrafterConfig
 from dflash.drafter import DFlashDrafter
 from dflash.layout import BlockLayout
 from dflash.objective import dflash_objective
 from dflash.chat import ChatDataset
 from dflash.features import TargetFeatures, collate
 from dflash.speculate import eval_prompts, speculative_generate, greedy_generate, acceptance_eval
+from dflash.speculate import main as speculate_main
 from dflash.toy import load_toy_target
 from dflash.files import assets_dir, toy_data_dir, toy_target_dir
+from conftest import refused
+
+ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
 
 
 @pytest.fixture(scope='module')
@@ -66,23 +71,180 @@ def test_tau_agrees_with_training_time_estimate(toy):
     assert abs(spec['tau'] - est) <= 0.15 * est, (spec['tau'], est)
 
 
+def spec_cli(*args, **kw):
+    "`python -m dflash.speculate` on the toy target and its trained drafter, with `args` after."
+    cmd = [sys.executable, '-m', 'dflash.speculate', '--target', str(toy_target_dir()), '--drafter',
+           str(assets_dir() / 'toy-drafter'), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600, **kw)
+
+
+def read_rows(out) -> list[dict]:
+    with open(out / 'prompts.csv', newline='') as f: return list(csv.DictReader(f))
+
+
 def test_command_line(tmp_path):
-    "`python -m dflash.speculate` as a real process on the toy target and drafter: it runs and writes its report."
+    """`python -m dflash.speculate` as a real process on the toy target and drafter: it runs, prints a running total
+    after each prompt, and writes its report, with a CSV row per prompt and temperature timing every method."""
     out = tmp_path / 'spec'
-    run = subprocess.run([sys.executable, '-m', 'dflash.speculate', '--target', str(toy_target_dir()),
-                          '--drafter', str(assets_dir() / 'toy-drafter'), '--data', str(toy_data_dir() / 'eval.jsonl'),
-                          '--num-prompts', '3', '--max-new-tokens', '16', '--out', str(out)],
-                         capture_output=True, text=True)
+    run = spec_cli('--data', toy_data_dir() / 'eval.jsonl', '--num-prompts', '3', '--max-new-tokens', '16',
+                   '--out', out)
     assert run.returncode == 0, run.stderr
     report = json.loads((out / 'acceptance.json').read_text())
     assert [r['temperature'] for r in report['runs']] == [0, 1], report          # greedy and T = 1 by default
+    assert (report['partial'], report['done'], report['total'], report['prompt_lookup_num_tokens']) == (False, 6, 6, 10)
     for r in report['runs']:
-        assert r['tau'] >= 1 and sum(r['histogram']) == r['steps'] and r['speedup'] > 0, r
+        assert r['tau'] >= 1 and sum(r['histogram']) == r['steps'] and r['speedup'] > 0 and r['speedup_cpu'] > 0, r
+    greedy, sampled = report['runs']
+    assert (greedy['same_output'], greedy['mismatches'], greedy['lookup_same_output']) == (3, [], 3), greedy
+    assert greedy['speedup_vs_lookup'] > 0 and 'lookup_s' not in sampled and 'same_output' not in sampled, sampled
     assert (out / 'acceptance.png').is_file()
-    bar = run.stderr.replace('\r', '\n')                   # the progress bar: prompts done, tokens/s, running tau
-    for t in ('0', '1'):
-        assert f'speculative T={t}: 100%' in bar and f'plain T={t}: 100%' in bar, run.stderr
-    assert '3/3' in bar and 'tok/s, tau ' in bar, run.stderr
+    rows = read_rows(out)
+    assert [(r['temperature'], r['prompt']) for r in rows] == [(t, str(i)) for t in ('0.0', '1.0') for i in range(3)]
+    for r in rows:
+        assert all(float(r[k]) > 0 for k in ('spec_s', 'spec_cpu_s', 'plain_s', 'plain_cpu_s')), r
+        assert (r['lookup_s'] != '', r['same_output']) == ((True, 'True') if r['temperature'] == '0.0' else (False, ''))
+    assert sum(int(r['new_tokens']) for r in rows[:3]) == greedy['tokens']
+    for t in ('0', '1'):                                      # the running total, prompt by prompt
+        assert [f'T={t} {i}/3 prompts: tau ' in run.stdout for i in (1, 2, 3)] == [True] * 3, run.stdout
+    assert 'same tokens as plain greedy: speculative 3/3, prompt lookup 3/3' in run.stdout, run.stdout
+
+
+@pytest.fixture
+def logged_calls(monkeypatch):
+    "The decoders `acceptance_eval` calls, in the order it calls them."
+    import dflash.speculate as S
+    calls = []
+    for name, label in [('speculative_generate', 'speculative'), ('greedy_generate', 'plain'),
+                        ('sample_generate', 'plain'), ('lookup_generate', 'lookup')]:
+        monkeypatch.setattr(S, name, lambda *a, _f=getattr(S, name), _l=label, **kw: calls.append(_l) or _f(*a, **kw))
+    return calls
+
+
+def test_each_prompt_is_decoded_by_every_method_in_turn(toy, logged_calls):
+    "Prompt by prompt: speculative, plain, then prompt lookup (T = 0 only), each prompt's record timing all of them."
+    target, tok, drafter = toy
+    prompts = eval_prompts(toy_data_dir() / 'eval.jsonl', tok, 4)
+    rows = []
+    kw = dict(max_new_tokens=12, stop_token_ids=[tok.eos_token_id], baseline=True, lookup_tokens=5,
+              on_prompt=lambda row, totals: rows.append((row, totals['prompts'])))
+    greedy, sampled = acceptance_eval(target, drafter, prompts, **kw), \
+        acceptance_eval(target, drafter, prompts, temperature=1., **kw)
+    assert logged_calls == ['speculative', 'plain', 'lookup'] * 4 + ['speculative', 'plain'] * 4, logged_calls
+    assert [(r['temperature'], r['prompt'], n) for r, n in rows] == [(t, i, i + 1) for t in (0, 1) for i in range(4)]
+    assert all(r['lookup_s'] > 0 and r['lookup_same_output'] for r, _ in rows[:4])
+    assert not any('lookup_s' in r for r, _ in rows[4:])
+    assert greedy['same_output'] == 4 and sampled['prompts'] == 4 and 'same_output' not in sampled
+
+
+def test_same_output_check_names_the_prompts_that_differ(toy, monkeypatch):
+    "A plain decoder that gets prompts 1 and 3 wrong: two mismatches, listed, for speculative and prompt lookup alike."
+    import dflash.speculate as S
+    target, tok, drafter = toy
+    prompts = eval_prompts(toy_data_dir() / 'eval.jsonl', tok, 4)
+    right, calls = S.greedy_generate, []
+    def wrong_at_odd_prompts(*args):
+        tokens = right(*args)
+        calls.append(args)
+        return tokens[:-1] + [tokens[-1] + 1] if len(calls) % 2 == 0 else tokens
+    monkeypatch.setattr(S, 'greedy_generate', wrong_at_odd_prompts)
+    r = acceptance_eval(target, drafter, prompts, max_new_tokens=12, stop_token_ids=[tok.eos_token_id], baseline=True,
+                        lookup_tokens=5)
+    assert (r['same_output'], r['mismatches'], r['lookup_same_output'], r['lookup_mismatches']) == (2, [1, 3], 2, [1, 3])
+
+
+def test_sigterm_keeps_the_results_so_far(tmp_path):
+    """A real SIGTERM to a running `python -m dflash.speculate`: it stops between two prompts, prints and writes the
+    results so far, marked partial with the count done, and exits 75."""
+    out = tmp_path / 'spec'
+    cmd = [sys.executable, '-m', 'dflash.speculate', '--target', str(toy_target_dir()), '--drafter',
+           str(assets_dir() / 'toy-drafter'), '--data', str(toy_data_dir() / 'eval.jsonl'), '--num-prompts', '40',
+           '--max-new-tokens', '64', '--out', str(out)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:          # until the first two prompts are in the CSV
+        if (out / 'prompts.csv').is_file() and len((out / 'prompts.csv').read_text().splitlines()) >= 3: break
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    said, err = p.communicate(timeout=300)
+    assert p.returncode == 75, err[-3000:]
+    report, rows = json.loads((out / 'acceptance.json').read_text()), read_rows(out)
+    assert report['partial'] and report['stopped_by'] == 'SIGTERM', report
+    assert 2 <= report['done'] == len(rows) < report['total'] == 80, (report['done'], len(rows))
+    assert sum(r['prompts'] for r in report['runs']) == report['done'] and (out / 'acceptance.png').is_file()
+    assert [r['prompt'] for r in rows] == [str(i) for i in range(len(rows))]
+    assert f"stopped by SIGTERM after {report['done']} of 80 prompt runs (40 prompts x 2 temperatures)" in err, err
+    assert 'Traceback' not in err and f"partial: stopped by SIGTERM after {report['done']} of 80" in said
+
+
+def test_prompt_only_records(toy, tmp_path):
+    """A record without an assistant turn prompts with all its turns; one with, with the turns before the first; one
+    that opens with the assistant is passed over. The command runs on a file of prompts only."""
+    target, tok, drafter = toy
+    u, a = (lambda text: {'role': 'user', 'content': text}), (lambda text: {'role': 'assistant', 'content': text})
+    recs = [{'messages': [u('the red cat')]}, {'messages': [a('hello'), u('the dog')]},
+            {'messages': [{'role': 'system', 'content': 'be brief'}, u('a tree'), a('yes'), u('why')]},
+            {'messages': [u('the blue house'), u('and the river')]}]
+    data = tmp_path / 'prompts.jsonl'
+    data.write_text(''.join(json.dumps(r) + '\n' for r in recs))
+    render = lambda turns: tok.apply_chat_template(turns, add_generation_prompt=True, return_dict=True)['input_ids']
+    expect = [render(recs[0]['messages']), render(recs[2]['messages'][:2]), render(recs[3]['messages'])]
+    assert [p[0].tolist() for p in eval_prompts(data, tok)] == expect
+    only = tmp_path / 'only.jsonl'
+    only.write_text(''.join(json.dumps(r) + '\n' for r in (recs[0], recs[3])))
+    r = speculate_main(['--target', str(toy_target_dir()), '--drafter', str(assets_dir() / 'toy-drafter'),
+                        '--data', str(only), '--max-new-tokens', '16', '--temperature', '0', '--threads', '1',
+                        '--no-progress'])
+    assert (r['prompts'], r['runs'][0]['same_output']) == (2, 2), r
+
+
+@pytest.mark.parametrize('lines,expect', [
+    ([], 'nothing to prompt with (0 records;'),
+    ([{'messages': [{'role': 'assistant', 'content': 'hello'}]}] * 2, 'nothing to prompt with (2 records;'),
+    (['{"messages": [{"role": "us'], ':1: malformed JSON line'),
+    ([{'text': 'the cat'}], ":1: no 'messages' or 'conversations' key")], ids=['empty', 'no-prompt', 'torn', 'no-chat'])
+def test_data_without_a_prompt_is_named(tmp_path, capsys, lines, expect):
+    "A data file with nothing to prompt with: one error naming it, with the other bad options, before any model loads."
+    data = tmp_path / 'd.jsonl'
+    data.write_text(''.join((x if isinstance(x, str) else json.dumps(x)) + '\n' for x in lines))
+    err = refused(capsys, speculate_main, ['--target', str(toy_target_dir()), '--drafter',
+                                           str(assets_dir() / 'toy-drafter'), '--data', str(data), '--top-p', '2'],
+                  '2 bad options', f"--data: {data}", expect, "--top-p = 2.0")
+    assert err.count('\n  ') == 2, err                       # the option check's one error: before the models load
+
+
+def test_tied_embeddings_smollm2_greedy_is_exact(smollm2, tmp_path):
+    """SmolLM2-135M-Instruct ties its input embedding and LM head (one tensor): the drafter embeds its block and
+    scores its drafts with that tensor, and speculative decoding at T = 0 gives plain greedy's tokens, prompt for
+    prompt, with an untrained drafter (whose drafts are rejected: the verify path and the cache cropping decide)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    target = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    weight = target.get_input_embeddings().weight
+    assert weight is target.get_output_embeddings().weight and target.config.tie_word_embeddings
+    mask = tok.convert_tokens_to_ids('<empty_output>')
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig.from_target(target.config, mask_token_id=mask, num_hidden_layers=1,
+                                                      block_size=4)).eval()
+    seen = []
+    draft_block = drafter.draft_block
+    drafter.draft_block = lambda ctx, block, embed, cache=None: seen.append(embed) or draft_block(ctx, block, embed, cache)
+    questions = ['What is the capital of France?', 'Name three colours.', 'Write a haiku about the sea.']
+    for q in questions:
+        ids = torch.tensor([tok.apply_chat_template([{'role': 'user', 'content': q}], add_generation_prompt=True,
+                                                    return_dict=True)['input_ids']])
+        assert mask not in ids[0].tolist()
+        spec = speculative_generate(target, drafter, ids, max_new_tokens=16, stop_token_ids=[tok.eos_token_id])
+        assert spec.tokens == greedy_generate(target, ids, 16, [tok.eos_token_id]), q
+    assert seen and all(e is weight for e in seen)
+    del drafter.draft_block
+    drafter.save_pretrained(tmp_path / 'drafter')
+    data = tmp_path / 'q.jsonl'
+    data.write_text(''.join(json.dumps({'messages': [{'role': 'user', 'content': q}]}) + '\n' for q in questions))
+    r = speculate_main(['--target', str(smollm2), '--drafter', str(tmp_path / 'drafter'), '--data', str(data),
+                        '--num-prompts', '2', '--max-new-tokens', '16', '--temperature', '0', '--threads', '1',
+                        '--no-progress'])                                    # the command, on prompt-only records
+    x = r['runs'][0]
+    assert (x['prompts'], x['same_output'], x['mismatches'], x['lookup_same_output']) == (2, 2, [], 2), x
 
 
 def test_histogram_keeps_its_labels():
