@@ -107,7 +107,7 @@ import torch
 from .threads import use_threads
 from .chat import load_tokenizer, load_chat_data
 from transformers import AutoConfig
-from .features import TargetFeatures, data_mask_token, write_cache
+from .features import TargetFeatures, data_mask_token, token_counts, write_cache
 from .files import pretrained
 
 # %% ../nbs/08c_data.ipynb #1c4a5830
@@ -129,7 +129,8 @@ def _cache_command(o: CacheOptions):
     ds = load_chat_data(o.data, tok, max_length=o.max_length, skip_bad_lines=o.skip_bad_lines, num_proc=o.num_proc,
                         report=True)
     V = pretrained(AutoConfig, resolve_local(o.target)).get_text_config().vocab_size
-    mask = data_mask_token(tok, V, [ds], o.mask_token_id, say=state.is_main_process)    # before the target loads
+    used = set(token_counts([ds], V)[0].nonzero().flatten().tolist())
+    mask = data_mask_token(tok, V, used, o.mask_token_id, say=state.is_main_process)    # before the target loads
     dtype = None if o.dtype == 'auto' else getattr(torch, o.dtype)
     device = o.device or (state.device if state.device.type != 'mps' else 'cpu')
     feats = TargetFeatures(o.target, layer_ids=_layer_ids(o.layers) if o.layers else None,

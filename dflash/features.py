@@ -20,7 +20,7 @@ from .chat import DataStats
 
 # %% auto #0
 __all__ = ['check_target_dir', 'target_identity', 'target_features', 'TargetFeatures', 'cache_bytes_per_token', 'write_cache',
-           'CacheDataset', 'data_mask_token', 'collate']
+           'CacheDataset', 'token_counts', 'data_mask_token', 'collate']
 
 # %% ../nbs/08a_features.ipynb #3bfa4cc6
 _WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pt', '.pth')
@@ -360,10 +360,11 @@ class CacheDataset(Dataset):
 
     def __len__(self): return self.manifest['num_samples']
 
-    def token_ids(self):
-        "Each shard's token ids (T,), read without its features: a scan of every token the cache holds."
+    def tokens(self):
+        "Each shard's token ids and loss mask (T,), read without its features: a scan of every token the cache holds."
         for s in self.manifest['shards']:
-            with safe_open(self.path / s['file'], framework='pt') as f: yield f.get_tensor('input_ids')
+            with safe_open(self.path / s['file'], framework='pt') as f:
+                yield f.get_tensor('input_ids'), f.get_tensor('loss_mask')
 
     def _shard(self, k: int):
         if k not in self._open:
@@ -386,19 +387,23 @@ class CacheDataset(Dataset):
     def __getstate__(self): return {**self.__dict__, '_open': {}}   # DataLoader workers open their own
 
 # %% ../nbs/08a_features.ipynb #267a6dc4
-def _token_ids_used(datasets, V: int) -> set[int]:
-    "The token ids below `V` that occur in `datasets` (chat samples, or a cache: its shards' token ids)."
-    seen = torch.zeros(V + 1, dtype=torch.bool)
+def token_counts(datasets, V: int) -> tuple[Tensor, Tensor]:
+    """How often each token id below `V` occurs in `datasets` (chat samples, or a cache: its shards' tokens), (V,)
+    long: everywhere, and where supervised (the loss mask)."""
+    seen, supervised = torch.zeros(V + 1, dtype=torch.long), torch.zeros(V + 1, dtype=torch.long)
     for ds in datasets:
-        rows = ds.token_ids() if isinstance(ds, CacheDataset) else (ds[i]['input_ids'] for i in range(len(ds)))
-        for ids in rows: seen[ids.long().clamp(0, V)] = True
-    return set(seen[:V].nonzero().flatten().tolist())
+        rows = ds.tokens() if isinstance(ds, CacheDataset) else \
+            ((s['input_ids'], s['loss_mask']) for s in map(ds.__getitem__, range(len(ds))))
+        for ids, mask in rows:
+            ids = ids.long().clamp(0, V)
+            seen += torch.bincount(ids, minlength=V + 1)
+            supervised += torch.bincount(ids[mask.bool()], minlength=V + 1)
+    return seen[:V], supervised[:V]
 
-def data_mask_token(tokenizer, vocab_size: int, datasets, requested: int | None = None, say: bool = True) -> int:
-    """The mask token id for training on `datasets`: `requested` (--mask-token-id), else `choose_mask_token` among the
-    ids the data leaves free; said in one line (`say`, main process). A mask token the data uses is refused: the
-    drafter could not tell a masked position from that token."""
-    used = _token_ids_used(datasets, vocab_size)
+def data_mask_token(tokenizer, vocab_size: int, used: set[int], requested: int | None = None, say: bool = True) -> int:
+    """The mask token id for training on data whose token ids are `used`: `requested` (--mask-token-id), else
+    `choose_mask_token` among the ids the data leaves free; said in one line (`say`, main process). A mask token the
+    data uses is refused: the drafter could not tell a masked position from that token."""
     if requested is None: mask, why = choose_mask_token(tokenizer, vocab_size, used)
     else:
         mask = requested

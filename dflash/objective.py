@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_objective.ipynb #dd1c3759
 from __future__ import annotations
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -14,7 +14,7 @@ from .drafter import compute_dtype
 
 # %% auto #0
 __all__ = ['OBJECTIVES', 'objective_bytes_per_row', 'dpace_weights', 'Objective', 'ObjectiveSums', 'accepted_length',
-           'dflash_objective']
+           'dflash_objective', 'draft_vocab', 'draft_labels']
 
 # %% ../nbs/07_objective.ipynb #3283df5a
 def objective_bytes_per_row(vocab_size: int, dtype: torch.dtype, teacher: bool = False) -> int:
@@ -241,3 +241,17 @@ def dflash_objective(hidden: Tensor, layout: BlockLayout, lm_head: Tensor, *, ob
                          correct=correct.sum((0, 1)).float(), counted=supervised.sum((0, 1)).float(),
                          accept_sum=(accepted_length(correct, supervised) * layout.keep.to(loss.device)).sum().float(),
                          blocks=layout.keep.sum().float())
+
+# %% ../nbs/07_objective.ipynb #1faae181
+def draft_vocab(counts: Tensor, size: int) -> Tensor:
+    """The `size` token ids most often supervised, ascending: `counts` (V,) from `token_counts` (ties: the lower
+    id first)."""
+    return torch.sort(-counts.long(), stable=True).indices[:size].sort().values
+
+def draft_labels(layout: BlockLayout, token_ids: Tensor, vocab_size: int) -> BlockLayout:
+    """`layout` for a draft vocabulary `token_ids` (K,) of a `vocab_size` target: labels as draft ids, weight 0 where
+    a label lies outside it (the drafter cannot draft that token)."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long, device=layout.labels.device)
+    index[token_ids.to(index.device)] = torch.arange(len(token_ids), device=index.device)
+    d = index[layout.labels]                                              # (N, A, B) draft ids, -1 outside
+    return replace(layout, labels=d.clamp(min=0), weights=layout.weights * (d >= 0))

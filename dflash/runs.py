@@ -38,6 +38,9 @@ class TrainConfig:
     target_layer_ids: list[int] | None = option(None, "target layers the drafter reads, space separated "
                                                       "(default: DFlash's spread)", ge=0)
     block_size: int = option(16, "tokens per drafted block", ge=2)
+    draft_vocab_size: int | None = option(None, "draft over the K target tokens most often supervised in the training "
+                                                "data: the drafter's LM head and loss over those K, mapped back by "
+                                                "d2t/t2d in the export (default: the whole vocabulary)", ge=1)
     init_from_target: bool = option(False, "start the drafter's layers from the target's top layers (weights of the "
                                            "same name and shape) instead of a random initialisation")
     mask_token_id: int | None = option(None, "token id of a block's masked positions, written into the drafter's "
@@ -166,6 +169,11 @@ def check_train(c: TrainConfig) -> list[str]:
     else: conf = json_problem(toy_target_dir() / 'config.json')[0]
     probs += _layer_problems(c, (conf or {}).get('num_hidden_layers'))
     V = (conf or {}).get('vocab_size', (conf or {}).get('text_config', {}).get('vocab_size'))
+    if isinstance(c.draft_vocab_size, int) and isinstance(V, int) and not c.draft_vocab_size <= V:
+        probs.append(f"--draft-vocab-size = {c.draft_vocab_size}: allowed 1..{V} (the target's vocabulary)")
+    if c.draft_vocab_size is not None and c.loss == 'kl':
+        probs.append("--draft-vocab-size with --loss kl: distillation matches the target's whole next-token "
+                     "distribution; use --loss ce or dpace with a draft vocabulary")
     if isinstance(c.mask_token_id, int) and isinstance(V, int) and not c.mask_token_id < V:
         probs.append(f"--mask-token-id = {c.mask_token_id}: allowed 0..{V - 1} (the target's vocabulary has {V} rows)")
     for name in ('data', 'eval_data'):
@@ -264,7 +272,8 @@ def claim_run(c: TrainConfig) -> Path:
 
 # %% ../nbs/09b_runs.ipynb #e14d0c26
 _FIXED_ON_RESUME = ('target', 'data', 'eval_data', 'cache', 'num_layers', 'target_layer_ids', 'block_size',
-                   'num_anchors', 'gamma', 'max_length', 'batch_size', 'seed', 'mask_token_id')
+                   'num_anchors', 'gamma', 'max_length', 'batch_size', 'seed', 'mask_token_id',
+                   'draft_vocab_size')
 _PATHS = ('target', 'data', 'eval_data', 'cache')
 
 def _same(k, a, b) -> bool:

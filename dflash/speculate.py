@@ -11,7 +11,7 @@ from .config import DrafterConfig
 from .options import option, parse_options, OptionsError, exit_bad_options
 from .threads import threads_option
 from .stops import EXIT_PREEMPTED, Preempted, StopRequest
-from .files import (json_problem, model_dir_problems, resolve_local, safetensors_problem, dir_write_problem,
+from .files import (json_problem, is_gguf, pretrained, target_problems, resolve_local, safetensors_problem, dir_write_problem,
                           disk_refused, write_atomic, write_json)
 
 # %% auto #0
@@ -49,7 +49,7 @@ def _check_speculate(o: SpeculateOptions) -> list[str]:
     "Problems beyond each option's range: required options, the model directories and the prompts, read without loading."
     probs = [f"--{k} is required" for k in ('target', 'drafter', 'data') if getattr(o, k) is None]
     if o.out is not None and (bad := dir_write_problem(o.out, '--out')): probs.append(bad)   # before minutes of work
-    if o.target is not None: probs += model_dir_problems(o.target, '--target')
+    if o.target is not None: probs += target_problems(o.target, '--target')
     if o.data is not None and Path(o.data).is_file():            # a missing one: named by its own check
         from dflash.chat import DataError
         n = o.num_prompts if isinstance(o.num_prompts, int) and o.num_prompts >= 1 else 1
@@ -201,7 +201,7 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
         t0 = time.perf_counter()
         block = torch.cat([nxt[:, None], torch.full((1, B - 1), cfg.mask_token_id, device=dev)], 1)   # (1, B)
         h = drafter.draft_block(feats, block, embed, ctx_cache)             # (1, B, H)
-        logits = F.linear(h[:, 1:].to(lm_head.dtype), lm_head)              # (1, B-1, V)
+        logits = drafter.draft_logits(h[:, 1:].to(lm_head.dtype), lm_head)  # (1, B-1, V)
         if greedy: draft = logits.argmax(-1)                                 # (1, B-1)
         else:
             q = warp(logits, temperature, top_p)                             # (1, B-1, V)
@@ -396,12 +396,13 @@ def _speculate(a: SpeculateOptions) -> dict:
     print(f"CPU threads: {threads} ({why})")
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev.type == 'cuda' else torch.float32)
     tdir, ddir = resolve_local(a.target), resolve_local(a.drafter)     # hub ids: their snapshots in the local cache
-    if not (tdir / 'config.json').is_file(): raise FileNotFoundError(f"{a.target}: no config.json, not a model")
+    if not is_gguf(tdir) and not (tdir / 'config.json').is_file():
+        raise FileNotFoundError(f"{a.target}: no config.json, not a model")
     drafter_cfg = DrafterConfig.load(ddir / 'config.json')
     from transformers import AutoConfig
-    _check_compatible(drafter_cfg, AutoConfig.from_pretrained(tdir), a.block_size, name=f"drafter {a.drafter}")
-    target = AutoModelForCausalLM.from_pretrained(tdir, dtype=dtype).to(dev).eval()
-    tok = AutoTokenizer.from_pretrained(tdir)
+    _check_compatible(drafter_cfg, pretrained(AutoConfig, tdir), a.block_size, name=f"drafter {a.drafter}")
+    target = pretrained(AutoModelForCausalLM, tdir, dtype=dtype).to(dev).eval()   # a directory or a .gguf file
+    tok = pretrained(AutoTokenizer, tdir)
     drafter = DFlashDrafter.from_pretrained(ddir, dtype=dtype).to(dev).eval()
     prompts = eval_prompts(a.data, tok, a.num_prompts)
     out = Path(a.out) if a.out else None

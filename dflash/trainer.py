@@ -27,9 +27,9 @@ from .drafter import DFlashDrafter
 from .recompute import set_checkpointing, parse_policy
 from .plan import budgets, recommend_policy, step_memory, online_target_bytes, online_advice
 from .chunking import free_bytes
-from .objective import dflash_objective, Objective, ObjectiveSums
+from .objective import dflash_objective, draft_labels, draft_vocab, Objective, ObjectiveSums
 from .chat import ChatDataset
-from .features import CacheDataset, TargetFeatures, collate, data_mask_token, target_identity, check_target_dir
+from .features import CacheDataset, TargetFeatures, collate, data_mask_token, token_counts, target_identity, check_target_dir
 from .files import (json_problem, file_sha256, is_gguf, pretrained, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir,
                           resolve_local, disk_error)
 from .stops import Preempted, StopRequest
@@ -75,6 +75,7 @@ class _RunParts:
     train: object                        # ChatDataset or CacheDataset
     eval: object | None
     drafter_config: DrafterConfig
+    draft_ids: Tensor | None = None      # (K,) the draft vocabulary's target ids; None: the whole vocabulary
 
 def _has_chat_template(tok) -> bool:
     "Whether tokenizer `tok` has a chat template (of named ones, a default)."
@@ -97,6 +98,19 @@ def _target_tokenizer(target: Path, chat: bool):
                          "--chat-template FILE ...` and train with --cache")
     return tok
 
+def _vocabulary(cfg: TrainConfig, tok, V: int, train, ev, mask_token_id: int | None) -> tuple[int, Tensor | None]:
+    """The run's mask token id (`data_mask_token`) and, with --draft-vocab-size K, the K target tokens most often
+    supervised in the training data (`draft_vocab`), said in one line with the share of supervised tokens they cover."""
+    seen, supervised = token_counts([train], V)
+    if ev is not None: seen = seen + token_counts([ev], V)[0]
+    mask = data_mask_token(tok, V, set(seen.nonzero().flatten().tolist()), mask_token_id)
+    if cfg.draft_vocab_size is None: return mask, None
+    ids = draft_vocab(supervised, cfg.draft_vocab_size)
+    if int(os.environ.get('RANK', '0')) == 0:
+        share = supervised[ids].sum() / supervised.sum().clamp(min=1)
+        print(f"draft vocabulary: the {len(ids)} tokens most often supervised, {share:.1%} of the supervised tokens")
+    return mask, ids
+
 def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     "Resolve the target and data of `cfg` (defaults: the toy) and build the datasets."
     from dflash.chat import load_chat_data
@@ -111,12 +125,12 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
         raise ValueError(f"--target {target}: its tokenizer has {len(tok)} tokens, more than the model's vocab_size "
                          f"({V} in config.json): tokenizer and model do not belong together; put the model's own "
                          "tokenizer files beside it")
-    dkw = dict(num_hidden_layers=cfg.num_layers, block_size=cfg.block_size)
+    dkw = dict(num_hidden_layers=cfg.num_layers, block_size=cfg.block_size, draft_vocab_size=cfg.draft_vocab_size)
     if cfg.cache:
         features, ev, (embed, lm_head) = None, None, _frozen_head_weights(target)
         train = CacheDataset(cfg.cache, target)
         said = cfg.mask_token_id if cfg.mask_token_id is not None else train.manifest['data'].get('mask_token_id')
-        dkw['mask_token_id'] = data_mask_token(tok, V, [train], said)
+        dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, train, None, said)
         if cfg.loss == 'kl' and not train.manifest.get('final_hidden'):
             raise ValueError(f"--loss kl: the cache {cfg.cache} holds no final hidden state of the target (the "
                              "teacher); write one with `python -m dflash.data cache ... --final-hidden`")
@@ -132,14 +146,14 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
         ev = ChatDataset.from_jsonl(eval_data, tok, cfg.max_length) if eval_data else None
         if ev is not None and not len(ev):
             raise ValueError(f"--eval-data {eval_data}: no usable conversation to evaluate on")
-        dkw['mask_token_id'] = data_mask_token(tok, V, [d for d in (train, ev) if d is not None], cfg.mask_token_id)
+        dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, train, ev, cfg.mask_token_id)
         features = TargetFeatures(target, layer_ids=cfg.target_layer_ids, num_draft_layers=cfg.num_layers,
                                   device=device, tokenizer=tok)
         embed, lm_head = features.embed_weight, features.lm_head_weight
         dcfg = features.drafter_config(**dkw)
     if len(train) < cfg.batch_size:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(train)} samples)")
-    return _RunParts(tok, features, embed, lm_head, train, ev, dcfg)
+    return _RunParts(tok, features, embed, lm_head, train, ev, dcfg, draft_ids)
 
 # %% ../nbs/10_trainer.ipynb #85a089f2
 class _Cut:
@@ -480,6 +494,10 @@ class Trainer:
                                               teacher=self.objective.teacher)
         options = {'budget_bytes': attention_budget} if cfg.attention == 'sdpa' else {}
         drafter = DFlashDrafter(p.drafter_config, cfg.attention, **options)      # the same on every process (seeded)
+        self.head = p.lm_head                    # (V, H) frozen; (K, H) with a draft vocabulary
+        if p.draft_ids is not None:
+            drafter.set_draft_vocab(p.draft_ids, p.lm_head)
+            self.head = p.lm_head[p.draft_ids.to(p.lm_head.device)]
         if cfg.init_from_target:
             copied = drafter.init_from_target(_target_layers(cfg, p))
             if acc.is_main_process: print(f"drafter layers start from the target's top layers: {len(copied)} weights")
@@ -507,6 +525,7 @@ def _micro_batch(self: Trainer, dataset, ids: list[int], epoch: int) -> tuple[di
                                  block_size=c.block_size, num_anchors=c.num_anchors, seed=c.seed,
                                  gamma=None if self.objective.dpace else c.gamma,
                                  epoch=epoch, sample_ids=b['sample_ids'])
+    if self.parts.draft_ids is not None: lay = draft_labels(lay, self.parts.draft_ids, self.parts.drafter_config.vocab_size)
     return b, lay.to(self.acc.device)
 
 @patch
@@ -523,7 +542,7 @@ def _sums(self: Trainer, b, lay) -> ObjectiveSums:
     context, teacher = self._features(b)
     with self.acc.autocast():                  # the mixed precision asked for (also a module accelerate did not wrap)
         hidden = self.model(context, lay, self.parts.embed)
-        return dflash_objective(hidden, lay, self.parts.lm_head, objective=self.objective, teacher=teacher,
+        return dflash_objective(hidden, lay, self.head, objective=self.objective, teacher=teacher,
                                 budget_bytes=self.objective_budget)
 
 @patch
