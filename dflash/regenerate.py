@@ -72,7 +72,11 @@ def _check_options(cfg: RegenConfig) -> list[str]:
                 p.append(f"--out = {cfg.out!r}: must differ from --data")
     if cfg.out is not None and Path(cfg.out).is_dir():
         p.append(f"--out = {cfg.out!r}: is a directory, expected a JSONL file path")
-    if cfg.target is not None: p += model_dir_problems(cfg.target, '--target')   # a directory or a hub id, readable
+    return p + _target_problems(cfg)
+
+def _target_problems(cfg) -> list[str]:
+    "What is wrong with `--target` (a directory or a hub id, readable) and `--engine` here."
+    p = model_dir_problems(cfg.target, '--target') if cfg.target is not None else []
     if cfg.engine == 'vllm' and (why := vllm_unavailable()):
         p.append(f"--engine vllm: {why}; use --engine transformers")
     return p
@@ -122,22 +126,26 @@ def _template_kwargs(tokenizer, thinking: str | None, name: str = 'target') -> d
 
 _PROBE = 'dflash probe answer'
 
+def _special_after(tokenizer, messages: list[dict]) -> int | None:
+    "The special token the template writes right after the last message's content (`_PROBE`), if it writes one."
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    tail = tokenizer(text[text.rindex(_PROBE) + len(_PROBE):], add_special_tokens=False)['input_ids']
+    special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
+    return tail[0] if tail and tail[0] in special else None
+
 def end_of_turn_ids(tokenizer, generation_config=None) -> list[int]:
     "Token ids that end an assistant turn: the template's end-of-turn token, the tokenizer's and the model's eos."
     ids = set()
     for e in (tokenizer.eos_token_id, getattr(generation_config, 'eos_token_id', None)):
         ids.update(e if isinstance(e, (list, tuple)) else [] if e is None else [e])
-    text = tokenizer.apply_chat_template([{'role': 'user', 'content': 'Q'}, {'role': 'assistant', 'content': _PROBE}],
-                                         tokenize=False)
-    tail = tokenizer(text[text.rindex(_PROBE) + len(_PROBE):], add_special_tokens=False)['input_ids']
-    special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
-    if tail and tail[0] in special: ids.add(tail[0])
-    return sorted(ids)
+    eot = _special_after(tokenizer, [{'role': 'user', 'content': 'Q'}, {'role': 'assistant', 'content': _PROBE}])
+    return sorted(ids | ({eot} - {None}))
 
 def prompt_ids(tokenizer, messages: list[dict], template_kw: dict) -> list[int]:
     "Token ids of `messages` rendered with the generation prompt: what the target sees before its turn."
-    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                        **template_kw)
+    from dflash.chat import template_messages
+    enc = tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True, tokenize=True,
+                                        return_dict=True, **template_kw)
     return list(enc['input_ids'])
 
 # %% ../nbs/08b_regenerate.ipynb #5a56abee
@@ -212,36 +220,55 @@ class VLLMEngine:
                  dtype: str | None = None):
         from vllm import LLM
         self.llm, self.stop_ids = LLM(model=str(target), dtype=dtype or 'auto'), list(stop_ids)
-        self.kw = dict(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p if temperature > 0 else 1.,
-                       stop_token_ids=self.stop_ids, detokenize=False)
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
 
     def __call__(self, prompts: list[list[int]], seed: int = 0) -> list[tuple[list[int], bool]]:
         from vllm import SamplingParams
-        outs = self.llm.generate([{'prompt_token_ids': p} for p in prompts], SamplingParams(seed=seed, **self.kw),
-                                 use_tqdm=False)
-        return [cut_at_stop(list(o.outputs[0].token_ids), self.stop_ids) for o in outs]
+        sp = SamplingParams(seed=seed, max_tokens=self.max_new_tokens, temperature=self.temperature,
+                            top_p=self.top_p if self.temperature > 0 else 1., stop_token_ids=self.stop_ids,
+                            detokenize=False)
+        outs = self.llm.generate([{'prompt_token_ids': p} for p in prompts], sp, use_tqdm=False)
+        res = [(cut_at_stop(list(o.outputs[0].token_ids), self.stop_ids), o.outputs[0].finish_reason) for o in outs]
+        return [(toks, stopped or why == 'stop') for (toks, stopped), why in res]
 
 # %% ../nbs/08b_regenerate.ipynb #3c5486dd
-def _round_seed(seed: int, batch: int, rnd: int) -> int:
-    "The sampling seed of round `rnd` of batch `batch`."
+def _round_seed(seed: int, batch: int, rnd: int | str) -> int:
+    "The sampling seed of round `rnd` (a number, or a name like 'user0') of batch `batch`."
     return int.from_bytes(hashlib.sha256(f'{seed}/{batch}/{rnd}'.encode()).digest()[:7], 'little')
+
+def _reply_round(engine, tokenizer, msgs: list[list[dict]], todo: list[tuple[int, int]], template_kw: dict | None,
+                 seed: int) -> list[tuple[list[int], bool]]:
+    """Message `i` of conversation `n` written by the engine for every `(n, i)` of `todo`, in one batched call: its
+    content becomes the reply, marked `truncated` when the reply was cut at the token limit. `(tokens, stopped)` of
+    each, in `todo`'s order."""
+    if not todo: return []
+    outs = engine([prompt_ids(tokenizer, msgs[n][:i], template_kw or {}) for n, i in todo], seed)
+    for (n, i), (toks, stopped) in zip(todo, outs):
+        m = msgs[n][i]
+        m['content'] = tokenizer.decode(toks, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        m.pop('truncated', None)
+        if not stopped: m['truncated'] = True
+    return outs
 
 def regenerate_batch(engine, tokenizer, convs: list[list[dict]], *, template_kw: dict | None = None, seed: int = 0,
                      batch: int = 0) -> tuple[list[list[dict]], dict]:
-    "Every assistant turn of `convs` regenerated; also `{'tokens', 'turns', 'unfinished', 'token_ids'}` of the work."
+    """Every assistant turn of `convs` regenerated, and a reply appended to each that ends on a user turn; also
+    `{'tokens', 'turns', 'appended', 'truncated', 'token_ids'}` of the work."""
     msgs = [[dict(m) for m in c] for c in convs]
+    info = {'tokens': 0, 'turns': 0, 'appended': 0, 'truncated': 0, 'token_ids': [[] for _ in msgs]}
+    for c in msgs:
+        if c and c[-1]['role'] == 'user':                                   # a prompt without its reply: answer it
+            c.append({'role': 'assistant', 'content': ''})
+            info['appended'] += 1
     turns = [[i for i, m in enumerate(c) if m['role'] == 'assistant'] for c in msgs]
-    info = {'tokens': 0, 'turns': 0, 'unfinished': 0, 'token_ids': [[] for _ in msgs]}
     for r in range(max(map(len, turns), default=0)):
-        todo = [n for n in range(len(msgs)) if len(turns[n]) > r]
-        prompts = [prompt_ids(tokenizer, msgs[n][:turns[n][r]], template_kw or {}) for n in todo]
-        for n, (toks, stopped) in zip(todo, engine(prompts, _round_seed(seed, batch, r))):
-            msgs[n][turns[n][r]]['content'] = tokenizer.decode(toks, skip_special_tokens=False,
-                                                               clean_up_tokenization_spaces=False)
+        todo = [(n, t[r]) for n, t in enumerate(turns) if len(t) > r]
+        for (n, _), (toks, stopped) in zip(todo, _reply_round(engine, tokenizer, msgs, todo, template_kw,
+                                                              _round_seed(seed, batch, r))):
             info['token_ids'][n].append(toks)
             info['tokens'] += len(toks)
             info['turns'] += 1
-            info['unfinished'] += not stopped
+            info['truncated'] += not stopped
     return msgs, info
 
 # %% ../nbs/08b_regenerate.ipynb #b383dd2b
@@ -274,10 +301,10 @@ def read_index(out, header: dict) -> list[dict]:
         return []
     lines = idx.read_bytes().split(b'\n')
     try: old = json.loads(lines[0])
-    except json.JSONDecodeError: raise ValueError(f"{idx}: unreadable first line; not a regeneration index") from None
+    except json.JSONDecodeError: raise ValueError(f"{idx}: unreadable first line; not an index of this command") from None
     if old != header:
         diff = sorted(k for k in set(old) | set(header) if old.get(k) != header.get(k))
-        raise ValueError(f"{idx}: {out} is a regeneration with other {', '.join(diff)} "
+        raise ValueError(f"{idx}: {out} was written with other {', '.join(diff)} "
                          f"({old.get('options') if 'options' in diff else ''}); "
                          "choose another --out or remove both files")
     done = []
@@ -364,6 +391,10 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
     _validate(cfg)
     convs, stats = load_conversations(cfg.data, cfg.skip_bad_lines)            # every line checked before loading
     if not convs: raise DataError(f"{cfg.data}: no conversation to regenerate")
+    if not any(m['role'] == 'assistant' or (i == len(c) - 1 and m['role'] == 'user')
+               for _, c in convs for i, m in enumerate(c)):
+        raise DataError(f"{cfg.data}: nothing to regenerate: none of its {len(convs)} conversations has an assistant "
+                        "turn to rewrite or ends on a user turn to answer")
     state = _state()
     if cfg.engine == 'vllm' and state.num_processes > 1:
         raise ValueError("engine vllm: run it as one process (vLLM batches by itself); drop accelerate launch")
@@ -379,7 +410,8 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
     todo = list(range(len(done), n_batches))
     engine = _make_engine(cfg, tok, state.device)
     res = {'conversations': len(convs), 'skipped_lines': stats.bad_lines, 'batches': n_batches,
-           'resumed_batches': len(done), 'regenerated': 0, 'turns': 0, 'tokens': 0, 'unfinished_turns': 0}
+           'resumed_batches': len(done), 'regenerated': 0, 'turns': 0, 'appended': 0, 'tokens': 0,
+           'truncated_replies': 0}
     first = sum(e['records'] for e in done)
     bar = tqdm(total=len(convs), initial=first, unit='conv', desc='regenerate',
                disable=not (cfg.progress and state.is_main_process))
@@ -392,13 +424,12 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
             batch = convs[k * cfg.batch_size:(k + 1) * cfg.batch_size]
             msgs, info = regenerate_batch(engine, tok, [m for _, m in batch], template_kw=tkw, seed=cfg.seed, batch=k)
             part.append((k, [_output_record(r, m) for (r, _), m in zip(batch, msgs)],
-                         {x: info[x] for x in ('tokens', 'turns', 'unfinished')}))
+                         {x: info[x] for x in ('tokens', 'turns', 'appended', 'truncated')}))
         for k, recs, info in sorted(gather_object(part) if W > 1 else part, key=lambda x: x[0]):
             if state.is_main_process: _append_batch(cfg.out, {'batch': k, 'records': len(recs), **info}, recs)
             res['regenerated'] += len(recs)
-            res['turns'] += info['turns']
-            res['tokens'] += info['tokens']
-            res['unfinished_turns'] += info['unfinished']
+            for x in ('turns', 'appended', 'tokens'): res[x] += info[x]
+            res['truncated_replies'] += info['truncated']
             bar.update(len(recs))
         bar.set_postfix(tok_s=f"{res['tokens'] / (time.perf_counter() - t0):.0f}")
     bar.close()
@@ -435,10 +466,11 @@ def greedy_agreement(model, tokenizer, path, n: int | None = None, template_kw: 
             'turns': turns_all}
 
 # %% ../nbs/08b_regenerate.ipynb #5f4c3504
-def _run_regenerate(cfg: RegenConfig) -> dict:
-    """Regenerate with checked options, `--out` locked (`OUT.lock`) by the main process while it writes; a bad file or
-    model, or an `--out` another regeneration is writing, ends as `error: ...` with exit status 2. SIGTERM, SIGINT or
-    the launcher's exit end it after the round of batches in progress, with status 75."""
+def _run_locked(cfg, work, report) -> dict:
+    """`work(cfg, stop)` with checked options, `--out` locked (`OUT.lock`) by the main process while it writes; a bad
+    file or model, or an `--out` another command is writing, ends as `error: ...` with exit status 2. SIGTERM, SIGINT or
+    the launcher's exit end it after the batch (or round of batches) in progress, with status 75. The main process
+    prints `report(result)`."""
     import torch
     if not torch.cuda.is_available():
         threads, why = use_threads(cfg.threads)
@@ -449,7 +481,7 @@ def _run_regenerate(cfg: RegenConfig) -> dict:
             lock.parent.mkdir(parents=True, exist_ok=True)
             take_lock(lock, f"--out {cfg.out}")
             start_heartbeat(lock)
-        with StopRequest(on_exit=(lambda: release_lock(lock)) if main else None) as stop: r = regenerate(cfg, stop)
+        with StopRequest(on_exit=(lambda: release_lock(lock)) if main else None) as stop: r = work(cfg, stop)
     except (ValueError, FileNotFoundError, LockError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -463,8 +495,10 @@ def _run_regenerate(cfg: RegenConfig) -> dict:
         sys.exit(2)
     finally:
         if main: release_lock(lock)
-    if _state().is_main_process: print('regenerated: ' + json.dumps(r))
+    if _state().is_main_process: print(report(r))
     return r
+
+def _run_regenerate(cfg: RegenConfig) -> dict: return _run_locked(cfg, regenerate, lambda r: 'regenerated: ' + json.dumps(r))
 
 REGENERATE = Command(RegenConfig, _run_regenerate, 'rewrite the assistant turns with the target itself', _check_options)
 
