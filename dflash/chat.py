@@ -15,8 +15,8 @@ from .layout import valid_anchors
 from .files import disk_error, file_sha256, hf_hub_cache, pretrained, resolve_local
 
 # %% auto #0
-__all__ = ['DataError', 'DataStats', 'read_jsonl', 'to_messages', 'tokenize_chat', 'tokenize_conversation', 'load_tokenizer',
-           'ChatDataset', 'read_records', 'load_chat_data']
+__all__ = ['DataError', 'DataStats', 'read_jsonl', 'to_messages', 'template_messages', 'tokenize_chat', 'tokenize_conversation',
+           'load_tokenizer', 'ChatDataset', 'read_records', 'load_chat_data']
 
 # %% ../nbs/08_chat.ipynb #e33fbecc
 class DataError(ValueError):
@@ -121,6 +121,7 @@ def _turns(rec, key, role_key, text_key, where):
             raise DataError(f"{at}.{text_key} must be a string")
         msg = {'role': _role_of(t[role_key], at), 'content': text}
         msg.update({k: t[k] for k in _EXTRA_KEYS if t.get(k) is not None})
+        if msg['role'] == 'assistant' and t.get('truncated') is True: msg['truncated'] = True   # cut at a limit
         yield msg
 
 def to_messages(rec: dict, where: str = 'record') -> list[dict]:
@@ -128,6 +129,12 @@ def to_messages(rec: dict, where: str = 'record') -> list[dict]:
     if 'messages' in rec: return list(_turns(rec, 'messages', 'role', 'content', where))
     if 'conversations' in rec: return list(_turns(rec, 'conversations', 'from', 'value', where))
     raise DataError(f"{where}: no 'messages' or 'conversations' key (found keys {sorted(rec)})")
+
+_MARKS = ('truncated',)    # dflash's own message keys: read here, never shown to a template
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    "The messages as a chat template takes them: without dflash's own marks (`truncated`)."
+    return [{k: v for k, v in m.items() if k not in _MARKS} for m in messages]
 
 def _record_tools(rec: dict, where: str = 'record') -> list | None:
     "The record's `tools` (function schemas the template shows the model), or None."
@@ -154,7 +161,7 @@ def _template_text(tokenizer) -> str:
     return t
 
 def _render(tokenizer, messages, gen=False, **template_kw) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **template_kw)
+    return tokenizer.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=gen, **template_kw)
 
 _MARKERS = {}
 
@@ -188,7 +195,8 @@ def _visible(content) -> str:
 
 def _assistant_spans(tokenizer, messages: list[dict], where: str = 'conversation', tools=None, **template_kw):
     """The conversation rendered once by the chat template, and the character spans `(start, end)` of its assistant
-    replies there: from the end of the turn's header to the end of its end-of-turn token."""
+    replies there: from the end of the turn's header to the end of its end-of-turn token (of a `truncated` reply: to
+    the end of its content)."""
     _template_text(tokenizer)
     try: text = _render(tokenizer, messages, tools=tools, **template_kw)
     except Exception as e: raise _TemplateError(f"{where}: the chat template rejects this conversation ({e})") from None
@@ -209,22 +217,49 @@ def _assistant_spans(tokenizer, messages: list[dict], where: str = 'conversation
         if s is None:
             if c < 0: raise _TemplateError(f"{where}: turn {i} (assistant): its content is not in the rendering")
             s = c
-        eot = end.search(text, c + len(body) if c >= 0 else s)
+        stop = c + len(body) if c >= 0 else s                               # where the reply's content ends
+        eot = end.search(text, stop)
         if eot is None: raise _TemplateError(f"{where}: turn {i} (assistant): no end-of-turn token after it")
-        spans.append((s, eot.end()))
+        if m.get('truncated'):                       # cut at the token limit: its end of turn is the template's alone
+            raw = m.get('content') or ''
+            whole = text.find(raw, s) if raw.strip() else -1                # shown unstripped: its whitespace too
+            spans.append((s, whole + len(raw) if 0 <= whole <= c and whole + len(raw) <= eot.start() else stop))
+        else: spans.append((s, eot.end()))
         cur = eot.end()
     return text, spans
 
 # %% ../nbs/08_chat.ipynb #4f389f13
 _WHOLE_BELOW = 32    # characters per kept token under which a conversation is rendered whole (its cut counted exactly)
 
+def _unmask_false_ends(tokenizer, ids: Tensor, mask: Tensor, messages: list[dict], where: str) -> Tensor:
+    """`mask` (from `{% generation %}` blocks, one run per assistant turn) without the end of each `truncated` reply's
+    block: its closing special tokens (and whitespace after them), which the template wrote and the target did not."""
+    cut = [m.get('truncated', False) for m in messages if m['role'] == 'assistant']
+    if not any(cut): return mask
+    m = mask.numpy().copy()
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], m.astype(np.int8), [0]])))
+    runs = list(zip(edges[::2], edges[1::2]))                          # (start, end) of each supervised run
+    if len(runs) != len(cut):
+        raise _TemplateError(f"{where}: {len(runs)} generation blocks for {len(cut)} assistant turns: the end of a "
+                             "truncated reply cannot be told")
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    for (s, e), c in zip(runs, cut):
+        if not c: continue
+        k = e
+        while k > s and int(ids[k - 1]) not in special and not tokenizer.decode([int(ids[k - 1])]).strip(): k -= 1
+        if k > s and int(ids[k - 1]) in special:                 # whitespace after the end of turn, then the end
+            while k > s and int(ids[k - 1]) in special: k -= 1
+            m[k:e] = False
+    return torch.from_numpy(m)
+
 def tokenize_chat(tokenizer, messages: list[dict], where: str = 'conversation', tools=None,
                   **template_kw) -> tuple[Tensor, Tensor]:
     "Token ids (S,) long and assistant loss mask (S,) bool of a conversation rendered once by the chat template."
     if _GENERATION_TAG.search(_template_text(tokenizer)):
-        enc = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+        enc = tokenizer.apply_chat_template(template_messages(messages), tools=tools, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True, **template_kw)
-        return torch.tensor(enc['input_ids'], dtype=torch.long), torch.tensor(enc['assistant_masks'], dtype=torch.bool)
+        ids, mask = torch.tensor(enc['input_ids'], dtype=torch.long), torch.tensor(enc['assistant_masks'], dtype=torch.bool)
+        return ids, _unmask_false_ends(tokenizer, ids, mask, messages, where)
     if not tokenizer.is_fast:
         raise _TemplateError(f"{where}: finding assistant tokens needs a fast tokenizer (offsets)")
     text, spans = _assistant_spans(tokenizer, messages, where, tools, **template_kw)
@@ -391,7 +426,7 @@ def read_records(path, skip_bad_lines: bool = False, stats: DataStats | None = N
     else: yield from read_jsonl(path, skip_bad_lines, stats)
 
 # %% ../nbs/08_chat.ipynb #3433f8ba
-_TOKENIZE_VERSION = 1   # bump when tokenization changes, so older caches are not reused
+_TOKENIZE_VERSION = 2   # bump when tokenization changes, so older caches are not reused
 
 def _tokenizer_fingerprint(tokenizer) -> str:
     "A hash of what tokenization depends on: the vocabulary and merges, special tokens, and the chat template."

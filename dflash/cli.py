@@ -13,7 +13,7 @@ __all__ = ['COMMANDS', 'main']
 # %% ../nbs/14_cli.ipynb #c11a0006
 COMMANDS = {
     'train': 'train a drafter (one process; `accelerate launch -m dflash.train` for more)',
-    'data': 'tokenize chat data once, write the hidden-state cache, regenerate replies with the target',
+    'data': 'tokenize chat data once, write the hidden-state cache, regenerate or synthesize it with the target',
     'plan': "predict a training step's peak memory per checkpointing policy, and recommend one",
     'speculate': 'speculative decoding with a target and a drafter: acceptance length and speed',
     'bench': 'benchmarks: time and peak memory as ratios measured in one run',

@@ -57,6 +57,21 @@ def test_generation_markers_give_the_same_mask(chat_tokenizers):
            [t.tolist() for t in tokenize_chat(chat_tokenizers['chatml'], msgs)]
 
 
+@pytest.mark.parametrize('template', ['chatml', 'llama3', 'chatml_generation'])
+def test_truncated_reply_supervises_its_tokens_but_not_the_end_of_turn(tmp_path, chat_tokenizers, template):
+    "A reply marked `truncated` (cut at the token limit) keeps its tokens supervised, not the end of turn appended."
+    tok, rng = chat_tokenizers[template], np.random.default_rng(4)
+    msgs = _conversation(rng, turns=3)
+    cut = [dict(m, truncated=True) if i in (2, 6) else dict(m) for i, m in enumerate(msgs)]   # replies 1 and 3
+    rec = {'messages': [dict(m, score=1) for m in cut]}                         # an unknown key: ignored
+    ds = ChatDataset.from_jsonl(_write(tmp_path / 'd.jsonl', [rec, {'messages': msgs}]), tok)
+    eot = END_OF_TURN.get(template, '<|im_end|>')
+    replies = [m['content'] for m in msgs if m['role'] == 'assistant']
+    assert _masked_runs(tok, ds[0]['input_ids'], ds[0]['loss_mask']) == [replies[0], replies[1] + eot, replies[2]]
+    assert _masked_runs(tok, ds[1]['input_ids'], ds[1]['loss_mask']) == [r + eot for r in replies]
+    assert torch.equal(ds[0]['input_ids'], ds[1]['input_ids'])                 # the same rendering, another mask
+
+
 def test_template_that_rerenders_earlier_turns_renders_once(chat_bpe, chat_tokenizers):
     "Earlier replies rendered differently once later turns follow (as Qwen3 drops reasoning): masked as rendered."
     from conftest import make_chat_tokenizer

@@ -1,4 +1,5 @@
-"Regeneration of chat data by the target: batched against unbatched, killed and rerun, 1 and 2 processes, refusals."
+"""Regeneration of chat data by the target: batched against unbatched, killed and rerun, 1 and 2 processes, refusals;
+prompts without replies answered, replies cut at the token limit marked (and their false end of turn unsupervised)."""
 import json, os, signal, socket, subprocess, sys, time
 import pytest, torch
 from dflash.regenerate import (RegenConfig, TransformersEngine, cut_at_stop, end_of_turn_ids, index_path,
@@ -54,8 +55,9 @@ def test_batched_equals_unbatched_greedy(small_data):
             ids = torch.tensor([prompt_ids(tok, msgs[:i], {})])           # earlier turns: the regenerated ones
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
                                  eos_token_id=stops, pad_token_id=tok.pad_token_id)
-            toks = cut_at_stop(out[0, ids.shape[1]:].tolist(), stops)[0]
+            toks, stopped = cut_at_stop(out[0, ids.shape[1]:].tolist(), stops)
             m['content'] = tok.decode(toks, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if not stopped: m['truncated'] = True                           # cut at the limit: marked
             ref.append(toks)
         assert info['token_ids'][n] == ref, n
         assert got[n] == msgs, n
@@ -234,3 +236,74 @@ def test_sigterm_to_the_command_exits_75_and_releases_the_lock(small_data, tmp_p
     assert json.loads(rerun.stdout.split('regenerated: ')[1])['resumed_batches'] == done
     full = cli(*args, '--out', tmp_path / 'full.jsonl')
     assert out.read_bytes() == (tmp_path / 'full.jsonl').read_bytes(), full.stderr
+
+
+# --- prompts without replies, and truncation marks (SmolLM2) ----------------------------------------------------------
+def data_cli(*args):
+    "`python -m dflash.data ARGS` on one thread, without a progress bar."
+    cmd = [sys.executable, '-m', 'dflash.data', *map(str, args), '--no-progress', '--threads', '1']
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+PROMPTS = [
+    {'messages': [{'role': 'user', 'content': 'Is the sky blue? Answer with one word.'}]},
+    {'messages': [{'role': 'system', 'content': 'You are a poet.'},
+                  {'role': 'user', 'content': 'Write a long poem about the sea.'}]},
+    {'messages': [{'role': 'user', 'content': 'Hi!'}, {'role': 'assistant', 'content': 'an old reply'}]},
+    {'messages': [{'role': 'system', 'content': 'Nothing to answer here.'}]},
+]
+
+
+@pytest.fixture(scope='module')
+def regenerated(smollm2, tmp_path_factory):
+    "`data regenerate` of PROMPTS on SmolLM2 with 12 new tokens at most: (the run, the records written)."
+    d = tmp_path_factory.mktemp('regen')
+    (d / 'in.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in PROMPTS))
+    r = data_cli('regenerate', '--target', smollm2, '--data', d / 'in.jsonl', '--out', d / 'out.jsonl',
+                 '--max-new-tokens', '12', '--batch-size', '4')
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, [json.loads(l) for l in (d / 'out.jsonl').read_text().splitlines()]
+
+
+def test_regenerate_answers_prompt_only_records(regenerated):
+    r, recs = regenerated
+    assert [[m['role'] for m in x['messages']] for x in recs] == [
+        ['user', 'assistant'], ['system', 'user', 'assistant'], ['user', 'assistant'], ['system']]
+    assert all(x['messages'][-1]['content'].strip() for x in recs[:3])
+    assert recs[2]['messages'][1]['content'] != 'an old reply' and recs[3] == PROMPTS[3]
+    s = json.loads(r.stdout.split('regenerated: ')[1])
+    marks = sum(m.get('truncated', False) for x in recs for m in x['messages'])
+    assert (s['appended'], s['turns'], s['truncated_replies']) == (2, 3, marks), s
+    assert recs[1]['messages'][-1].get('truncated') is True             # a long poem in 12 tokens: cut, and marked
+
+
+def test_truncated_reply_end_of_turn_is_not_in_the_loss_mask(regenerated, smollm2):
+    "A truncated reply's tokens are supervised and the <|im_end|> the template appends after it is not; a finished one's is."
+    from dflash.chat import load_tokenizer, to_messages, tokenize_chat
+    tok = load_tokenizer(smollm2)
+    eot = tok.convert_tokens_to_ids('<|im_end|>')
+    _, recs = regenerated
+    kinds = set()
+    for rec in recs[:3]:
+        msgs = to_messages(rec)
+        reply = msgs[-1]
+        ids, mask = (t.tolist() for t in tokenize_chat(tok, msgs))
+        start = max(i for i in range(len(ids)) if mask[i] and (i == 0 or not mask[i - 1]))   # the last reply's run
+        end = start
+        while end < len(ids) and mask[end]: end += 1
+        if reply.get('truncated'):
+            assert tok.decode(ids[start:end]) == reply["content"] and ids[end] == eot      # <|im_end|> after it
+        else:
+            assert ids[end - 1] == eot and tok.decode(ids[start:end - 1]) == reply['content'].strip()
+        kinds.add(bool(reply.get('truncated')))
+    assert kinds == {True, False}, recs                                  # both kinds were seen
+
+
+def test_nothing_to_regenerate_is_an_error_before_the_model_loads(tmp_path):
+    data, out = tmp_path / 'sys.jsonl', tmp_path / 'o.jsonl'
+    data.write_text('{"messages": [{"role": "system", "content": "Be brief."}]}\n{"messages": []}\n')
+    r = data_cli('regenerate', '--data', data, '--out', out)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"error: {data}: nothing to regenerate: none of its 2 conversations"), r.stderr
+    assert 'Traceback' not in r.stderr and 'Loading weights' not in r.stderr
+    assert not out.exists() and not index_path(out).exists() and not (tmp_path / 'o.jsonl.lock').exists()

@@ -1,0 +1,108 @@
+"""`python -m dflash.data synthesize`: chat data written by the target alone, its own user messages answered as
+`regenerate` answers them; deduplicated, filtered, seeded, resumable, its options checked first. Real processes, on
+SmolLM2-135M-Instruct where a real model matters."""
+import json, os, signal, subprocess, sys, time
+from dflash.regenerate import index_path
+
+ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false', 'PYTHONUNBUFFERED': '1'}
+
+
+def data_cli(*args, wait=True):
+    "`python -m dflash.data ARGS` on one thread, without a progress bar."
+    cmd = [sys.executable, '-m', 'dflash.data', *map(str, args), '--no-progress', '--threads', '1']
+    if not wait: return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+def summary(stdout: str, said: str) -> dict:
+    return json.loads(stdout.split(f'{said}: ')[1].splitlines()[0])
+
+
+def normalized(text: str) -> str: return ' '.join(text.lower().split())
+
+
+def test_synthesized_prompts_come_from_the_target_and_duplicates_are_dropped(smollm2, tmp_path):
+    "With a nucleus of one token the target's user message is its greedy one: the same in all 3, so 2 are duplicates."
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out = tmp_path / 's.jsonl'
+    r = data_cli('synthesize', '--target', smollm2, '--out', out, '--num', '1', '--batch-size', '3',
+                 '--prompt-top-p', '1e-6', '--max-prompt-tokens', '64', '--max-new-tokens', '8')
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = summary(r.stdout, 'synthesized')
+    assert (s['records'], s['prompts'], s['duplicate']) == (1, 3, 2), s
+    assert 'dropped: duplicate prompt' in r.stdout
+    [rec] = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [m['role'] for m in rec['messages']] == ['user', 'assistant']
+    tok = AutoTokenizer.from_pretrained(smollm2)                         # the target's own greedy user message
+    mark = 'a user message to cut at'
+    text = tok.apply_chat_template([{'role': 'user', 'content': mark}], tokenize=False)
+    opened = tok(text[:text.index(mark)], add_special_tokens=False, return_tensors='pt')['input_ids']
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    eot = tok.convert_tokens_to_ids('<|im_end|>')
+    said = model.generate(opened, attention_mask=torch.ones_like(opened), do_sample=False, max_new_tokens=64,
+                          eos_token_id=eot, pad_token_id=eot)[0, opened.shape[1]:].tolist()
+    assert said[-1] == eot, tok.decode(said)                            # it finished: not too long
+    assert rec['messages'][0]['content'] == tok.decode(said[:-1]).strip()
+
+
+def test_synthesize_is_seeded_deduplicated_and_resumes_after_sigterm(smollm2, tmp_path):
+    """N records with N distinct user messages, the filters' counts printed; a real run stopped by SIGTERM after a batch
+    exits 75, and the same command finishes it into the file an uninterrupted run writes (the same seed, the same file)."""
+    args = ['synthesize', '--target', smollm2, '--num', '4', '--batch-size', '1', '--max-prompt-tokens', '48',
+            '--max-new-tokens', '8', '--seed', '3']
+    full = data_cli(*args, '--out', tmp_path / 'full.jsonl')
+    assert full.returncode == 0, full.stderr[-3000:]
+    recs = [json.loads(l) for l in (tmp_path / 'full.jsonl').read_text().splitlines()]
+    assert len(recs) == 4 and len({normalized(x['messages'][0]['content']) for x in recs}) == 4
+    assert all([m['role'] for m in x['messages']] == ['user', 'assistant'] for x in recs)
+    s = summary(full.stdout, 'synthesized')
+    for row in ('dropped: empty prompt', 'dropped: repeated', 'dropped: too long', 'dropped: duplicate prompt'):
+        assert row in full.stdout, full.stdout
+    assert s['records'] == 4 and s['prompts'] >= 4, s
+    out = tmp_path / 'stopped.jsonl'
+    p = data_cli(*args, '--out', out, wait=False)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        if index_path(out).is_file() and len(index_path(out).read_text().splitlines()) >= 2: break
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    said, _ = p.communicate(timeout=300)
+    done = len(out.read_text().splitlines())
+    assert p.returncode == 75, said[-3000:]
+    assert f"stopped by SIGTERM with {done} of 4 records in {out}" in said and 'Traceback' not in said
+    assert not (tmp_path / 'stopped.jsonl.lock').exists()
+    rerun = data_cli(*args, '--out', out)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert summary(rerun.stdout, 'synthesized')['resumed_batches'] >= 1
+    assert out.read_bytes() == (tmp_path / 'full.jsonl').read_bytes()
+
+
+def test_synthesize_multi_turn_on_the_toy_target(tmp_path):
+    "--turns 2: after each reply the next user turn is opened the same way; `dflash data synthesize` is the command."
+    out = tmp_path / 't.jsonl'
+    r = subprocess.run(['dflash', 'data', 'synthesize', '--out', str(out), '--num', '4', '--turns', '2',
+                        '--max-prompt-tokens', '32', '--max-new-tokens', '48', '--no-progress'],
+                       env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = [json.loads(l) for l in out.read_text().splitlines()]
+    assert len(recs) == 4
+    assert all([m['role'] for m in x['messages']] == ['user', 'assistant'] * 2 for x in recs)
+    assert json.loads(index_path(out).read_text().splitlines()[0])['options']['turns'] == 2
+
+
+def test_bad_synthesize_options_are_refused_before_the_model_loads(tmp_path):
+    r = data_cli('synthesize', '--target', tmp_path / 'nowhere', '--out', tmp_path, '--num', '0', '--turns', '0',
+                 '--prompt-temperature', '0', '--top-p', '2', '--batch-size', 'x')
+    assert r.returncode == 2
+    for bad in ("--num = 0: allowed >= 1", "--turns = 0: allowed >= 1", "--prompt-temperature = 0.0: allowed > 0",
+                "--top-p = 2.0: allowed > 0 and <= 1", "--batch-size = 'x'", "is a directory", "--target: model"):
+        assert bad in r.stderr, (bad, r.stderr)
+    long = data_cli('synthesize', '--out', tmp_path / 'o.jsonl', '--num', '3', '--turns', '4', '--max-new-tokens',
+                    '1024', '--max-prompt-tokens', '64')                  # the toy target has 4096 positions
+    assert long.returncode == 2 and "= 4352: more tokens than the target's 4096 positions" in long.stderr, long.stderr
+    missing = data_cli('synthesize', '--max-new-tokens', '0')
+    assert missing.returncode == 2
+    for bad in ('--out is required', '--num is required', '--max-new-tokens = 0'): assert bad in missing.stderr
+    for x in (r, long, missing): assert 'Loading weights' not in x.stderr and 'Traceback' not in x.stderr
+    assert not (tmp_path / 'o.jsonl').exists()
