@@ -169,8 +169,21 @@ class _SpecResult:
     def tau(self) -> float: return sum(self.acceptance) / max(len(self.acceptance), 1)
 
 def _forward(target, ids: Tensor, cache):
-    "A target forward extending `cache`, with the hidden states of every layer."
-    return target(ids, **{_cache_arg(target): cache}, use_cache=True, output_hidden_states=True)
+    """The target's decoder (no LM head) extending `cache`: its final hidden states, after the final norm, and those
+    of every layer. The logits are computed from the final states only where they are read."""
+    body = target.base_model
+    return body(ids, **{_cache_arg(body): cache}, use_cache=True, output_hidden_states=True)
+
+def _greedy_verdict(final: Tensor, lm_head: Tensor, draft: Tensor) -> tuple[int, Tensor]:
+    """Greedy verification of `draft` (1, B-1) from the target's final hidden states (1, B, H): (drafts accepted,
+    the target's next token (1,)). The target's logits are computed a few rows at a time, as far as the drafts hold:
+    for a small target the LM head is a large share of the verify forward, and rows past the first miss are unread."""
+    B, start, rows = final.shape[1], 0, 4
+    while True:
+        verified = F.linear(final[0, start:start + rows], lm_head).argmax(-1)      # (rows,) the target's tokens
+        for k, t in enumerate(verified.tolist(), start):
+            if k == B - 1 or t != int(draft[0, k]): return k, verified[k - start:k - start + 1]
+        start, rows = start + rows, 2 * rows
 
 def _cache_arg(target) -> str:
     "The name the target's forward takes its cache by (`cache` in recent transformers, else `past_key_values`)."
@@ -194,7 +207,7 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
     cache, ctx_cache = DynamicCache(), ContextCache()
     out = _forward(target, input_ids, cache)
     feats = target_features(out.hidden_states, cfg.target_layer_ids)          # (1, P, L·H): positions < L
-    last = out.logits[:, -1]                                                 # (1, V)
+    last = F.linear(out.last_hidden_state[:, -1], lm_head)                   # (1, V): the prompt's last row only
     nxt = last.argmax(-1) if greedy else sample_tokens(warp(last, temperature, top_p), generator)   # (1,) x_L
     res = _SpecResult(tokens=[int(nxt)])
     while len(res.tokens) < max_new_tokens and res.tokens[-1] not in stop:
@@ -209,12 +222,10 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
         _sync(dev)
         t1 = time.perf_counter()
         out = _forward(target, torch.cat([nxt[:, None], draft], 1), cache)
-        if greedy:
-            verified = out.logits.argmax(-1)                                 # (1, B): t_0 .. t_{B-1}
-            n = int((draft[0] == verified[0, :-1]).long().cumprod(0).sum())  # accepted drafts
-            nxt = verified[:, n]
+        if greedy: n, nxt = _greedy_verdict(out.last_hidden_state, lm_head, draft)
         else:
-            accepted, nxt = verify_block(warp(out.logits, temperature, top_p), q, draft, generator)
+            logits = F.linear(out.last_hidden_state, lm_head)               # (1, B, V)
+            accepted, nxt = verify_block(warp(logits, temperature, top_p), q, draft, generator)
             n = int(accepted[0])
         _sync(dev)
         res.draft_s += t1 - t0

@@ -127,6 +127,7 @@ def _readme_recipe() -> list[str]:
 
 
 TOY_SIZES = {'regenerate': '--max-new-tokens 16 --batch-size 8 --no-progress',   # toy sizes, after the README's flags
+             'synthesize': '--num 2 --max-prompt-tokens 16 --max-new-tokens 8 --batch-size 2 --no-progress',
              'data cache': '--dtype float32 --no-progress',
              'dflash.train': '--max-steps 2 --batch-size 2 --num-anchors 8 --progress-bar false',
              'dflash.speculate': '--num-prompts 2 --max-new-tokens 8 --no-progress'}
@@ -134,13 +135,13 @@ TOY_SIZES = {'regenerate': '--max-new-tokens 16 --batch-size 8 --no-progress',  
 
 def test_readme_recipe_with_a_hub_id(toy_hub, tmp_path):
     """The README's steps for Qwen3-8B, run as written with the toy target served as acme/qwen3-toy from a hand-made
-    hub cache (offline): tokenize, regenerate, cache, plan, train, evaluate. Only the sizes shrink, one CPU process
+    hub cache (offline): tokenize, regenerate, synthesize, cache, plan, train, evaluate. Only the sizes shrink, one CPU process
     stands for 8 GPUs, and the download is the cache made here."""
     cmds = _readme_recipe()
     assert cmds[0] == 'hf download Qwen/Qwen3-8B' and all('Qwen/Qwen3-8B' in c for c in cmds), cmds
     assert [c.split(' --target')[0].split(' -m ')[-1] for c in cmds[1:]] == [
-        'dflash.data tokenize', 'dflash.data regenerate', 'dflash.data cache', 'dflash.plan', 'dflash.train',
-        'dflash.speculate'], cmds
+        'dflash.data tokenize', 'dflash.data regenerate', 'dflash.data synthesize', 'dflash.data cache', 'dflash.plan',
+        'dflash.train', 'dflash.speculate'], cmds
     lines = (toy_data_dir() / 'train.jsonl').read_text().splitlines()
     (tmp_path / 'chat.jsonl').write_text('\n'.join(lines[:8]) + '\n')
     held = (toy_data_dir() / 'eval.jsonl').read_text().splitlines()
@@ -154,6 +155,7 @@ def test_readme_recipe_with_a_hub_id(toy_hub, tmp_path):
         r = subprocess.run(['bash', '-c', cmd], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, f"{cmd}\n{r.stdout}\n{r.stderr}"
     assert (tmp_path / 'regen.jsonl').is_file() and (tmp_path / 'cache' / 'qwen3-8b' / 'manifest.json').is_file()
+    assert len((tmp_path / 'synthetic.jsonl').read_text().splitlines()) == 2
     run = json.loads((tmp_path / 'runs' / 'qwen3-8b' / 'run.json').read_text())
     assert run['status'] == 'finished' and run['config']['target'] == 'acme/qwen3-toy'
     assert (tmp_path / 'runs' / 'qwen3-8b' / 'drafter' / 'model.safetensors').is_file()
