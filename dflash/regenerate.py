@@ -4,12 +4,12 @@
 
 # %% ../nbs/08b_regenerate.ipynb #99d95e82
 from __future__ import annotations
-import copy, hashlib, importlib.util, json, os, sys, time
+import hashlib, importlib.util, json, os, sys, time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from .options import Command, option, build_options, parse_options, OptionsError, exit_bad_options
-from .files import (disk_error, disk_refused, file_sha256, pretrained, resolve_local, target_config_dict,
-                          target_problems, toy_target_dir, write_atomic)
+from .files import (disk_error, disk_refused, file_sha256, pretrained, resolve_local, target_problems,
+                          toy_target_dir, write_atomic)
 from .threads import threads_option, use_threads
 from .locks import LockError, take_lock, start_heartbeat, release_lock
 from .stops import EXIT_PREEMPTED, Preempted, StopRequest, any_stop
@@ -19,14 +19,15 @@ if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.chat
     from dflash.chat import DataStats
 
 # %% auto #0
-__all__ = ['REGENERATE', 'SYNTHESIZE', 'RegenConfig', 'vllm_unavailable', 'load_conversations', 'end_of_turn_ids', 'prompt_ids',
-           'cut_at_stop', 'TransformersEngine', 'VLLMEngine', 'regenerate_batch', 'run_header', 'index_path',
-           'read_index', 'regenerate', 'greedy_agreement', 'main', 'open_user_turn', 'end_of_user_turn_ids', 'loops',
-           'synthesize_batch', 'SynthConfig', 'synth_header', 'synthesize', 'synth_table']
+__all__ = ['ENGINES', 'DTYPES', 'REGENERATE', 'RegenConfig', 'target_dir', 'vllm_unavailable', 'target_engine_problems',
+           'load_conversations', 'template_kwargs', 'special_after', 'end_of_turn_ids', 'prompt_ids', 'cut_at_stop',
+           'TransformersEngine', 'VLLMEngine', 'round_seed', 'reply_round', 'regenerate_batch', 'run_header',
+           'index_path', 'read_index', 'repair_output', 'append_batch', 'make_engine', 'process_state', 'regenerate',
+           'greedy_agreement', 'run_locked', 'main']
 
 # %% ../nbs/08b_regenerate.ipynb #924b1aed
-_ENGINES = ('transformers', 'vllm')
-_DTYPES = ('float32', 'float64', 'bfloat16', 'float16')
+ENGINES = ('transformers', 'vllm')
+DTYPES = ('float32', 'float64', 'bfloat16', 'float16')
 _PROG = 'python -m dflash.regenerate'
 
 @dataclass
@@ -38,7 +39,7 @@ class RegenConfig:
     out: str | None = option(None, 'output JSONL, append-only, resumed when rerun (`OUT.index` beside it); required')
     target: str | None = option(None, 'target model directory or hub id (local Hugging Face cache only) '
                                       '(default: the shipped toy target)')
-    engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(_ENGINES))
+    engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(ENGINES))
     batch_size: int = option(32, 'conversations generated together (left-padded)', ge=1)
     max_new_tokens: int = option(512, 'tokens per assistant turn at most', ge=1)
     temperature: float = option(0.0, '0: greedy; > 0: sampling', ge=0)
@@ -46,12 +47,12 @@ class RegenConfig:
     seed: int = option(0, 'sampling seed (each batch and turn draws its own: reruns sample the same)', ge=0)
     thinking: str | None = option(None, "for templates with `enable_thinking` (default: the template's)",
                                   choices=['on', 'off'])
-    dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(_DTYPES))
+    dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(DTYPES))
     skip_bad_lines: bool = option(False, 'skip and count malformed lines instead of stopping')
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
     threads: int | None = threads_option()
 
-def _target_dir(cfg: RegenConfig) -> Path:
+def target_dir(cfg: RegenConfig) -> Path:
     if cfg.target is not None: return resolve_local(cfg.target)                # a hub id: the local cache only
     return toy_target_dir()
 
@@ -73,9 +74,9 @@ def _check_options(cfg: RegenConfig) -> list[str]:
                 p.append(f"--out = {cfg.out!r}: must differ from --data")
     if cfg.out is not None and Path(cfg.out).is_dir():
         p.append(f"--out = {cfg.out!r}: is a directory, expected a JSONL file path")
-    return p + _target_problems(cfg)
+    return p + target_engine_problems(cfg)
 
-def _target_problems(cfg) -> list[str]:
+def target_engine_problems(cfg) -> list[str]:
     "What is wrong with `--target` (a directory, a hub id or a .gguf file, readable) and `--engine` here."
     p = target_problems(cfg.target, '--target') if cfg.target is not None else []
     if cfg.engine == 'vllm' and (why := vllm_unavailable()):
@@ -117,7 +118,7 @@ def _template_text(tokenizer) -> str:
     t = tokenizer.chat_template
     return (t.get('default', '') if isinstance(t, dict) else t) or ''
 
-def _template_kwargs(tokenizer, thinking: str | None, name: str = 'target') -> dict:
+def template_kwargs(tokenizer, thinking: str | None, name: str = 'target') -> dict:
     "The chat-template keyword arguments for `thinking` (on, off or None)."
     if thinking is None: return {}
     if 'enable_thinking' not in _template_text(tokenizer):
@@ -127,9 +128,10 @@ def _template_kwargs(tokenizer, thinking: str | None, name: str = 'target') -> d
 
 _PROBE = 'dflash probe answer'
 
-def _special_after(tokenizer, messages: list[dict]) -> int | None:
-    "The special token the template writes right after the last message's content (`_PROBE`), if it writes one."
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+def special_after(tokenizer, messages: list[dict]) -> int | None:
+    """The special token the chat template writes right after the last message's text, if it writes one: found after a
+    probe text that stands in for that message's content."""
+    text = tokenizer.apply_chat_template([*messages[:-1], {**messages[-1], 'content': _PROBE}], tokenize=False)
     tail = tokenizer(text[text.rindex(_PROBE) + len(_PROBE):], add_special_tokens=False)['input_ids']
     special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
     return tail[0] if tail and tail[0] in special else None
@@ -139,7 +141,7 @@ def end_of_turn_ids(tokenizer, generation_config=None) -> list[int]:
     ids = set()
     for e in (tokenizer.eos_token_id, getattr(generation_config, 'eos_token_id', None)):
         ids.update(e if isinstance(e, (list, tuple)) else [] if e is None else [e])
-    eot = _special_after(tokenizer, [{'role': 'user', 'content': 'Q'}, {'role': 'assistant', 'content': _PROBE}])
+    eot = special_after(tokenizer, [{'role': 'user', 'content': 'Q'}, {'role': 'assistant', 'content': ''}])
     return sorted(ids | ({eot} - {None}))
 
 def prompt_ids(tokenizer, messages: list[dict], template_kw: dict) -> list[int]:
@@ -233,12 +235,12 @@ class VLLMEngine:
         return [(toks, stopped or why == 'stop') for (toks, stopped), why in res]
 
 # %% ../nbs/08b_regenerate.ipynb #3c5486dd
-def _round_seed(seed: int, batch: int, rnd: int | str) -> int:
+def round_seed(seed: int, batch: int, rnd: int | str) -> int:
     "The sampling seed of round `rnd` (a number, or a name like 'user0') of batch `batch`."
     return int.from_bytes(hashlib.sha256(f'{seed}/{batch}/{rnd}'.encode()).digest()[:7], 'little')
 
-def _reply_round(engine, tokenizer, msgs: list[list[dict]], todo: list[tuple[int, int]], template_kw: dict | None,
-                 seed: int) -> list[tuple[list[int], bool]]:
+def reply_round(engine, tokenizer, msgs: list[list[dict]], todo: list[tuple[int, int]], template_kw: dict | None,
+                seed: int) -> list[tuple[list[int], bool]]:
     """Message `i` of conversation `n` written by the engine for every `(n, i)` of `todo`, in one batched call: its
     content becomes the reply, marked `truncated` when the reply was cut at the token limit. `(tokens, stopped)` of
     each, in `todo`'s order."""
@@ -264,8 +266,8 @@ def regenerate_batch(engine, tokenizer, convs: list[list[dict]], *, template_kw:
     turns = [[i for i, m in enumerate(c) if m['role'] == 'assistant'] for c in msgs]
     for r in range(max(map(len, turns), default=0)):
         todo = [(n, t[r]) for n, t in enumerate(turns) if len(t) > r]
-        for (n, _), (toks, stopped) in zip(todo, _reply_round(engine, tokenizer, msgs, todo, template_kw,
-                                                              _round_seed(seed, batch, r))):
+        for (n, _), (toks, stopped) in zip(todo, reply_round(engine, tokenizer, msgs, todo, template_kw,
+                                                             round_seed(seed, batch, r))):
             info['token_ids'][n].append(toks)
             info['tokens'] += len(toks)
             info['turns'] += 1
@@ -287,7 +289,7 @@ def run_header(cfg: RegenConfig) -> dict:
     from dflash.features import target_identity
     opts = {k: getattr(cfg, k) for k in ('engine', 'batch_size', 'max_new_tokens', 'temperature', 'top_p', 'seed',
                                          'thinking', 'dtype')}
-    return {'format': _INDEX_FORMAT, 'data': _sha256_file(cfg.data), 'target': target_identity(_target_dir(cfg)),
+    return {'format': _INDEX_FORMAT, 'data': _sha256_file(cfg.data), 'target': target_identity(target_dir(cfg)),
             'options': opts}
 
 def index_path(out) -> Path: return Path(str(out) + '.index')
@@ -318,7 +320,7 @@ def read_index(out, header: dict) -> list[dict]:
         raise ValueError(f"out {out}: shorter than its index says ({done[-1]['bytes']} bytes); the file was changed")
     return done
 
-def _repair(out, header: dict, done: list[dict]):
+def repair_output(out, header: dict, done: list[dict]):
     "Cut `out` and its index back to the finished batches (or start both)."
     out, idx = Path(out), index_path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -339,7 +341,7 @@ def _append(path: Path, data: bytes) -> int:
         if path.exists(): os.truncate(path, size)
         raise disk_error(e, path) from None
 
-def _append_batch(out, entry: dict, records: list[dict]):
+def append_batch(out, entry: dict, records: list[dict]):
     "Append a finished batch's records to `out`, then its line to the index; a batch that fails leaves neither."
     out = Path(out)
     before = out.stat().st_size if out.exists() else 0
@@ -355,10 +357,10 @@ def _dtype(cfg: RegenConfig, device) -> torch.dtype:
     if cfg.dtype: return getattr(torch, cfg.dtype)
     return torch.bfloat16 if device.type == 'cuda' else torch.float32
 
-def _make_engine(cfg: RegenConfig, tokenizer, device):
+def make_engine(cfg: RegenConfig, tokenizer, device):
     "The engine `cfg` asks for, with its stop ids."
     from transformers import AutoModelForCausalLM, GenerationConfig
-    target = _target_dir(cfg)
+    target = target_dir(cfg)
     try: gen_cfg = pretrained(GenerationConfig, target)
     except (OSError, ValueError): gen_cfg = None            # none saved: the tokenizer's end of turn
     stops = end_of_turn_ids(tokenizer, gen_cfg)
@@ -370,7 +372,7 @@ def _make_engine(cfg: RegenConfig, tokenizer, device):
     return TransformersEngine(model, stops, pad, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p)
 
-def _state():
+def process_state():
     "The process group of an `accelerate launch` (CPU processes too: accelerate needs `cpu=True` to see them)."
     import torch
     from accelerate import PartialState
@@ -396,20 +398,20 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
                for _, c in convs for i, m in enumerate(c)):
         raise DataError(f"{cfg.data}: nothing to regenerate: none of its {len(convs)} conversations has an assistant "
                         "turn to rewrite or ends on a user turn to answer")
-    state = _state()
+    state = process_state()
     if cfg.engine == 'vllm' and state.num_processes > 1:
         raise ValueError("engine vllm: run it as one process (vLLM batches by itself); drop accelerate launch")
-    target = _target_dir(cfg)
+    target = target_dir(cfg)
     check_target_dir(target)
     tok = pretrained(AutoTokenizer, target)
-    tkw = _template_kwargs(tok, cfg.thinking, str(target))
+    tkw = template_kwargs(tok, cfg.thinking, str(target))
     header = run_header(cfg)
     done = read_index(cfg.out, header)
     state.wait_for_everyone()                                                          # all read before anyone writes
-    if state.is_main_process: _repair(cfg.out, header, done)
+    if state.is_main_process: repair_output(cfg.out, header, done)
     n_batches = -(-len(convs) // cfg.batch_size)
     todo = list(range(len(done), n_batches))
-    engine = _make_engine(cfg, tok, state.device)
+    engine = make_engine(cfg, tok, state.device)
     res = {'conversations': len(convs), 'skipped_lines': stats.bad_lines, 'batches': n_batches,
            'resumed_batches': len(done), 'regenerated': 0, 'turns': 0, 'appended': 0, 'tokens': 0,
            'truncated_replies': 0}
@@ -427,7 +429,7 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
             part.append((k, [_output_record(r, m) for (r, _), m in zip(batch, msgs)],
                          {x: info[x] for x in ('tokens', 'turns', 'appended', 'truncated')}))
         for k, recs, info in sorted(gather_object(part) if W > 1 else part, key=lambda x: x[0]):
-            if state.is_main_process: _append_batch(cfg.out, {'batch': k, 'records': len(recs), **info}, recs)
+            if state.is_main_process: append_batch(cfg.out, {'batch': k, 'records': len(recs), **info}, recs)
             res['regenerated'] += len(recs)
             for x in ('turns', 'appended', 'tokens'): res[x] += info[x]
             res['truncated_replies'] += info['truncated']
@@ -467,7 +469,7 @@ def greedy_agreement(model, tokenizer, path, n: int | None = None, template_kw: 
             'turns': turns_all}
 
 # %% ../nbs/08b_regenerate.ipynb #5f4c3504
-def _run_locked(cfg, work, report) -> dict:
+def run_locked(cfg, work, report) -> dict:
     """`work(cfg, stop)` with checked options, `--out` locked (`OUT.lock`) by the main process while it writes; a bad
     file or model, or an `--out` another command is writing, ends as `error: ...` with exit status 2. SIGTERM, SIGINT or
     the launcher's exit end it after the batch (or round of batches) in progress, with status 75. The main process
@@ -476,7 +478,7 @@ def _run_locked(cfg, work, report) -> dict:
     if not torch.cuda.is_available():
         threads, why = use_threads(cfg.threads)
         print(f"CPU threads: {threads} per process ({why})")
-    lock, main = Path(str(cfg.out) + '.lock'), _state().is_main_process
+    lock, main = Path(str(cfg.out) + '.lock'), process_state().is_main_process
     try:
         if main:
             lock.parent.mkdir(parents=True, exist_ok=True)
@@ -496,10 +498,10 @@ def _run_locked(cfg, work, report) -> dict:
         sys.exit(2)
     finally:
         if main: release_lock(lock)
-    if _state().is_main_process: print(report(r))
+    if process_state().is_main_process: print(report(r))
     return r
 
-def _run_regenerate(cfg: RegenConfig) -> dict: return _run_locked(cfg, regenerate, lambda r: 'regenerated: ' + json.dumps(r))
+def _run_regenerate(cfg: RegenConfig) -> dict: return run_locked(cfg, regenerate, lambda r: 'regenerated: ' + json.dumps(r))
 
 REGENERATE = Command(RegenConfig, _run_regenerate, 'rewrite the assistant turns with the target itself', _check_options)
 
@@ -509,221 +511,6 @@ def main(argv=None) -> dict:
                                     check=_check_options)
     except OptionsError as e: exit_bad_options(e)
     return REGENERATE.run(cfg)
-
-# %% ../nbs/08b_regenerate.ipynb #089e45ab
-_SENTINEL = 'dflash-sentinel-user-message-7c1e'
-
-def open_user_turn(tokenizer, history: list[dict], template_kw: dict | None = None) -> list[int]:
-    """Token ids of `history` followed by an opened user turn, as the chat template renders them: a conversation
-    ending in a user message `_SENTINEL` is rendered, and cut where that text begins (any system prompt the template
-    adds comes with it)."""
-    from dflash.chat import template_messages
-    text = tokenizer.apply_chat_template(template_messages(history) + [{'role': 'user', 'content': _SENTINEL}],
-                                         tokenize=False, **(template_kw or {}))
-    if text.count(_SENTINEL) != 1:
-        raise ValueError("the chat template does not show a user message's text as it is given, so it cannot open a "
-                         "user turn for the target to write")
-    return tokenizer(text[:text.index(_SENTINEL)], add_special_tokens=False)['input_ids']
-
-def end_of_user_turn_ids(tokenizer) -> list[int]:
-    "Token ids that end a user turn: the special token the template writes after a user's text, and the eos."
-    eot = _special_after(tokenizer, [{'role': 'user', 'content': _PROBE}])
-    return sorted({eot, tokenizer.eos_token_id} - {None})
-
-# %% ../nbs/08b_regenerate.ipynb #3c3189d8
-def loops(ids, min_repeats: int = 4, min_span: int = 32, max_period: int = 64) -> bool:
-    "Whether token ids `ids` hold one n-gram (n <= `max_period`) repeated `min_repeats` times in a row over `min_span`."
-    import numpy as np
-    a = np.asarray(ids)
-    for p in range(1, min(max_period, len(a) // min_repeats) + 1):
-        same = np.concatenate([[0], (a[p:] == a[:-p]).astype(np.int8), [0]])   # token t equals token t + p
-        edges = np.flatnonzero(np.diff(same))
-        if len(edges) and int((edges[1::2] - edges[::2]).max()) + p >= max(min_repeats * p, min_span): return True
-    return False
-
-def _normalized(text: str) -> str: return ' '.join(text.lower().split())
-
-_FILTERS = {'empty': 'empty prompt', 'repeated': 'repeated: a prompt or reply loops',
-            'too_long': 'too long: a prompt cut at its limit', 'duplicate': 'duplicate prompt'}
-
-# %% ../nbs/08b_regenerate.ipynb #a50be9cb
-def _with_settings(engine, **kw):
-    "A copy of `engine` (the same model) with other `stop_ids`, `max_new_tokens`, `temperature` or `top_p`."
-    e = copy.copy(engine)
-    for k, v in kw.items():
-        if not hasattr(e, k): raise AttributeError(f"{type(e).__name__} has no setting {k!r}")
-        setattr(e, k, v)
-    return e
-
-def synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, needed: int | None = None, seen=(),
-                     template_kw: dict | None = None, seed: int = 0, batch: int = 0) -> tuple[list[dict], dict]:
-    """`n` conversations written by the target alone, `turns` user turns each: `prompter` writes each user message after
-    the opened user turn, `engine` the reply (`_reply_round`). A conversation is dropped at its first user message that
-    is empty, loops, is cut (too long) or, the first, repeats one in `seen` or earlier in the batch, or at a reply that
-    loops. The `{"messages": [...]}` records and the counts."""
-    convs, live, mine = [[] for _ in range(n)], list(range(n)), set()
-    info = {'prompts': n, **{k: 0 for k in _FILTERS}, 'prompt_tokens': 0, 'tokens': 0, 'truncated': 0}
-    for t in range(turns):
-        if not live: break
-        heads = [open_user_turn(tokenizer, convs[i], template_kw) for i in live]
-        kept = []
-        for i, (toks, stopped) in zip(live, prompter(heads, _round_seed(seed, batch, f'user{t}'))):
-            info['prompt_tokens'] += len(toks)
-            text = tokenizer.decode(toks, skip_special_tokens=False, clean_up_tokenization_spaces=False).strip()
-            key = _normalized(text)
-            why = ('empty' if not text else 'repeated' if loops(toks) else 'too_long' if not stopped else
-                   'duplicate' if t == 0 and (key in seen or key in mine) else None)
-            if why:
-                info[why] += 1
-                continue
-            if t == 0: mine.add(key)
-            convs[i].append({'role': 'user', 'content': text})
-            kept.append(i)
-        live = kept[:needed] if t == 0 and needed is not None else kept
-        for i in live: convs[i].append({'role': 'assistant', 'content': ''})
-        todo = [(i, len(convs[i]) - 1) for i in live]
-        outs = _reply_round(engine, tokenizer, convs, todo, template_kw, _round_seed(seed, batch, f'reply{t}'))
-        info['tokens'] += sum(len(toks) for toks, _ in outs)
-        info['repeated'] += sum(loops(toks) for toks, _ in outs)
-        live = [i for i, (toks, _) in zip(live, outs) if not loops(toks)]
-    info['truncated'] = sum(m.get('truncated', False) for i in live for m in convs[i])
-    return [{'messages': convs[i]} for i in live], info
-
-# %% ../nbs/08b_regenerate.ipynb #86620ee5
-@dataclass
-class SynthConfig:
-    """Write a chat training set with the target alone (Magpie-style): the target writes each user message after the
-    user turn its own template opens, then the reply, as `regenerate` writes replies (resumable; one process)."""
-    out: str | None = option(None, 'output JSONL of {"messages": [...]} records, append-only, resumed when rerun '
-                                   '(`OUT.index` beside it); required')
-    num: int | None = option(None, 'records to write (after the filters); required', ge=1)
-    target: str | None = option(None, 'target model directory or hub id (local Hugging Face cache only) '
-                                      '(default: the shipped toy target)')
-    turns: int = option(1, 'user turns per record, each answered (1: single turn)', ge=1)
-    max_prompt_tokens: int = option(256, 'tokens per user message at most (a message cut there is dropped)', ge=1)
-    max_new_tokens: int = option(512, 'tokens per reply at most (a reply cut there is kept, marked truncated)', ge=1)
-    prompt_temperature: float = option(1.0, 'sampling temperature of the user messages', gt=0)
-    prompt_top_p: float = option(0.95, 'nucleus sampling mass of the user messages', gt=0, le=1)
-    temperature: float = option(0.0, 'of the replies: 0: greedy; > 0: sampling', ge=0)
-    top_p: float = option(1.0, 'of the replies: nucleus sampling mass (with temperature > 0)', gt=0, le=1)
-    seed: int = option(0, 'sampling seed (each batch and turn draws its own: the same command writes the same file)',
-                       ge=0)
-    batch_size: int = option(32, 'conversations sampled together (left-padded)', ge=1)
-    engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(_ENGINES))
-    thinking: str | None = option(None, "for templates with `enable_thinking` (default: the template's)",
-                                  choices=['on', 'off'])
-    dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(_DTYPES))
-    progress: bool = option(True, 'show a progress bar (--no-progress: none)')
-    threads: int | None = threads_option()
-
-def _positions(cfg) -> int | None:
-    "The target's `max_position_embeddings` from its config (config.json, or a GGUF file's), when there is one to read."
-    return (target_config_dict(_target_dir(cfg))[0] or {}).get('max_position_embeddings')
-
-def _check_synth(cfg: SynthConfig) -> list[str]:
-    "Problems beyond each option's own range: required options, the output path, the target, vLLM, the lengths."
-    p = [f"--{k} is required" for k in ('out', 'num') if getattr(cfg, k) is None]
-    if cfg.out is not None and Path(cfg.out).is_dir():
-        p.append(f"--out = {cfg.out!r}: is a directory, expected a JSONL file path")
-    p += _target_problems(cfg)
-    need = cfg.turns * (cfg.max_prompt_tokens + cfg.max_new_tokens)
-    if not p and (n := _positions(cfg)) and need > n:
-        p.append(f"--turns x (--max-prompt-tokens + --max-new-tokens) = {cfg.turns} x ({cfg.max_prompt_tokens} + "
-                 f"{cfg.max_new_tokens}) = {need}: more tokens than the target's {n} positions; lower one of them")
-    return p
-
-def _validate_synth(cfg: SynthConfig):
-    "Raise one `OptionsError` listing every bad option: each value's range, then `_check_synth`."
-    build_options(SynthConfig, {f.name: getattr(cfg, f.name) for f in fields(cfg)}, prog='python -m dflash.data '
-                  'synthesize', check=_check_synth)
-
-# %% ../nbs/08b_regenerate.ipynb #e807aee3
-_SYNTH_FORMAT, _STALL = 'dflash-synthesize/1', 8
-
-def synth_header(cfg: SynthConfig) -> dict:
-    "What the output is a synthesis of: the first line of the index (the target, and every option that changes it)."
-    from dflash.features import target_identity
-    keep = ('num', 'turns', 'max_prompt_tokens', 'max_new_tokens', 'prompt_temperature', 'prompt_top_p', 'temperature',
-            'top_p', 'seed', 'batch_size', 'engine', 'thinking', 'dtype')
-    return {'format': _SYNTH_FORMAT, 'target': target_identity(_target_dir(cfg)),
-            'options': {k: getattr(cfg, k) for k in keep}}
-
-def _first_user(rec: dict) -> str: return next(m['content'] for m in rec['messages'] if m['role'] == 'user')
-
-_SUMMED = ('records', 'prompts', *_FILTERS, 'truncated', 'prompt_tokens', 'tokens')
-
-def synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
-    """Write `cfg.num` records into `cfg.out` with the target alone (continuing what is there); returns the counts of
-    the whole file and this run's speed. When `stop` is set, it ends after the batch in progress and `Preempted` says
-    how far the file is: the same call again continues."""
-    from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
-    from dflash.features import check_target_dir
-    _validate_synth(cfg)
-    state = _state()
-    if state.num_processes > 1:
-        raise ValueError("synthesize: run it as one process (each batch's duplicates are judged against the records "
-                         "before it); drop accelerate launch")
-    target = _target_dir(cfg)
-    check_target_dir(target)
-    tok = pretrained(AutoTokenizer, target)
-    tkw = _template_kwargs(tok, cfg.thinking, str(target))
-    open_user_turn(tok, [], tkw)                                 # a template that cannot open a user turn: said now
-    header = synth_header(cfg)
-    done = read_index(cfg.out, header)
-    _repair(cfg.out, header, done)
-    seen = {_normalized(_first_user(json.loads(line)))
-            for line in Path(cfg.out).read_text(encoding='utf-8').splitlines()}
-    entries, written = list(done), sum(e['records'] for e in done)
-    bar = tqdm(total=cfg.num, initial=written, unit='rec', desc='synthesize', disable=not cfg.progress)
-    t0, new, work = time.perf_counter(), 0, 0
-    if written < cfg.num:
-        engine = _make_engine(cfg, tok, state.device)
-        prompter = _with_settings(engine, stop_ids=sorted(set(engine.stop_ids) | set(end_of_user_turn_ids(tok))),
-                                  max_new_tokens=cfg.max_prompt_tokens, temperature=cfg.prompt_temperature,
-                                  top_p=cfg.prompt_top_p)
-    while written < cfg.num and not stop:
-        idle = next((i for i, e in enumerate(reversed(entries)) if e['records']), len(entries))
-        if idle >= _STALL:
-            drops = {k: sum(e[k] for e in entries[-idle:]) for k in _FILTERS}
-            raise ValueError(f"{cfg.out}: the last {idle} batches ({idle * cfg.batch_size} user messages) added no "
-                             f"record (dropped: {drops}), with {written} of {cfg.num} written; raise "
-                             "--prompt-temperature or --prompt-top-p, or lower --num")
-        k = len(entries)
-        recs, info = synthesize_batch(prompter, engine, tok, n=cfg.batch_size, turns=cfg.turns,
-                                      needed=cfg.num - written, seen=seen, template_kw=tkw, seed=cfg.seed, batch=k)
-        entry = {'batch': k, 'records': len(recs), **info}
-        _append_batch(cfg.out, entry, recs)
-        entries.append(entry)
-        seen.update(_normalized(_first_user(r)) for r in recs)
-        written, new, work = written + len(recs), new + len(recs), work + info['prompt_tokens'] + info['tokens']
-        bar.update(len(recs))
-        bar.set_postfix(tok_s=f"{work / (time.perf_counter() - t0):.0f}")
-    bar.close()
-    if written < cfg.num:
-        raise Preempted(f"stopped by {stop.reason} with {written} of {cfg.num} records in {cfg.out}; run the same "
-                        "command again to continue")
-    res = {k: sum(e[k] for e in entries) for k in _SUMMED}
-    res['truncated_replies'] = res.pop('truncated')
-    dt = time.perf_counter() - t0
-    res.update(batches=len(entries), resumed_batches=len(done), new_records=new, seconds=round(dt, 2),
-               tokens_per_s=round(work / max(dt, 1e-9), 1), records_per_min=round(60 * new / max(dt, 1e-9), 1))
-    return res
-
-def synth_table(r: dict, out: str = 'out') -> str:
-    "The counts of a synthesis as a small table: records, user messages sampled, drops by filter, truncated replies."
-    rows = [('records written', r['records']), ('user messages sampled', r['prompts'])]
-    rows += [(f'dropped: {why}', r[k]) for k, why in _FILTERS.items()]
-    rows += [('replies truncated (kept, marked)', r['truncated_replies'])]
-    w = max(len(x) for x, _ in rows)
-    return '\n'.join([f"synthesized {out}"] + [f'  {x:<{w}}  {v:>10,}' for x, v in rows])
-
-# %% ../nbs/08b_regenerate.ipynb #edc3d5b8
-def _run_synthesize(cfg: SynthConfig) -> dict:
-    return _run_locked(cfg, synthesize, lambda r: synth_table(r, cfg.out) + '\nsynthesized: ' + json.dumps(r))
-
-SYNTHESIZE = Command(SynthConfig, _run_synthesize, 'write chat data with the target alone: its own prompts and replies',
-                     _check_synth)
 
 # %% ../nbs/08b_regenerate.ipynb #7863c879
 if __name__ == '__main__' and '__file__' in globals(): main()

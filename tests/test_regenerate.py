@@ -200,12 +200,12 @@ def test_signal_stops_after_the_batch_in_progress(small_data, tmp_path, monkeypa
     from dflash.stops import Preempted, StopRequest
     kw = dict(data=str(small_data), batch_size=2, max_new_tokens=16, progress=False)
     regenerate(RegenConfig(out=str(tmp_path / 'full.jsonl'), **kw))
-    real, calls, sent = R._append_batch, [], []
+    real, calls, sent = R.append_batch, [], []
     def signalled(out, entry, records):
         calls.append(entry['batch'])
         if len(calls) == after and not sent: sent.append(os.kill(os.getpid(), signum))   # once, mid-write
         return real(out, entry, records)
-    monkeypatch.setattr(R, '_append_batch', signalled)
+    monkeypatch.setattr(R, 'append_batch', signalled)
     out = tmp_path / 'o.jsonl'
     with StopRequest() as stop, pytest.raises(Preempted) as e: regenerate(RegenConfig(out=str(out), **kw), stop)
     name = signal.Signals(signum).name
