@@ -7,7 +7,7 @@ from __future__ import annotations
 import os, sys
 from dataclasses import dataclass
 from pathlib import Path
-from .files import disk_refused, target_problems, resolve_local
+from .files import config_vocab_size, disk_refused, resolve_local, target_config_dict, target_problems
 from .options import Command, option, parse_subcommand, usage_text, OptionsError, exit_bad_options
 from .regenerate import REGENERATE
 from .synthesize import SYNTHESIZE
@@ -80,6 +80,10 @@ def _check_cache(o: CacheOptions) -> list[str]:
     if o.layers is not None:
         try: _layer_ids(o.layers)
         except ValueError as e: probs.append(str(e))
+    if o.mask_token_id is not None and o.target is not None and not any(p.startswith('--target') for p in probs):
+        V = config_vocab_size(target_config_dict(resolve_local(o.target))[0])
+        if V is not None and not o.mask_token_id < V:
+            probs.append(f"--mask-token-id = {o.mask_token_id}: allowed 0..{V - 1} (the target's vocabulary)")
     return probs
 
 # %% ../nbs/08d_data.ipynb #072afdab

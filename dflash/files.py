@@ -12,8 +12,8 @@ from .options import unreadable
 # %% auto #0
 __all__ = ['DISK_REFUSED', 'fsync_path', 'disk_error', 'write_atomic', 'write_json', 'disk_refused', 'hf_hub_cache',
            'resolve_local', 'read_problem', 'json_problem', 'safetensors_problem', 'model_dir_problems', 'file_sha256',
-           'is_gguf', 'gguf_problem', 'pretrained', 'target_problems', 'target_config_dict', 'dir_write_problem',
-           'assets_dir', 'toy_target_dir', 'toy_data_dir']
+           'is_gguf', 'gguf_problem', 'pretrained', 'target_problems', 'target_config_dict', 'config_vocab_size',
+           'dir_write_problem', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
 
 # %% ../nbs/00b_files.ipynb #99b1472b
 def fsync_path(path):
@@ -190,6 +190,12 @@ def target_config_dict(target) -> tuple[dict | None, str | None]:
     try: return pretrained(AutoConfig, target).to_dict(), None
     except Exception as e:                              # transformers' own words: an architecture it cannot read
         return None, f"{target}: transformers cannot read its config ({type(e).__name__}: {e})"
+
+def config_vocab_size(d: dict | None) -> int | None:
+    "The vocabulary size a config dict gives (a multimodal model's: its text config's), or None."
+    d = d or {}
+    V = d.get('vocab_size') or (d.get('text_config') or {}).get('vocab_size')
+    return V if isinstance(V, int) and not isinstance(V, bool) else None
 
 # %% ../nbs/00b_files.ipynb #8dcfcfca
 def dir_write_problem(path, name: str) -> str | None:

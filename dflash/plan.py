@@ -343,7 +343,7 @@ def _write_fits_table(path, table: str):
 
 # %% ../nbs/07a_plan.ipynb #dbcad539
 from .options import parse_options, OptionsError, exit_bad_options
-from .files import json_problem, target_config_dict
+from .files import config_vocab_size, json_problem, target_config_dict
 from .recompute import checkpointed_layers
 
 def _check_plan(o: PlanOptions) -> list[str]:
@@ -366,8 +366,7 @@ def _check_plan(o: PlanOptions) -> list[str]:
         if bad: probs.append(f"--target-config: {bad}")
         elif 'model_type' not in d:
             probs.append(f"--target-config {o.target_config}: no 'model_type', not a transformers config")
-        elif o.mask_token_id is not None and not o.mask_token_id < (V := d.get('vocab_size') or
-                                                                     d.get('text_config', {}).get('vocab_size', 0)):
+        elif o.mask_token_id is not None and not o.mask_token_id < (V := config_vocab_size(d) or 0):
             probs.append(f"--mask-token-id = {o.mask_token_id}: allowed 0..{V - 1} (the target's vocabulary)")
     try: parse_memory(o.memory)
     except ValueError as e: probs.append(f"--memory: {e}")

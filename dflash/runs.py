@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from .options import option, flag
 from .threads import threads_option
-from .files import target_problems, target_config_dict, json_problem, resolve_local, file_sha256, toy_target_dir
+from .files import (config_vocab_size, file_sha256, json_problem, resolve_local, target_config_dict,
+                          target_problems, toy_target_dir)
 from .locks import LockError, take_lock, start_heartbeat, release_lock
 
 # %% auto #0
@@ -168,7 +169,7 @@ def check_train(c: TrainConfig) -> list[str]:
         conf = None if bad else target_config_dict(resolve_local(c.target))[0]
     else: conf = json_problem(toy_target_dir() / 'config.json')[0]
     probs += _layer_problems(c, (conf or {}).get('num_hidden_layers'))
-    V = (conf or {}).get('vocab_size', (conf or {}).get('text_config', {}).get('vocab_size'))
+    V = config_vocab_size(conf)
     if isinstance(c.draft_vocab_size, int) and isinstance(V, int) and not c.draft_vocab_size <= V:
         probs.append(f"--draft-vocab-size = {c.draft_vocab_size}: allowed 1..{V} (the target's vocabulary)")
     if c.draft_vocab_size is not None and c.loss == 'kl':

@@ -51,7 +51,7 @@ def _loops(ids, min_repeats: int = 4, min_span: int = 32, max_period: int = 64) 
 
 def _normalized(text: str) -> str: return ' '.join(text.lower().split())
 
-_FILTERS = {'empty': 'empty prompt', 'repeated': 'repeated: a prompt or reply loops',
+_FILTERS = {'empty': 'empty prompt', 'repeated': 'repeated: a prompt loops',
             'too_long': 'too long: a prompt cut at its limit', 'duplicate': 'duplicate prompt'}
 
 # %% ../nbs/08c_synthesize.ipynb #a50be9cb
@@ -67,10 +67,12 @@ def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, ne
                       template_kw: dict | None = None, seed: int = 0, batch: int = 0) -> tuple[list[dict], dict]:
     """`n` conversations written by the target alone, `turns` user turns each: `prompter` writes each user message after
     the opened user turn, `engine` the reply (`reply_round`). A conversation is dropped at its first user message that
-    is empty, loops, is cut (too long) or, the first, repeats one in `seen` or earlier in the batch, or at a reply that
-    loops (`_loops`). The `{"messages": [...]}` records and the counts."""
+    is empty, loops (`_loops`), is cut (too long) or, the first, repeats one in `seen` or earlier in the batch. A reply
+    that loops is kept (counted): it is what the target writes, so what its drafter must draft. The
+    `{"messages": [...]}` records and the counts."""
     convs, live, mine = [[] for _ in range(n)], list(range(n)), set()
-    info = {'prompts': n, **{k: 0 for k in _FILTERS}, 'prompt_tokens': 0, 'tokens': 0, 'truncated': 0}
+    info = {'prompts': n, **{k: 0 for k in _FILTERS}, 'prompt_tokens': 0, 'tokens': 0, 'truncated': 0,
+            'looping_replies': 0}
     for t in range(turns):
         if not live: break
         heads = [_open_user_turn(tokenizer, convs[i], template_kw) for i in live]
@@ -92,8 +94,7 @@ def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, ne
         todo = [(i, len(convs[i]) - 1) for i in live]
         outs = reply_round(engine, tokenizer, convs, todo, template_kw, round_seed(seed, batch, f'reply{t}'))
         info['tokens'] += sum(len(toks) for toks, _ in outs)
-        info['repeated'] += sum(_loops(toks) for toks, _ in outs)
-        live = [i for i, (toks, _) in zip(live, outs) if not _loops(toks)]
+        info['looping_replies'] += sum(_loops(toks) for toks, _ in outs)
     info['truncated'] = sum(m.get('truncated', False) for i in live for m in convs[i])
     return [{'messages': convs[i]} for i in live], info
 
@@ -158,7 +159,7 @@ def _synth_header(cfg: SynthConfig) -> dict:
 
 def _first_user(rec: dict) -> str: return next(m['content'] for m in rec['messages'] if m['role'] == 'user')
 
-_SUMMED = ('records', 'prompts', *_FILTERS, 'truncated', 'prompt_tokens', 'tokens')
+_SUMMED = ('records', 'prompts', *_FILTERS, 'truncated', 'looping_replies', 'prompt_tokens', 'tokens')
 
 def synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
     """Write `cfg.num` records into `cfg.out` with the target alone (continuing what is there); returns the counts of
@@ -211,7 +212,7 @@ def synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
     if written < cfg.num:
         raise Preempted(f"stopped by {stop.reason} with {written} of {cfg.num} records in {cfg.out}; run the same "
                         "command again to continue")
-    res = {k: sum(e[k] for e in entries) for k in _SUMMED}
+    res = {k: sum(e.get(k, 0) for e in entries) for k in _SUMMED}
     res['truncated_replies'] = res.pop('truncated')
     dt = time.perf_counter() - t0
     res.update(batches=len(entries), resumed_batches=len(done), new_records=new, seconds=round(dt, 2),
@@ -222,7 +223,8 @@ def _synth_table(r: dict, out: str = 'out') -> str:
     "The counts of a synthesis as a small table: records, user messages sampled, drops by filter, truncated replies."
     rows = [('records written', r['records']), ('user messages sampled', r['prompts'])]
     rows += [(f'dropped: {why}', r[k]) for k, why in _FILTERS.items()]
-    rows += [('replies truncated (kept, marked)', r['truncated_replies'])]
+    rows += [('replies truncated (kept, marked)', r['truncated_replies']),
+             ('replies that loop (kept: the target writes them)', r['looping_replies'])]
     w = max(len(x) for x, _ in rows)
     return '\n'.join([f"synthesized {out}"] + [f'  {x:<{w}}  {v:>10,}' for x, v in rows])
 
