@@ -138,12 +138,12 @@ def from_target(cls: DrafterConfig, target_config, tokenizer=None, mask_token_id
 # %% ../nbs/00_config.ipynb #312fd9aa
 def _template_ids(tokenizer) -> set[int]:
     "The token ids the tokenizer's chat template writes around a conversation of every common role (none without one)."
-    probes = ([{'role': 'system', 'content': 'a'}, {'role': 'user', 'content': 'b'}, {'role': 'assistant', 'content': 'c'},
-               {'role': 'user', 'content': 'd'}], [{'role': 'user', 'content': 'b'}, {'role': 'assistant', 'content': 'c'}])
+    turns = [{'role': r, 'content': c} for r, c in (('system', 'a'), ('user', 'b'), ('assistant', 'c'), ('user', 'd'))]
+    probes = (turns, turns[1:3])                          # with a system turn, and without for templates refusing one
     ids = set()
     for messages in probes if getattr(tokenizer, 'chat_template', None) else ():
         try: text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception: continue                       # a template that refuses a role (no system turn): the other probe
+        except Exception: continue                       # a template that refuses a role: the other probe
         ids |= set(tokenizer(text, add_special_tokens=False)['input_ids'])
     return ids
 
@@ -152,10 +152,11 @@ def choose_mask_token(tokenizer, vocab_size: int, used=()) -> tuple[int, str]:
     token; else the first embedding row no token uses; else the last special token that the chat template does not
     write, that names none of the tokenizer's roles and that is not in `used` (the token ids of the data)."""
     if tokenizer.mask_token_id is not None:
-        return tokenizer.mask_token_id, f"mask token {tokenizer.mask_token!r} (id {tokenizer.mask_token_id}): the tokenizer's"
+        m = tokenizer.mask_token_id
+        return m, f"mask token {tokenizer.mask_token!r} (id {m}): the tokenizer's"
     if len(tokenizer) < vocab_size:
-        return len(tokenizer), (f"mask token id {len(tokenizer)}: the first embedding row no token uses ({len(tokenizer)} "
-                                f"tokens, {vocab_size} rows)")
+        n = len(tokenizer)
+        return n, f"mask token id {n}: the first embedding row no token uses ({n} tokens, {vocab_size} rows)"
     roles = {getattr(tokenizer, f'{r}_token_id', None) for r in ('bos', 'eos', 'unk', 'pad', 'sep', 'cls')}
     taken = roles | _template_ids(tokenizer) | set(used)
     free = [i for i, t in tokenizer.added_tokens_decoder.items() if t.special and i < vocab_size and i not in taken]
@@ -164,9 +165,9 @@ def choose_mask_token(tokenizer, vocab_size: int, used=()) -> tuple[int, str]:
                          f"{vocab_size} embedding rows, and every special token is written by the chat template or "
                          "used by the data; pass --mask-token-id with a token id the data never uses")
     i = max(free)
-    return i, (f"mask token {tokenizer.convert_ids_to_tokens(i)!r} (id {i}): the tokenizer has no mask token and no free "
-               f"embedding row, and this special token is neither written by the chat template nor used by the data "
-               f"(--mask-token-id chooses another)")
+    return i, (f"mask token {tokenizer.convert_ids_to_tokens(i)!r} (id {i}): the tokenizer has no mask token and no "
+               f"free embedding row, and this special token is neither written by the chat template nor used by the "
+               f"data (--mask-token-id chooses another)")
 
 # %% ../nbs/00_config.ipynb #b8e120fa
 _SIZE_FIELDS = ('hidden_size', 'num_attention_heads', 'num_key_value_heads', 'head_dim', 'intermediate_size',

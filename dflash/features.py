@@ -14,7 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 from .config import DrafterConfig, choose_mask_token, default_target_layer_ids
-from .files import gguf_problem, is_gguf, pretrained, file_sha256, json_problem, read_problem, resolve_local, write_atomic, write_json
+from .files import (file_sha256, gguf_problem, is_gguf, json_problem, pretrained, read_problem, resolve_local,
+                          write_atomic, write_json)
 from .stops import Preempted, StopRequest, any_stop
 from .chat import DataStats
 

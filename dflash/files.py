@@ -174,7 +174,7 @@ def pretrained(cls, target, **kw):
     return cls.from_pretrained(p, **kw)
 
 def target_problems(target, name: str = '--target') -> list[str]:
-    "What is wrong with target model `target` (option `name`): a GGUF file, else a directory or hub id (`model_dir_problems`)."
+    "What is wrong with target `target` (option `name`): a GGUF file, else `model_dir_problems`."
     p = Path(target).expanduser()
     if p.is_file() and not is_gguf(p):
         return [f"{name} = {str(target)!r}: a file, not a model directory or a .gguf file"]

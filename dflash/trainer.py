@@ -29,8 +29,10 @@ from .plan import budgets, recommend_policy, step_memory, online_target_bytes, o
 from .chunking import free_bytes
 from .objective import dflash_objective, draft_labels, draft_vocab, Objective, ObjectiveSums
 from .chat import ChatDataset
-from .features import CacheDataset, TargetFeatures, collate, data_mask_token, token_counts, target_identity, check_target_dir
-from .files import (json_problem, file_sha256, is_gguf, pretrained, write_atomic, write_json, fsync_path, toy_target_dir, toy_data_dir,
+from .features import (CacheDataset, TargetFeatures, check_target_dir, collate, data_mask_token, target_identity,
+                             token_counts)
+from .files import (json_problem, file_sha256, is_gguf, pretrained, write_atomic, write_json, fsync_path,
+                          toy_target_dir, toy_data_dir,
                           resolve_local, disk_error)
 from .stops import Preempted, StopRequest
 from .runs import TrainConfig, launch_problems, RunDirError, RunFailed
@@ -525,7 +527,7 @@ def _micro_batch(self: Trainer, dataset, ids: list[int], epoch: int) -> tuple[di
                                  block_size=c.block_size, num_anchors=c.num_anchors, seed=c.seed,
                                  gamma=None if self.objective.dpace else c.gamma,
                                  epoch=epoch, sample_ids=b['sample_ids'])
-    if self.parts.draft_ids is not None: lay = draft_labels(lay, self.parts.draft_ids, self.parts.drafter_config.vocab_size)
+    if (ids := self.parts.draft_ids) is not None: lay = draft_labels(lay, ids, self.parts.drafter_config.vocab_size)
     return b, lay.to(self.acc.device)
 
 @patch
