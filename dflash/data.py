@@ -7,7 +7,8 @@ from __future__ import annotations
 import os, sys
 from dataclasses import dataclass
 from pathlib import Path
-from .files import config_vocab_size, disk_refused, resolve_local, target_config_dict, target_problems
+from .files import (config_vocab_size, disk_refused, out_problems, resolve_local, target_config_dict,
+                          target_problems)
 from .options import Command, option, parse_subcommand, usage_text, OptionsError, exit_bad_options
 from .regenerate import REGENERATE
 from .synthesize import SYNTHESIZE
@@ -77,6 +78,8 @@ def _layer_ids(text: str) -> list[int]:
 
 def _check_cache(o: CacheOptions) -> list[str]:
     probs = _check_data(o) + (["--out is required"] if o.out is None else [])
+    reads = {'--target': o.target, '--tokenizer': o.tokenizer, '--data': o.data, '--chat-template': o.chat_template}
+    probs += out_problems(o.out, '--out', 'cache', reads)        # a model, the data, a run, a corpus: not a cache's
     if o.layers is not None:
         try: _layer_ids(o.layers)
         except ValueError as e: probs.append(str(e))

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 from .config import DrafterConfig, choose_mask_token, default_target_layer_ids
-from .files import (file_sha256, gguf_problem, is_gguf, json_problem, pretrained, read_problem, resolve_local,
-                          write_atomic, write_json)
+from .files import (file_sha256, gguf_problem, is_gguf, json_problem, make_dir, pretrained, read_problem,
+                          remove_temporaries, resolve_local, write_atomic, write_json)
 from .stops import Preempted, StopRequest, any_stop
 from .chat import DataStats
 
@@ -286,9 +286,10 @@ def write_cache(features: TargetFeatures, dataset, out, *, shard_size: int = 64,
     out = Path(out)
     manifest = _plan(features, dataset, shard_size, data_info or {}, final_hidden)
     if state.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        for t in out.glob('.*'):                                         # temporary files of an interrupted run
-            if t.is_file(): t.unlink()
+        make_dir(out)
+        mine = ['manifest.json', *(n for k in range(manifest['num_shards']) for n in (_shard_name(k),
+                                                                                      _shard_name(k) + '.json'))]
+        remove_temporaries(out, mine)                                    # an interrupted run's, and nothing else
         if (out / 'manifest.json').is_file(): _check_resume(out, manifest)
         for k in range(manifest['num_shards']):                          # a shard that fails its checksum is redone
             r = out / (_shard_name(k) + '.json')

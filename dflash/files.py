@@ -4,16 +4,17 @@
 
 # %% ../nbs/00b_files.ipynb #f11e0003
 from __future__ import annotations
-import errno, hashlib, importlib.resources, importlib.util, json, os, re, struct
+import errno, hashlib, importlib.resources, importlib.util, json, os, re, shutil, stat, struct, tempfile
 from pathlib import Path
 from typing import Callable
 from .options import unreadable
 
 # %% auto #0
-__all__ = ['DISK_REFUSED', 'fsync_path', 'disk_error', 'write_atomic', 'write_json', 'disk_refused', 'hf_hub_cache',
-           'resolve_local', 'read_problem', 'json_problem', 'safetensors_problem', 'model_dir_problems', 'file_sha256',
-           'is_gguf', 'gguf_problem', 'pretrained', 'target_problems', 'target_config_dict', 'config_vocab_size',
-           'dir_write_problem', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
+__all__ = ['DISK_REFUSED', 'fsync_path', 'disk_error', 'temp_beside', 'write_atomic', 'temp_dir_beside', 'remove_temporaries',
+           'write_json', 'disk_refused', 'hf_hub_cache', 'resolve_local', 'read_problem', 'json_problem',
+           'safetensors_problem', 'model_dir_problems', 'file_sha256', 'is_gguf', 'gguf_problem', 'pretrained',
+           'target_problems', 'target_config_dict', 'config_vocab_size', 'make_dir', 'dir_write_problem', 'dir_kind',
+           'out_problems', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
 
 # %% ../nbs/00b_files.ipynb #99b1472b
 def fsync_path(path):
@@ -32,23 +33,70 @@ def disk_error(e: BaseException, path) -> BaseException:
     if m: return OSError(int(m[1]), os.strerror(int(m[1])), m[2] or str(path))
     return e
 
+def _umask() -> int:
+    "This process's umask, read without changing it where /proc tells (else set and restored at once)."
+    try: return int(re.search(r'^Umask:\s*([0-7]+)', Path('/proc/self/status').read_text(), re.M)[1], 8)
+    except (OSError, TypeError): pass
+    m = os.umask(0o022)
+    os.umask(m)
+    return m
+
+def temp_beside(path, data: bytes = b'') -> Path:
+    """A new file holding `data` beside `path`, named `.NAME.tmp-` and random letters: created exclusively (`mkstemp`:
+    `O_CREAT | O_EXCL`, so never through a link planted at a name guessed beforehand), with the permissions of any
+    new file (0666 less the umask)."""
+    path = Path(path)
+    try: fd, name = tempfile.mkstemp(prefix=f'.{path.name}.tmp-', dir=path.parent)
+    except OSError as e: raise OSError(e.errno, e.strerror, str(path)) from None      # named by what is written
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, 'wb', closefd=False) as f: f.write(data)
+    except BaseException as e:
+        os.unlink(name)
+        raise disk_error(e, path) from None
+    finally: os.close(fd)
+    return Path(name)
+
 def write_atomic(path, data: str | bytes | Callable):
     """Write `path` whole or not at all: `data` (text or bytes), or what `data(tmp)` writes to the path `tmp` (a
-    safetensors `save_file`), goes to a temporary file beside it, flushed, then renamed into place. A failure is
-    raised as `disk_error` names it."""
-    path = Path(path)
-    tmp = path.with_name(f'.{path.name}.tmp-{os.getpid()}')
+    safetensors `save_file`), goes to a new temporary file beside it (`temp_beside`), flushed, then renamed into place.
+    A failure is raised as `disk_error` names it."""
+    path, tmp = Path(path), None
     try:
+        tmp = temp_beside(path, b'' if callable(data) else data.encode() if isinstance(data, str) else data)
         if callable(data): data(tmp)
-        else: tmp.write_bytes(data.encode() if isinstance(data, str) else data)
         fsync_path(tmp)
         os.replace(tmp, path)
     except Exception as e:
         named = disk_error(e, path)
         if named is e: raise
         raise named from e
-    finally: tmp.unlink(missing_ok=True)                   # a failed write leaves the old file and no temporary
+    finally:
+        if tmp is not None: tmp.unlink(missing_ok=True)  # a failed write leaves the old file and no temporary
     fsync_path(path.parent)
+
+def temp_dir_beside(path) -> Path:
+    "A new directory beside `path`, named as `temp_beside` names a file, created exclusively, with `make_dir`'s mode."
+    path = Path(path)
+    try: tmp = Path(tempfile.mkdtemp(prefix=f'.{path.name}.tmp-', dir=path.parent))
+    except OSError as e: raise OSError(e.errno, e.strerror, str(path)) from None
+    os.chmod(tmp, 0o775 & ~_umask() & ~0o002)
+    return tmp
+
+def remove_temporaries(directory, names) -> list[str]:
+    """Remove the temporary files and directories (`temp_beside`'s, `temp_dir_beside`'s, or an older dflash's
+    `.NAME.tmp-PID` and `.NAME.partial`) that a killed writer of the files `names` (or of the names `names(name)`
+    accepts) left in `directory`; nothing else is touched, and a link is removed, never followed. The names removed."""
+    mine = names if callable(names) else set(names).__contains__
+    gone = []
+    for p in Path(directory).iterdir():
+        base, tmp, _ = p.name[1:].rpartition('.tmp-')
+        if p.name.endswith('.partial'): base, tmp = p.name[1:-len('.partial')], True
+        if not (p.name.startswith('.') and tmp and mine(base)): continue
+        if p.is_dir() and not p.is_symlink(): shutil.rmtree(p)
+        else: p.unlink()
+        gone.append(p.name)
+    return sorted(gone)
 
 def write_json(path, obj): write_atomic(path, json.dumps(obj, indent=1) + '\n')
 
@@ -198,16 +246,64 @@ def config_vocab_size(d: dict | None) -> int | None:
     return V if isinstance(V, int) and not isinstance(V, bool) else None
 
 # %% ../nbs/00b_files.ipynb #8dcfcfca
+def make_dir(path) -> Path:
+    "Create directory `path` (and its parents) writable by no one but its owner and group, whatever the umask."
+    Path(path).mkdir(parents=True, exist_ok=True, mode=0o775)
+    return Path(path)
+
 def dir_write_problem(path, name: str) -> str | None:
-    "What keeps a command from writing into directory `path` (option `name`), found by creating it and a probe file."
+    """What keeps a command from writing into directory `path` (option `name`), found by creating it (`make_dir`) and
+    a probe file (a new name, never a link followed)."""
     p = Path(path)
     try:
-        p.mkdir(parents=True, exist_ok=True)
-        probe = p / f'.write-probe-{os.getpid()}'
-        probe.write_bytes(b'')
-        probe.unlink()
+        make_dir(p)
+        temp_beside(p / '.write-probe').unlink()
     except OSError as e: return f"{name} = {str(path)!r}: cannot write there ({e.strerror}: {e.filename})"
     return None
+
+# %% ../nbs/00b_files.ipynb #9958767a
+_KINDS = (('run', 'a training run', ('run.json', '.lock', 'checkpoints', 'metrics.csv')),
+          ('cache', 'a hidden-state cache', ('manifest.json',)),
+          ('model', 'a model', ('config.json',)))
+
+def dir_kind(path) -> tuple[str, str] | None:
+    """(kind, the file that shows it) of directory `path` when a command made it or reads it: 'run', 'cache', 'model'
+    or 'regeneration' (a regenerated corpus: `FILE.index` beside it); None for any other directory."""
+    p = Path(path)
+    if not p.is_dir(): return None
+    for kind, _, names in _KINDS:
+        if found := next((n for n in names if os.path.lexists(p / n)), None): return kind, found
+    if idx := next(iter(sorted(p.glob('*.index'))), None): return 'regeneration', idx.name
+    return None
+
+def _inside(a: Path, b: Path) -> bool: return a == b or b in a.parents
+
+def _local(name) -> Path | None:
+    "The resolved local path of `name`: a path, or a model's or dataset's hub id in the local cache; None if neither."
+    for kind in ('model', 'dataset'):
+        try: return resolve_local(name, kind).resolve() if name is not None else None
+        except FileNotFoundError: pass
+    return None
+
+def out_problems(out, name: str, own: str | None, inputs: dict) -> list[str]:
+    """What keeps a command from writing into directory `out` (option `name`): it is, holds or lies inside one of
+    `inputs` ({option: a path or hub id} the command reads), it is another command's directory (`dir_kind`, unless of kind
+    `own`), or every user may write to it. One line each."""
+    if out is None: return []
+    o, probs = Path(out).expanduser().resolve(), []
+    for k, v in inputs.items():
+        if (p := _local(v)) is None: continue
+        what = ("is" if o == p else "holds" if _inside(p, o) else "lies inside" if _inside(o, p) else None)
+        if what: probs.append(f"{name} = {str(out)!r}: {what} {k} ({p}), which the command reads; choose another "
+                              f"directory")
+    if (found := dir_kind(o)) and found[0] != own and not probs:
+        words = dict((k, w) for k, w, _ in _KINDS) | {'regeneration': 'a regenerated corpus'}
+        probs.append(f"{name} = {str(out)!r}: holds {words[found[0]]} ({found[1]}), which this command does not "
+                     f"write; choose another directory")
+    if o.is_dir() and o.stat().st_mode & stat.S_IWOTH:
+        probs.append(f"{name} = {str(out)!r}: every user may write to it (mode {stat.S_IMODE(o.stat().st_mode):o}), "
+                     f"so anyone could plant files in it; use a directory of your own (or chmod o-w it)")
+    return probs
 
 # %% ../nbs/00b_files.ipynb #f11e0007
 def assets_dir() -> Path:

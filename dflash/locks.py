@@ -6,7 +6,7 @@
 from __future__ import annotations
 import json, os, socket, threading, time
 from pathlib import Path
-from .files import json_problem, write_json
+from .files import json_problem, temp_beside, write_json
 
 # %% auto #0
 __all__ = ['LOCK_HEARTBEAT_S', 'LOCK_STALE_S', 'LockError', 'take_lock', 'start_heartbeat', 'release_lock']
@@ -52,8 +52,8 @@ def take_lock(lock, what) -> Path:
     lock = Path(lock)
     me = {'pid': os.getpid(), 'host': socket.gethostname(), 'started': time.strftime('%FT%T'),
           'pid_start': _pid_start(os.getpid()), 'heartbeat': time.time()}
-    tmp = lock.with_name(f'{lock.name}.{os.getpid()}')
-    tmp.write_text(json.dumps(me))
+    if lock.is_symlink(): raise LockError(f"{lock}: a symbolic link where a lock belongs; remove it")
+    tmp = temp_beside(lock, json.dumps(me).encode())   # a new name, created exclusively: never a planted link's
     try:
         for _ in range(2):
             try:

@@ -12,8 +12,8 @@ import yaml
 from fastcore.basics import patch_to
 
 # %% auto #0
-__all__ = ['OptionsError', 'option', 'flag', 'unreadable', 'OptionParser', 'build_options', 'parse_options', 'exit_bad_options',
-           'Command', 'usage_text', 'parse_subcommand']
+__all__ = ['SEED_MAX', 'TEMPERATURE_MIN', 'OptionsError', 'option', 'flag', 'unreadable', 'OptionParser', 'build_options',
+           'parse_options', 'exit_bad_options', 'Command', 'usage_text', 'parse_subcommand']
 
 # %% ../nbs/00a_options.ipynb #38d158e5
 class OptionsError(ValueError):
@@ -24,10 +24,17 @@ class OptionsError(ValueError):
         super().__init__(f"{prog + ': ' if prog else ''}{n} bad option{'' if n == 1 else 's'}"
                          + ''.join(f"\n  {p}" for p in self.problems))
 
-def option(default=None, help: str = '', *, ge=None, gt=None, le=None, lt=None, choices=None, path: str | None = None):
-    "A dataclass field with its help text and its allowed values; `path`: 'file', 'dir' or 'exists'."
+def option(default=None, help: str = '', *, ge=None, gt=None, le=None, lt=None, choices=None, path: str | None = None,
+           zero_or_ge=None, read_with: tuple | None = None):
+    """A dataclass field with its help text and its allowed values; `path`: 'file', 'dir' or 'exists'; `zero_or_ge`:
+    0, or at least this; `read_with`: (another option, the values of it under which this one is read): given with any
+    other, it is refused."""
     return field(default=default, metadata={'help': help, 'allowed': dict(ge=ge, gt=gt, le=le, lt=lt, choices=choices,
-                                                                          path=path)})
+                                                                          path=path, zero_or_ge=zero_or_ge),
+                                            'read_with': read_with})
+
+SEED_MAX = 2**32 - 1          # numpy's seeds, which accelerate's set_seed feeds too: larger ones fail deep in a run
+TEMPERATURE_MIN = 0.01        # below it (but 0, greedy) logits / T overflow to inf and sampling turns to NaN
 
 def flag(name: str) -> str: return '--' + name.replace('_', '-')
 
@@ -35,7 +42,8 @@ def flag(name: str) -> str: return '--' + name.replace('_', '-')
 def _allowed_text(a: dict) -> str:
     "What `option(...)`'s allowed-values metadata allows, in words."
     if a.get('choices'): return 'one of ' + ', '.join(map(str, a['choices']))
-    lo = f">= {a['ge']}" if a.get('ge') is not None else f"> {a['gt']}" if a.get('gt') is not None else None
+    lo = (f"0 or >= {a['zero_or_ge']}" if a.get('zero_or_ge') is not None else f">= {a['ge']}"
+          if a.get('ge') is not None else f"> {a['gt']}" if a.get('gt') is not None else None)
     hi = f"<= {a['le']}" if a.get('le') is not None else f"< {a['lt']}" if a.get('lt') is not None else None
     return ' and '.join(p for p in (lo, hi) if p) or ''
 
@@ -43,6 +51,7 @@ def _in_range(v, a: dict) -> bool:
     if a.get('choices') and v not in a['choices']: return False
     if isinstance(v, float) and not math.isfinite(v): return False
     if not isinstance(v, (int, float)) or isinstance(v, bool): return True
+    if a.get('zero_or_ge') is not None and v != 0 and not v >= a['zero_or_ge']: return False
     return ((a.get('ge') is None or v >= a['ge']) and (a.get('gt') is None or v > a['gt']) and
             (a.get('le') is None or v <= a['le']) and (a.get('lt') is None or v < a['lt']))
 
@@ -162,9 +171,19 @@ def parse_known_args(self, args=None, namespace=None):
 # %% ../nbs/00a_options.ipynb #43b26c9b
 def _text(v) -> str: return ('true' if v else 'false') if isinstance(v, bool) else str(v)
 
+def _repeated(parser, tokens: list[str], source: str) -> list[str]:
+    "Each option given more than once in `tokens` (argparse keeps the last in silence), as a problem naming it."
+    seen = {}
+    for t in tokens[:tokens.index('--') if '--' in tokens else len(tokens)]:
+        a = parser._option_string_actions.get(_dashed(t, parser.spellings).partition('=')[0]) if t[:2] == '--' else None
+        if a is not None and a.dest != 'help': seen.setdefault(a.dest, []).append(t.partition('=')[0])
+    return [f"{flag(d)} given {len(ts)} times ({', '.join(ts)}; {source}): give it once" for d, ts in seen.items()
+            if len(ts) > 1]
+
 @patch_to(OptionParser)
 def _parse(self, tokens: list[str], source: str) -> dict:
     self.source = source
+    self.problems += _repeated(self, tokens, source)
     ns, rest = self.parse_known_args(tokens)
     for r in rest:
         self.problems.append(f"{r}: unknown option ({source}); see --help" if r.startswith('-')
@@ -223,17 +242,34 @@ def read(self, argv=None) -> dict:
     return {k: v for k, v in values.items() if v is not _BAD}
 
 # %% ../nbs/00a_options.ipynb #cf647cbd
-def build_options(cls, values: dict, problems=(), prog: str = '', check=None):
-    "`cls(**values)` with every value and `check(obj)` checked: one `OptionsError` listing all problems."
+def _unread(obj, given, bad=()) -> list[str]:
+    """Each option in `given` (the names the user gave) that `obj`'s other options leave unread (`read_with`); the
+    options in `bad` are already refused for their value."""
+    probs = []
+    for f in fields(obj):
+        if f.name not in given or f.name in bad or not (w := f.metadata.get('read_with')): continue
+        other, values = w
+        if (now := getattr(obj, other)) not in values:
+            probs.append(f"{flag(f.name)} = {getattr(obj, f.name)!r}: read only with {flag(other)} "
+                         f"{' or '.join(map(str, values))}, and {flag(other)} is {now}; leave it out (it would be "
+                         f"recorded as if used)")
+    return probs
+
+def build_options(cls, values: dict, problems=(), prog: str = '', check=None, given=()):
+    """`cls(**values)` with every value and `check(obj)` checked: one `OptionsError` listing all problems. `given`:
+    the names the user gave, each refused where the other options leave it unread (`option(read_with=...)`)."""
     problems = list(problems)
     names = {f.name for f in fields(cls)}
     unknown = sorted(set(values) - names)
     problems += [f"{k!r}: unknown option" for k in unknown]
     values = {k: v for k, v in values.items() if k in names}
+    bad = set()
     for f in fields(cls):
         if f.name in values and (p := _check_value(f.name, values[f.name], f.metadata.get('allowed', {}))):
             problems.append(p)
+            bad.add(f.name)
     obj = cls(**values)
+    problems += _unread(obj, given, bad)
     if check: problems += check(obj)
     if problems: raise OptionsError(problems, prog)
     return obj
@@ -243,7 +279,7 @@ def parse_options(cls, argv=None, *, prog: str = '', description: str = '', base
     "Parse flags and `--config` YAML into a checked `cls`; returns (options, the values the user gave)."
     p = OptionParser(cls, prog, description, help_defaults)
     given = p.read(argv)
-    return build_options(cls, {**(base or {}), **given}, p.problems, prog, check), given
+    return build_options(cls, {**(base or {}), **given}, p.problems, prog, check, given), given
 
 # %% ../nbs/00a_options.ipynb #a3da401f
 def exit_bad_options(e: OptionsError):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import hashlib, importlib.util, json, os, sys, time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from .options import Command, option, build_options, parse_options, OptionsError, exit_bad_options
+from .options import (SEED_MAX, TEMPERATURE_MIN, Command, option, build_options, parse_options, OptionsError,
+                            exit_bad_options)
 from .files import (disk_error, disk_refused, file_sha256, pretrained, resolve_local, target_problems,
                           toy_target_dir, write_atomic)
 from .threads import threads_option, use_threads
@@ -42,9 +43,10 @@ class RegenConfig:
     engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(ENGINES))
     batch_size: int = option(32, 'conversations generated together (left-padded)', ge=1)
     max_new_tokens: int = option(512, 'tokens per assistant turn at most', ge=1)
-    temperature: float = option(0.0, '0: greedy; > 0: sampling', ge=0)
+    temperature: float = option(0.0, '0: greedy; > 0: sampling', zero_or_ge=TEMPERATURE_MIN)
     top_p: float = option(1.0, 'nucleus sampling mass (with temperature > 0)', gt=0, le=1)
-    seed: int = option(0, 'sampling seed (each batch and turn draws its own: reruns sample the same)', ge=0)
+    seed: int = option(0, 'sampling seed (each batch and turn draws its own: reruns sample the same)', ge=0,
+                       le=SEED_MAX)
     thinking: str | None = option(None, "for templates with `enable_thinking` (default: the template's)",
                                   choices=['on', 'off'])
     dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(DTYPES))

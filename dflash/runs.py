@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses, importlib.util, json, os, time
 from dataclasses import dataclass
 from pathlib import Path
-from .options import option, flag
+from .options import SEED_MAX, option, flag
 from .threads import threads_option
-from .files import (config_vocab_size, file_sha256, json_problem, resolve_local, target_config_dict,
-                          target_problems, toy_target_dir)
+from .files import (config_vocab_size, file_sha256, json_problem, make_dir, out_problems, resolve_local,
+                          target_config_dict, target_problems, toy_target_dir)
 from .locks import LockError, take_lock, start_heartbeat, release_lock
 
 # %% auto #0
@@ -50,16 +50,20 @@ class TrainConfig:
                                        ge=0)
     num_anchors: int = option(512, "blocks per sequence (at most)", ge=1)
     gamma: float | None = option(7.0, "loss decay over block positions, exp(-(k-1)/gamma), for --loss ce and kl; "
-                                      "none: no decay", gt=0)
+                                      "none: no decay", gt=0,
+                                 read_with=('loss', ('ce', 'kl')))
     loss: str = option('dpace', "training objective: ce (cross-entropy with the --gamma decay); dpace (D-PACE: each "
                              "position weighted by the expected accepted tokens that hang on it), dpace-confidence or "
                              "dpace-continuation (one factor of that weight); kl (distillation to the target's "
                              "next-token distribution, mixed with ce by --kl-weight)", choices=list(LOSSES))
     dpace_alpha: float = option(0.5, "D-PACE smoothing of the drafter's probability p of the right token: "
-                                     "s = (1-alpha)·p + alpha", gt=0, le=1)
-    kl_weight: float = option(1.0, "--loss kl: loss = w·KL + (1-w)·CE", ge=0, le=1)
+                                     "s = (1-alpha)·p + alpha", gt=0, le=1,
+                                read_with=('loss', LOSSES[1:4]))
+    kl_weight: float = option(1.0, "--loss kl: loss = w·KL + (1-w)·CE", ge=0, le=1,
+                              read_with=('loss', ('kl',)))
     kl_temperature: float = option(1.0, "--loss kl: temperature T of the target's and the drafter's distributions "
-                                        "(the KL is scaled by T²)", gt=0)
+                                        "(the KL is scaled by T²)", gt=0,
+                                   read_with=('loss', ('kl',)))
     max_length: int = option(3072, "tokens per sequence; longer ones are truncated (and counted)", ge=2)
     batch_size: int = option(8, "sequences per optimizer step, over all processes", ge=1)
     micro_batch_size: int = option(1, "sequences per forward on one process", ge=1)
@@ -71,14 +75,15 @@ class TrainConfig:
     schedule: str = option('wsd', "learning rate after the warmup: cosine (a cosine decay to 0 over the other "
                                      "steps) or wsd (warmup-stable-decay: the peak held, then a cosine decay to 0 over "
                                      "the last --decay-ratio of the steps)", choices=['cosine', 'wsd'])
-    decay_ratio: float = option(0.2, "--schedule wsd: share of steps in the final decay", gt=0, le=1)
+    decay_ratio: float = option(0.2, "--schedule wsd: share of steps in the final decay", gt=0, le=1,
+                                read_with=('schedule', ('wsd',)))
     max_grad_norm: float = option(1.0, "gradient-norm clipping", gt=0)
     attention: str = option('sdpa', "attention backend", choices=['sdpa', 'flex', 'eager'])
     checkpointing: str = option('auto', "layer checkpointing: auto (cheapest that fits), none, all, every k-th (k), "
                                         "or a list like [0,2]")
     memory_fraction: float = option(0.9, "share of free device memory the attention planner may use", gt=0, le=1)
     threads: int | None = threads_option()
-    seed: int = option(0, "seeds init, data order and anchors", ge=0)
+    seed: int = option(0, "seeds init, data order and anchors", ge=0, le=SEED_MAX)
     log_every: int = option(10, "steps between metric rows (0: only the last step)", ge=0)
     eval_every: int = option(200, "steps between evaluations (0: only at the end)", ge=0)
     eval_samples: int | None = option(None, "held-out samples per evaluation; none: all", ge=1)
@@ -163,6 +168,8 @@ def check_train(c: TrainConfig) -> list[str]:
                      "--schedule wsd (warmup and decay share the steps)")
     if Path(c.out).exists() and not Path(c.out).is_dir():
         probs.append(f"--out = {c.out!r}: exists and is not a directory")
+    reads = {'--target': c.target or toy_target_dir(), '--data': c.data, '--eval-data': c.eval_data, '--cache': c.cache}
+    probs += out_problems(c.out, '--out', 'run', reads)     # a model, the data, a cache: never a run's directory
     if c.target is not None:
         probs += (bad := target_problems(c.target, '--target'))
         if c.data is None and c.cache is None: probs.append("--target needs --data FILE (chat JSONL) or --cache DIR")
@@ -233,7 +240,7 @@ def read_run(out) -> dict | None:
 # %% ../nbs/09b_runs.ipynb #183f4c97
 def _lock_run(out) -> Path:
     "Take `out/.lock` for this process (`take_lock`): a live holder is refused, a stale one's lock is taken over."
-    Path(out).mkdir(parents=True, exist_ok=True)
+    make_dir(out)                                        # not writable by every user: no one plants files in it
     try: return take_lock(Path(out) / '.lock', out)
     except LockError as e: raise RunDirError(str(e)) from None
 

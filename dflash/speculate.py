@@ -8,7 +8,7 @@ import csv, inspect, io, sys, time
 from pathlib import Path
 from dataclasses import dataclass, field
 from .config import DrafterConfig
-from .options import option, parse_options, OptionsError, exit_bad_options
+from .options import SEED_MAX, TEMPERATURE_MIN, option, parse_options, OptionsError, exit_bad_options
 from .threads import threads_option
 from .stops import EXIT_PREEMPTED, Preempted, StopRequest
 from .files import (json_problem, is_gguf, pretrained, target_problems, resolve_local, safetensors_problem, dir_write_problem,
@@ -35,10 +35,10 @@ class SpeculateOptions:
     out: str | None = option(None, 'directory for acceptance.json, acceptance.png and prompts.csv (a row per prompt '
                                    'and temperature, rewritten after each; default: none)')
     temperature: list[float] = option((0.0, 1.0), 'sampling temperatures, each evaluated and reported in turn '
-                                      "(0: greedy decoding, exactly the target's greedy output)", ge=0)
+                                      "(0: greedy decoding, exactly the target's greedy output)", zero_or_ge=TEMPERATURE_MIN)
     top_p: float = option(1.0, "nucleus (top-p) cut of the sampling distribution, target's and drafter's alike "
                           '(1: none)', gt=0, le=1)
-    seed: int = option(0, 'seed of the sampling generator: a run is reproducible', ge=0)
+    seed: int = option(0, 'seed of the sampling generator: a run is reproducible', ge=0, le=SEED_MAX)
     lookup_tokens: int = option(10, "tokens drafted per step by transformers' prompt lookup decoding, a second "
                                     'baseline timed at T = 0 (0: none)', ge=0)
     progress: bool = option(True, 'print a running total after every prompt: tau, tokens/s and speedups so far '

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy, json, time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from .options import Command, option, build_options
+from .options import SEED_MAX, TEMPERATURE_MIN, Command, option, build_options
 from .files import pretrained, target_config_dict
 from .threads import threads_option
 from .stops import Preempted, StopRequest
@@ -111,12 +111,12 @@ class SynthConfig:
     turns: int = option(1, 'user turns per record, each answered (1: single turn)', ge=1)
     max_prompt_tokens: int = option(256, 'tokens per user message at most (a message cut there is dropped)', ge=1)
     max_new_tokens: int = option(512, 'tokens per reply at most (a reply cut there is kept, marked truncated)', ge=1)
-    prompt_temperature: float = option(1.0, 'sampling temperature of the user messages', gt=0)
+    prompt_temperature: float = option(1.0, 'sampling temperature of the user messages', ge=TEMPERATURE_MIN)
     prompt_top_p: float = option(0.95, 'nucleus sampling mass of the user messages', gt=0, le=1)
-    temperature: float = option(0.0, 'of the replies: 0: greedy; > 0: sampling', ge=0)
+    temperature: float = option(0.0, 'of the replies: 0: greedy; > 0: sampling', zero_or_ge=TEMPERATURE_MIN)
     top_p: float = option(1.0, 'of the replies: nucleus sampling mass (with temperature > 0)', gt=0, le=1)
     seed: int = option(0, 'sampling seed (each batch and turn draws its own: the same command writes the same file)',
-                       ge=0)
+                       ge=0, le=SEED_MAX)
     batch_size: int = option(32, 'conversations sampled together (left-padded)', ge=1)
     engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(ENGINES))
     thinking: str | None = option(None, "for templates with `enable_thinking` (default: the template's)",

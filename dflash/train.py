@@ -38,7 +38,7 @@ def _configure(argv=None) -> tuple[TrainConfig, dict | None, dict]:
             base = {k: v for k, v in rec['config'].items() if k not in RUN_ACTIONS}
             refused, changed = resume_changes(rec['config'], given)
             problems += refused
-    cfg = absolute_paths(build_options(TrainConfig, {**base, **given}, problems, _PROG, check_train))
+    cfg = absolute_paths(build_options(TrainConfig, {**base, **given}, problems, _PROG, check_train, given))
     if rec and not cfg.accept_changed_data and (moved := data_changes(rec.get('data') or {}, data_checksums(cfg))):
         raise OptionsError([*moved, "a resume trains on the data the run started with: put it back, pass "
                                     "--accept-changed-data to go on with the data as it is now (run.json records it), "
@@ -87,7 +87,7 @@ def _sampled_text(r: dict) -> str:
 def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, stop: StopRequest | None = None) -> dict:
     t_start = time.perf_counter()
     import torch                                         # torch, transformers, accelerate: only now
-    from dflash.trainer import Trainer, timed
+    from dflash.trainer import Trainer, TrackerError, timed
     from dflash.threads import use_threads
     gpu = torch.cuda.is_available()
     threads, why = use_threads(cfg.threads) if not gpu else (torch.get_num_threads(), 'left as is on a GPU')
@@ -108,6 +108,8 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
     except (ValueError, FileNotFoundError, MemoryError) as e:       # a target, tokenizer, data or cache it cannot use
         raise StartupFailed(str(e) or type(e).__name__) from e
     trainer.restore()                                    # a refused resume, like a failed start-up, records nothing
+    try: trainer.start_trackers()                        # a tracker that cannot start: the same, named
+    except TrackerError as e: raise StartupFailed(str(e)) from e
     if is_main: write_json(out / 'run.json', record)     # the run has started
     seconds = {'start-up, target and data': time.perf_counter() - t_start}
     if is_main: print(f"layer checkpointing: {trainer.policy}; CPU threads: {threads} per process ({why})")

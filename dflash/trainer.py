@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_trainer.ipynb #132bd6a8
 from __future__ import annotations
-import csv, io, os, re, resource, shutil, time
+import csv, io, os, re, resource, shutil, sys, time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
@@ -32,14 +32,14 @@ from .chat import ChatDataset
 from .features import (CacheDataset, TargetFeatures, check_target_dir, collate, data_mask_token, target_identity,
                              token_counts)
 from .files import (json_problem, file_sha256, is_gguf, pretrained, write_atomic, write_json, fsync_path,
-                          toy_target_dir, toy_data_dir,
+                          toy_target_dir, toy_data_dir, make_dir, remove_temporaries, temp_dir_beside,
                           resolve_local, disk_error)
 from .stops import Preempted, StopRequest
 from .runs import TrainConfig, launch_problems, RunDirError, RunFailed
 
 # %% auto #0
 __all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'whole_or_nothing', 'rotate_checkpoints', 'lr_schedule',
-           'Trainer', 'timed']
+           'Trainer', 'timed', 'TrackerError']
 
 # %% ../nbs/10_trainer.ipynb #0ebcce23
 def _gguf_head_weights(path: Path) -> tuple[Tensor, Tensor]:
@@ -288,14 +288,13 @@ def rotate_checkpoints(out, keep: int):
 def _save_checkpoint(accelerator: Accelerator, out, step: int, model, opt, sched, *, state: dict, keep: int):
     "Write weights, optimizer, schedule and `state` as `out/checkpoints/step-N`, flushed and whole; rotate old ones."
     d = Path(out) / 'checkpoints'
-    tmp, final = d / f'.step-{step:07d}.partial', d / f'step-{step:07d}'
+    final = d / f'step-{step:07d}'
     gathered = _whole_state(cpu_offload=True)         # every process takes part; the main process gets the tensors
     weights = get_model_state_dict(model, options=gathered)
     moments = get_optimizer_state_dict(model, getattr(opt, 'optimizer', opt), options=gathered)
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        with whole_or_nothing(tmp):
-            tmp.mkdir(parents=True)
+        remove_temporaries(make_dir(d), lambda n: bool(_CKPT.match(n)))   # a killed save's, and nothing else
+        with whole_or_nothing(tmp := temp_dir_beside(final)):          # a new name: never a planted link's
             tensors, opt_meta = _flat_optimizer(moments)
             save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / 'model.safetensors')
             save_file(tensors, tmp / 'optimizer.safetensors')
@@ -684,13 +683,13 @@ def whole_drafter(self: Trainer) -> DFlashDrafter | None:
 
 @patch
 def export(self: Trainer):
-    "Write the drafter in the DFlash format to `out/drafter`, whole: a hidden directory, flushed, renamed."
+    "Write the drafter in the DFlash format to `out/drafter`, whole: a new hidden directory, flushed, renamed."
     with timed(self.seconds, 'export'):
         drafter = self.whole_drafter()
         if self.acc.is_main_process:
-            tmp, final, old = self.out / '.drafter.partial', self.out / 'drafter', self.out / '.drafter.old'
-            shutil.rmtree(tmp, ignore_errors=True)
-            with whole_or_nothing(tmp):
+            final, old = self.out / 'drafter', self.out / '.drafter.old'
+            remove_temporaries(self.out, ['drafter'])                  # a killed export's, and nothing else
+            with whole_or_nothing(tmp := temp_dir_beside(final)):      # a new name: never a planted link's
                 drafter.save_pretrained(tmp)
                 for f in tmp.iterdir(): fsync_path(f)
             shutil.rmtree(old, ignore_errors=True)
@@ -705,7 +704,7 @@ def _eval_and_log(self: Trainer) -> dict:
     with timed(self.seconds, 'held-out evaluations'): ev = self.evaluate()
     if self.acc.is_main_process and ev:
         _append_csv(self.out / 'eval.csv', {'step': self.step, **ev})
-        self.acc.log(ev, step=self.step)
+        self._track(ev)
     return ev
 
 @patch
@@ -725,7 +724,7 @@ def _preempt(self: Trainer, stop: StopRequest, saved_at: int):
     else:
         self.save(final=True)
         what = f"checkpoint {ckpt} written"
-    for t in self.acc.trackers: t.finish()
+    self.finish_trackers()
     raise Preempted(f"stopped by {stop.reason or 'a signal to another process'} after step {self.step} of "
                     f"{self.total_steps}: {what}")
 
@@ -734,13 +733,10 @@ def fit(self: Trainer, stop: StopRequest | None = None) -> dict:
     """Train to `total_steps`, save, export, evaluate; returns the last train and eval metrics. `stop`: checked at each
     step boundary, raising `Preempted` when set."""
     c, acc, main = self.cfg, self.acc, self.acc.is_main_process
-    if main: self.out.mkdir(parents=True, exist_ok=True)
+    if main: make_dir(self.out)
     self.restore()
     resumed_at = self.step
-    project = 'tensorboard' if c.report_to == 'tensorboard' else 'dflash'    # tensorboard alone: out/tensorboard
-    acc.init_trackers(project, config={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
-                                             for k, v in asdict(c).items()},
-                      init_kwargs={'tensorboard': {'purge_step': resumed_at + 1}} if resumed_at else {})
+    self.start_trackers()
     eval_due = lambda s: (c.eval_every and s % c.eval_every == 0) or s == self.total_steps
     ev = {}
     logged = _csv_steps(self.out / 'eval.csv')
@@ -760,7 +756,7 @@ def fit(self: Trainer, stop: StopRequest | None = None) -> dict:
         done = self.step == self.total_steps
         if main and ((c.log_every and self.step % c.log_every == 0) or done):
             _append_csv(self.out / 'metrics.csv', last)
-            acc.log(last, step=self.step)
+            self._track(last)
         if done: break
         if c.save_every and self.step % c.save_every == 0 and self.save(): saved_at = self.step
         if eval_due(self.step): ev = self._eval_and_log()
@@ -775,10 +771,57 @@ def fit(self: Trainer, stop: StopRequest | None = None) -> dict:
     if self._stop_agreed(stop): self._preempt(stop, self.step)  # asked meanwhile: the resume exports and evaluates
     self.export()                                              # 2. the drafter
     if self.step not in logged: ev = self._eval_and_log()     # 3. the final evaluation (unless logged before)
-    for t in acc.trackers: t.finish()                      # flush TensorBoard; the process group stays up
+    self.finish_trackers()                                 # flush TensorBoard; the process group stays up
     acc.wait_for_everyone()
     if not last and main and (rows := list(csv.DictReader((self.out / 'metrics.csv').read_text().splitlines()))):
         last = {k: float(v) for k, v in rows[-1].items()}      # resumed after the last step: its logged metrics
     return {**last, **ev, 'mixed_precision': acc.mixed_precision, 'distributed_type': acc.distributed_type.value,
             'fsdp': self.fsdp is not None}
 
+
+# %% ../nbs/10_trainer.ipynb #1e7c43a0
+class TrackerError(RuntimeError):
+    "The `--report-to` tracker did not start; the message names it and what to do."
+
+@patch
+def start_trackers(self: Trainer):
+    """Start the `--report-to` tracker once, after `restore` (TensorBoard purges the steps after a resumed checkpoint);
+    a tracker that fails to start raises `TrackerError` on every process."""
+    if getattr(self, '_tracking', False): return
+    self._tracking, self.tracker_failure, c, acc = True, None, self.cfg, self.acc
+    project = 'tensorboard' if c.report_to == 'tensorboard' else 'dflash'    # tensorboard alone: out/tensorboard
+    why = None
+    try:
+        acc.init_trackers(project, config={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                                                 for k, v in asdict(c).items()},
+                          init_kwargs={'tensorboard': {'purge_step': self.step + 1}} if self.step else {})
+    except Exception as e: why = f"{type(e).__name__}: {e}"              # the tracker's own words
+    failed = torch.tensor([0.0 if why is None else 1.0], device=acc.device)
+    if acc.num_processes > 1: failed = acc.reduce(failed, 'sum')        # every process stops, not only the main one
+    if failed.item():
+        acc.trackers = []
+        raise TrackerError(f"--report-to {c.report_to}: the tracker did not start ({why or 'on the main process'}); "
+                           f"fix it, or train with --report-to none (metrics.csv and eval.csv are written either way)")
+
+@patch
+def _tracker_lost(self: Trainer, e: Exception):
+    "Print the first tracker failure, once, and drop the trackers: the run goes on, the CSVs keep the record."
+    if getattr(self, 'tracker_failure', None) is None:
+        self.tracker_failure = f"{type(e).__name__}: {e}"
+        print(f"warning: --report-to {self.cfg.report_to}: the tracker failed at step {self.step} "
+              f"({self.tracker_failure}); training goes on without it, metrics.csv and eval.csv keep the record",
+              file=sys.stderr, flush=True)
+    self.acc.trackers = []
+
+@patch
+def _track(self: Trainer, values: dict):
+    "Send `values` to the trackers (main process); a failure is `_tracker_lost`, never the run's end."
+    try: self.acc.log(values, step=self.step)
+    except Exception as e: self._tracker_lost(e)
+
+@patch
+def finish_trackers(self: Trainer):
+    "Flush and close the trackers (a failure here is `_tracker_lost` too)."
+    for t in list(self.acc.trackers):
+        try: t.finish()
+        except Exception as e: self._tracker_lost(e)

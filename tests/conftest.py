@@ -9,6 +9,16 @@ SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--b
          '--progress-bar', 'false']
 
 
+def override(base, *args) -> list[str]:
+    "The flags `base` with those of `args` replaced by `args` (a flag given twice is an error)."
+    given = {a.partition('=')[0] for a in map(str, args) if a.startswith('--')}
+    kept, drop = [], False
+    for a in map(str, base):
+        if a.startswith('--'): drop = a.partition('=')[0] in given
+        if not drop: kept.append(a)
+    return [*kept, *map(str, args)]
+
+
 def refused(capsys, main, argv, *expect, code=2) -> str:
     "Run a command's `main` in-process; it must exit with `code` and print every `expect` on stderr, no traceback."
     with pytest.raises(SystemExit) as e: main(argv)

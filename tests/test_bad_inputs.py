@@ -11,7 +11,7 @@ from dflash.plan import main as plan_main
 from dflash.speculate import main as speculate_main
 from dflash.chat import DataError, read_jsonl
 from dflash.data import main as data_main
-from conftest import SMALL, refused, train_cli, tree
+from conftest import SMALL, override, refused, train_cli, tree
 
 @pytest.fixture(scope='module')
 def files(tmp_path_factory):
@@ -129,7 +129,7 @@ def test_bad_yaml(tmp_path, capsys, text, expect):
 def test_yaml_scientific_notation_is_a_float(tmp_path):
     "PyYAML reads `1e-3` as a string; the options read it as the flag `--lr 1e-3` would be."
     from dflash.train import parse_config
-    (tmp_path / 'run.yaml').write_text('lr: 1e-3\nweight_decay: 1e-2\ngamma: null\n')
+    (tmp_path / 'run.yaml').write_text('lr: 1e-3\nweight_decay: 1e-2\nloss: ce\ngamma: null\n')
     c = parse_config(['--config', str(tmp_path / 'run.yaml')])
     assert (c.lr, c.weight_decay, c.gamma) == (1e-3, 1e-2, None)
 
@@ -137,9 +137,9 @@ def test_yaml_scientific_notation_is_a_float(tmp_path):
 def test_yaml_objective(tmp_path):
     "The objective's options read from YAML as from flags; the flags win."
     from dflash.train import parse_config
-    (tmp_path / 'run.yaml').write_text('loss: kl\nkl_weight: 0.5\nkl_temperature: 2\ndpace_alpha: 0.25\n')
+    (tmp_path / 'run.yaml').write_text('loss: kl\nkl_weight: 0.5\nkl_temperature: 2\n')
     c = parse_config(['--config', str(tmp_path / 'run.yaml'), '--kl-temperature', '1.5'])
-    assert (c.loss, c.kl_weight, c.kl_temperature, c.dpace_alpha) == ('kl', 0.5, 1.5, 0.25)
+    assert (c.loss, c.kl_weight, c.kl_temperature) == ('kl', 0.5, 1.5)
 
 
 def _target_case(d: Path, kind: str) -> Path:
@@ -464,8 +464,8 @@ def test_training_on_a_lone_surrogate_names_file_and_line(tmp_path, capsys, file
 
 
 def test_train_set_smaller_than_a_batch(tmp_path, capsys, files):
-    refused(capsys, train_main, ['--out', str(tmp_path / 'run'), '--data', str(files / 'one.jsonl'), *SMALL,
-                                 '--batch-size', '16'], '--batch-size 16 is larger than the training set (1 samples)')
+    refused(capsys, train_main, ['--out', str(tmp_path / 'run'), '--data', str(files / 'one.jsonl'),
+                                 *override(SMALL, '--batch-size', '16')], '--batch-size 16 is larger than the training set (1 samples)')
     assert not (tmp_path / 'run' / 'run.json').exists()
 
 

@@ -3,6 +3,7 @@ import csv, json, os, re, shutil, subprocess, sys
 from pathlib import Path
 import pytest
 from dflash.harness import launch_train
+from conftest import override
 
 # a short run on the shipped toy target; checkpoints at step 2 and 4 so a run can be resumed from the middle
 SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4',
@@ -51,7 +52,7 @@ def test_one_and_two_processes_agree(runs):
 
 def test_launch_mixed_precision_wins(runs, tmp_path):
     "`--mixed_precision bf16` on the launch line reaches the trainer: bf16 autocast on CPU, recorded in the summary."
-    launch(tmp_path / 'bf16', *SMALL, '--attention', 'sdpa', accelerate_args=('--mixed_precision', 'bf16'))
+    launch(tmp_path / 'bf16', *override(SMALL, '--attention', 'sdpa'), accelerate_args=('--mixed_precision', 'bf16'))
     assert summary(tmp_path / 'bf16')['metrics']['mixed_precision'] == 'bf16'
     assert summary(runs / 'one')['metrics']['mixed_precision'] == 'no'
     bf16, fp32 = losses(tmp_path / 'bf16'), losses(runs / 'one')
@@ -105,7 +106,7 @@ FSDP = ('--mixed_precision', 'no', '--use_fsdp', '--fsdp_version', '2')
 def fsdp_run(runs):
     "The 2-process run under FSDP, every layer checkpointed (on CPU, where accelerate's plugin cannot start)."
     out = runs / 'fsdp'
-    r = launch(out, *SMALL, '--checkpointing', 'all', '--spec-eval-prompts', '1', '--spec-new-tokens', '16',
+    r = launch(out, *override(SMALL, '--checkpointing', 'all', '--spec-eval-prompts', '1', '--spec-new-tokens', '16'),
                processes=2, accelerate_args=FSDP)
     return out, r.stdout + r.stderr
 
