@@ -319,7 +319,7 @@ def test_startup_failure(tmp_path, capsys, files, startup_cache, kind, argv, exp
     argv = [_startup_subs(a, tmp_path, files, startup_cache) for a in argv]
     out = tmp_path / 'run'
     subs = dict(cache=startup_cache, dir=tmp_path / 'dir')
-    refused(capsys, train_main, ['--out', str(out), *SMALL, *argv], *[e.format(**subs) for e in expect])
+    refused(capsys, train_main, ['--out', str(out), *override(SMALL, *argv)], *[e.format(**subs) for e in expect])
     assert not (out / 'run.json').exists() and not (out / '.lock').exists()
 
 
@@ -420,7 +420,7 @@ def test_speculate_bad_drafter(tmp_path, capsys, kind, expect):
     (['--block-size', '1'], "--block-size = 1: allowed >= 2"),
     (['--dtype', 'int8'], "--dtype = 'int8': allowed one of float32, bfloat16, float16"),
     (['--data', 'missing.jsonl'], "--data = 'missing.jsonl': no such file"),
-    (['--temperature', '0', '-0.5'], "--temperature = [0.0, -0.5]: allowed >= 0"),
+    (['--temperature', '0', '-0.5'], "--temperature = [0.0, -0.5]: allowed 0 or >= 0.01"),
     (['--top-p', '0'], "--top-p = 0.0: allowed > 0 and <= 1"),
     (['--top-p', '1.5'], "--top-p = 1.5: allowed > 0 and <= 1"),
 ], ids=['prompts-0', 'new-tokens', 'block-1', 'dtype', 'missing-data', 'temperature', 'top-p-0', 'top-p-high'])
@@ -806,4 +806,4 @@ def test_speculate_sampling_options_together(capsys):
     base = ['--target', str(toy_target_dir()), '--drafter', str(assets_dir() / 'toy-drafter'),
             '--data', str(toy_data_dir() / 'eval.jsonl')]
     refused(capsys, speculate_main, base + ['--temperature', '-1', '--top-p', '2', '--seed', '-3'], '3 bad options',
-            "--temperature = [-1.0]: allowed >= 0", "--top-p = 2.0: allowed > 0 and <= 1", "--seed = -3: allowed >= 0")
+            "--temperature = [-1.0]: allowed 0 or >= 0.01", "--top-p = 2.0: allowed > 0 and <= 1", "--seed = -3: allowed >= 0")

@@ -1,6 +1,7 @@
 """Options that would be silently wrong or end in a traceback: an option the chosen loss or schedule does not read, a
 flag given twice, a temperature that overflows, a seed no generator takes. Each is one named error (exit 2) before
 any model loads, and nothing is written. The commands' `main` runs in-process."""
+from pathlib import Path
 import pytest
 from dflash.files import assets_dir, toy_data_dir, toy_target_dir
 from dflash.data import main as data_main
@@ -53,11 +54,15 @@ def test_a_flag_given_twice_is_an_error(tmp_path, capsys, argv, name):
 
 
 def test_a_flag_given_twice_is_an_error_for_every_command(tmp_path, capsys):
-    refused(capsys, data_main, ['cache', '--target', str(toy_target_dir()), '--data', TRAIN, '--out', str(tmp_path / 'a'),
-                                '--out', str(tmp_path / 'b'), '--layers', '1'], "--out given 2 times")
+    chat = tmp_path / 'chat.jsonl'
+    chat.write_text('\n'.join(Path(EVAL).read_text().splitlines()[:2]) + '\n')
+    refused(capsys, data_main, ['cache', '--target', str(toy_target_dir()), '--data', str(chat), '--out',
+                                str(tmp_path / 'a'), '--out', str(tmp_path / 'b'), '--layers', '1', '--no-progress'],
+            "--out given 2 times")
     refused(capsys, speculate_main, ['--target', str(toy_target_dir()), '--drafter', str(assets_dir() / 'toy-drafter'),
-                                     '--data', EVAL, '--seed', '1', '--seed', '2'], "--seed given 2 times")
-    assert list(tmp_path.iterdir()) == []
+                                     '--data', str(chat), '--num-prompts', '1', '--max-new-tokens', '4', '--temperature',
+                                     '0', '--seed', '1', '--seed', '2', '--no-progress'], "--seed given 2 times")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['chat.jsonl']
 
 
 # --- 5. numeric edges: a temperature that overflows, a seed no generator takes -----------------------------------------

@@ -95,7 +95,7 @@ def test_bad_synthesize_options_are_refused_before_the_model_loads(tmp_path):
     r = data_cli('synthesize', '--target', tmp_path / 'nowhere', '--out', tmp_path, '--num', '0', '--turns', '0',
                  '--prompt-temperature', '0', '--top-p', '2', '--batch-size', 'x')
     assert r.returncode == 2
-    for bad in ("--num = 0: allowed >= 1", "--turns = 0: allowed >= 1", "--prompt-temperature = 0.0: allowed > 0",
+    for bad in ("--num = 0: allowed >= 1", "--turns = 0: allowed >= 1", "--prompt-temperature = 0.0: allowed >= 0.01",
                 "--top-p = 2.0: allowed > 0 and <= 1", "--batch-size = 'x'", "is a directory", "--target: model"):
         assert bad in r.stderr, (bad, r.stderr)
     long = data_cli('synthesize', '--out', tmp_path / 'o.jsonl', '--num', '3', '--turns', '4', '--max-new-tokens',
