@@ -20,6 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 from .options import Command, option, parse_subcommand, usage_text, OptionsError, exit_bad_options
 from .runs import policy_problem
+from .real_bench import RealBench, check_real
 
 # %% auto #0
 __all__ = ['COMMANDS', 'main']
@@ -205,6 +206,9 @@ COMMANDS = {   # the functions they run are looked up when they run, after the i
                        'speedup, training time'),
     'gpu': Command(_GpuBench, lambda o: run_gpu(o),
                    'every CUDA check in one bounded run (one H200: <= 8 minutes); CSV and JSON to --out'),
+    'real': Command(RealBench, lambda o: run_real(o),
+                    'a real target from nothing but itself: synthesize, cache, train, then HumanEval against plain '
+                    'decoding and prompt lookup, with each lever', check_real),
 }
 _PROG = 'python -m dflash.bench'
 
@@ -246,6 +250,7 @@ from .harness import (METHODS, bench_many, physical_floor, launch_train, last_er
 from .regenerate import TransformersEngine, end_of_turn_ids, load_conversations, regenerate_batch
 from .toy import load_toy_target, make_corpus
 from .gpu_bench import run_gpu
+from .real_bench import run_real
 
 # %% ../nbs/13_bench.ipynb #abd4fc41
 def _bench_layout(kind: str, N: int, S: int, n_anchors: int, *, B: int = 16, seed: int = 0,

@@ -309,8 +309,11 @@ def read_index(out, header: dict) -> list[dict]:
     except json.JSONDecodeError: raise ValueError(f"{idx}: unreadable first line; not an index of this command") from None
     if old != header:
         diff = sorted(k for k in set(old) | set(header) if old.get(k) != header.get(k))
-        raise ValueError(f"{idx}: {out} was written with other {', '.join(diff)} "
-                         f"({old.get('options') if 'options' in diff else ''}); "
+        o1, o2 = old.get('options') or {}, header.get('options') or {}
+        said = [f"{k} {old.get(k)!r} there, {header.get(k)!r} now" for k in diff if k != 'options']
+        said += [f"--{k.replace('_', '-')} {o1.get(k)!r} there, {o2.get(k)!r} now" for k in sorted(set(o1) | set(o2))
+                 if o1.get(k) != o2.get(k)]
+        raise ValueError(f"{idx}: {out} was written with other {', '.join(diff)} ({'; '.join(said)}); "
                          "choose another --out or remove both files")
     done = []
     for line in lines[1:]:

@@ -64,13 +64,15 @@ def _with_settings(engine, **kw):
     return e
 
 def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, needed: int | None = None, seen=(),
-                      template_kw: dict | None = None, seed: int = 0, batch: int = 0) -> tuple[list[dict], dict]:
+                      template_kw: dict | None = None, seed: int = 0, batch: int = 0,
+                      system: str | None = None) -> tuple[list[dict], dict]:
     """`n` conversations written by the target alone, `turns` user turns each: `prompter` writes each user message after
     the opened user turn, `engine` the reply (`reply_round`). A conversation is dropped at its first user message that
     is empty, loops (`_loops`), is cut (too long) or, the first, repeats one in `seen` or earlier in the batch. A reply
-    that loops is kept (counted): it is what the target writes, so what its drafter must draft. The
-    `{"messages": [...]}` records and the counts."""
-    convs, live, mine = [[] for _ in range(n)], list(range(n)), set()
+    that loops is kept (counted): it is what the target writes, so what its drafter must draft. A `system` prompt
+    opens every conversation (it steers what the target asks about). The `{"messages": [...]}` records and the counts."""
+    convs = [[{'role': 'system', 'content': system}] if system else [] for _ in range(n)]
+    live, mine = list(range(n)), set()
     info = {'prompts': n, **{k: 0 for k in _FILTERS}, 'prompt_tokens': 0, 'tokens': 0, 'truncated': 0,
             'looping_replies': 0}
     for t in range(turns):
@@ -108,6 +110,8 @@ class SynthConfig:
     num: int | None = option(None, 'records to write (after the filters); required', ge=1)
     target: str | None = option(None, 'target model directory or hub id (local Hugging Face cache only) '
                                       '(default: the shipped toy target)')
+    system: str | None = option(None, 'system prompt opening every conversation: it steers what the target asks about '
+                                      '(e.g. "You are an expert Python programmer."; default: the template\'s own)')
     turns: int = option(1, 'user turns per record, each answered (1: single turn)', ge=1)
     max_prompt_tokens: int = option(256, 'tokens per user message at most (a message cut there is dropped)', ge=1)
     max_new_tokens: int = option(512, 'tokens per reply at most (a reply cut there is kept, marked truncated)', ge=1)
@@ -150,9 +154,10 @@ def _validate_synth(cfg: SynthConfig):
 _SYNTH_FORMAT, _STALL = 'dflash-synthesize/1', 8
 
 def _synth_header(cfg: SynthConfig) -> dict:
-    "What the output is a synthesis of: the first line of the index (the target, and every option that changes it)."
+    """What the output is a synthesis of: the first line of the index (the target, and every option that changes the
+    records; not `num`, so that a larger `--num` continues the file)."""
     from dflash.features import target_identity
-    keep = ('num', 'turns', 'max_prompt_tokens', 'max_new_tokens', 'prompt_temperature', 'prompt_top_p', 'temperature',
+    keep = ('system', 'turns', 'max_prompt_tokens', 'max_new_tokens', 'prompt_temperature', 'prompt_top_p', 'temperature',
             'top_p', 'seed', 'batch_size', 'engine', 'thinking', 'dtype')
     return {'format': _SYNTH_FORMAT, 'target': target_identity(target_dir(cfg)),
             'options': {k: getattr(cfg, k) for k in keep}}
@@ -177,7 +182,7 @@ def synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
     check_target_dir(target)
     tok = pretrained(AutoTokenizer, target)
     tkw = template_kwargs(tok, cfg.thinking, str(target))
-    _open_user_turn(tok, [], tkw)                                 # a template that cannot open a user turn: said now
+    _open_user_turn(tok, [{'role': 'system', 'content': cfg.system}] if cfg.system else [], tkw)                                 # a template that cannot open a user turn: said now
     header = _synth_header(cfg)
     done = read_index(cfg.out, header)
     repair_output(cfg.out, header, done)
@@ -200,7 +205,8 @@ def synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
                              "--prompt-temperature or --prompt-top-p, or lower --num")
         k = len(entries)
         recs, info = _synthesize_batch(prompter, engine, tok, n=cfg.batch_size, turns=cfg.turns,
-                                       needed=cfg.num - written, seen=seen, template_kw=tkw, seed=cfg.seed, batch=k)
+                                       needed=cfg.num - written, seen=seen, template_kw=tkw, seed=cfg.seed, batch=k,
+                                       system=cfg.system)
         entry = {'batch': k, 'records': len(recs), **info}
         append_batch(cfg.out, entry, recs)
         entries.append(entry)

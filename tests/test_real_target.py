@@ -4,7 +4,8 @@ from its special tokens, and a drafter trained on it, exported and read back."""
 import json
 from pathlib import Path
 import pytest, torch
-from conftest import smollm2_gguf, train_cli
+from conftest import train_cli
+from dflash.real_bench import smollm2_gguf
 from dflash.drafter import DFlashDrafter
 from dflash.features import TargetFeatures, check_target_dir, target_identity
 from dflash.files import target_problems

@@ -21,10 +21,25 @@ def summary(stdout: str, said: str) -> dict:
 def normalized(text: str) -> str: return ' '.join(text.lower().split())
 
 
-def test_synthesized_prompts_come_from_the_target_and_duplicates_are_dropped(smollm2, tmp_path):
-    "With a nucleus of one token the target's user message is its greedy one: the same in all 3, so 2 are duplicates."
+def greedy_user_message(model_dir, system: str | None = None) -> str:
+    "The user message the target writes greedily after the user turn its template opens (after `system`, if given)."
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    mark = 'a user message to cut at'
+    text = tok.apply_chat_template([{'role': 'system', 'content': system}] * bool(system) +
+                                   [{'role': 'user', 'content': mark}], tokenize=False)
+    opened = tok(text[:text.index(mark)], add_special_tokens=False, return_tensors='pt')['input_ids']
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    eot = tok.convert_tokens_to_ids('<|im_end|>')
+    said = model.generate(opened, attention_mask=torch.ones_like(opened), do_sample=False, max_new_tokens=64,
+                          eos_token_id=eot, pad_token_id=eot)[0, opened.shape[1]:].tolist()
+    assert said[-1] == eot, tok.decode(said)                            # it finished: not too long
+    return tok.decode(said[:-1]).strip()
+
+
+def test_synthesized_prompts_come_from_the_target_and_duplicates_are_dropped(smollm2, tmp_path):
+    "With a nucleus of one token the target's user message is its greedy one: the same in all 3, so 2 are duplicates."
     out = tmp_path / 's.jsonl'
     r = data_cli('synthesize', '--target', smollm2, '--out', out, '--num', '1', '--batch-size', '3',
                  '--prompt-top-p', '1e-6', '--max-prompt-tokens', '64', '--max-new-tokens', '8')
@@ -34,16 +49,22 @@ def test_synthesized_prompts_come_from_the_target_and_duplicates_are_dropped(smo
     assert 'dropped: duplicate prompt' in r.stdout
     [rec] = [json.loads(l) for l in out.read_text().splitlines()]
     assert [m['role'] for m in rec['messages']] == ['user', 'assistant']
-    tok = AutoTokenizer.from_pretrained(smollm2)                         # the target's own greedy user message
-    mark = 'a user message to cut at'
-    text = tok.apply_chat_template([{'role': 'user', 'content': mark}], tokenize=False)
-    opened = tok(text[:text.index(mark)], add_special_tokens=False, return_tensors='pt')['input_ids']
-    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
-    eot = tok.convert_tokens_to_ids('<|im_end|>')
-    said = model.generate(opened, attention_mask=torch.ones_like(opened), do_sample=False, max_new_tokens=64,
-                          eos_token_id=eot, pad_token_id=eot)[0, opened.shape[1]:].tolist()
-    assert said[-1] == eot, tok.decode(said)                            # it finished: not too long
-    assert rec['messages'][0]['content'] == tok.decode(said[:-1]).strip()
+    assert rec['messages'][0]['content'] == greedy_user_message(smollm2)
+
+
+def test_a_system_prompt_opens_every_conversation_and_steers_the_user_message(smollm2, tmp_path):
+    "`--system S`: each record starts with S, and the user message is the one the target writes after S."
+    system = 'You are an expert Python programmer.'
+    out = tmp_path / 's.jsonl'
+    r = data_cli('synthesize', '--target', smollm2, '--out', out, '--num', '1', '--batch-size', '1', '--system', system,
+                 '--prompt-top-p', '1e-6', '--max-prompt-tokens', '64', '--max-new-tokens', '8')
+    assert r.returncode == 0, r.stderr[-3000:]
+    [rec] = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [m['role'] for m in rec['messages']] == ['system', 'user', 'assistant']
+    assert rec['messages'][0]['content'] == system
+    steered = greedy_user_message(smollm2, system)
+    assert rec['messages'][1]['content'] == steered
+    assert steered != greedy_user_message(smollm2)                      # the system prompt changed what it asks
 
 
 def test_synthesize_is_seeded_deduplicated_and_resumes_after_sigterm(smollm2, tmp_path):

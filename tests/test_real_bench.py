@@ -1,0 +1,42 @@
+"""`python -m dflash.bench real`: the whole path (synthesize, cache, train, measure, each lever) in real processes.
+On the toy target, whose speed is the point here; its figures mean nothing, its files and their agreement do."""
+import csv, json, os, subprocess, sys
+from dflash.files import toy_data_dir, toy_target_dir
+
+ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
+
+
+def test_the_whole_path_writes_its_report_and_a_bf16_drafter_that_decodes_losslessly(tmp_path):
+    from safetensors import safe_open
+    work, out = tmp_path / 'work', tmp_path / 'out'
+    cmd = [sys.executable, '-m', 'dflash.bench', 'real', '--target', toy_target_dir(),
+           '--prompts', toy_data_dir() / 'eval.jsonl', '--num-prompts', '2', '--max-new-tokens', '8',
+           '--minutes', '0.5', '--synth-share', '0.4', '--draft-vocab-size', '256', '--levers', 'block-4',
+           '--ablation-prompts', '2', '--work', work, '--out', out]
+    r = subprocess.run(list(map(str, cmd)), env=ENV, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    rows = list(csv.DictReader((out / 'real.csv').read_text().splitlines()))
+    assert [(x['variant'], float(x['temperature'])) for x in rows] == [('base', 0.), ('base', 1.), ('base', 0.),
+                                                                         ('block-4', 0.)]
+    assert all(int(x['prompts']) == 2 for x in rows)
+    assert int(rows[0]['same_output']) == 2                       # greedy speculative decoding: greedy's tokens
+    assert int(rows[3]['same_output']) == 2
+    report = json.loads((out / 'real.json').read_text())
+    data = (work / 'data.jsonl').read_text().splitlines()
+    assert report['phases']['synthesize']['records'] == len(data) > 0    # trained on what the target wrote
+    assert report['phases']['train']['steps'] >= 1
+    assert '| T | prompts | τ |' in (out / 'real.md').read_text() and (out / 'real.png').stat().st_size > 0
+    with safe_open(str(out / 'drafter' / 'model.safetensors'), 'pt') as f:
+        dtypes = {str(f.get_tensor(k).dtype) for k in f.keys() if f.get_tensor(k).is_floating_point()}
+    assert dtypes == {'torch.bfloat16'}
+    assert json.loads((out / 'drafter' / 'config.json').read_text())['draft_vocab_size'] == 256
+
+
+def test_bad_options_are_named_before_anything_runs(tmp_path):
+    cmd = [sys.executable, '-m', 'dflash.bench', 'real', '--target', toy_target_dir(), '--draft-vocab-size', '5000',
+           '--prompts', tmp_path / 'none.jsonl', '--levers', 'block-3', '--work', tmp_path / 'w']
+    r = subprocess.run(list(map(str, cmd)), env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    for said in ("--prompts", 'no such file', '--levers', "--draft-vocab-size = 5000: more than the target's 1024"):
+        assert said in r.stderr, r.stderr
+    assert not (tmp_path / 'w').exists()                          # nothing ran, nothing written
