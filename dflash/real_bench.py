@@ -92,7 +92,8 @@ def check_real(o: RealBench) -> list[str]:
 def _run(cmd: list[str], log: Path, *, threads: int, deadline: float | None = None) -> dict:
     """Run the dflash command `cmd` with its output appended to `log`, `threads` CPU threads; at `deadline`
     (`time.time()`) it gets SIGTERM, which a dflash command answers by keeping its work and exiting 75. Its exit status,
-    wall and CPU seconds; any other failure raises with the end of the log."""
+    wall and CPU seconds; any other failure raises with the end of the log. A command still starting when its
+    deadline comes dies of the SIGTERM: stopped too, since its outputs are written atomically or resumably."""
     env = {**os.environ, 'OMP_NUM_THREADS': str(threads), 'TOKENIZERS_PARALLELISM': 'false', 'PYTHONUNBUFFERED': '1'}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
@@ -100,13 +101,14 @@ def _run(cmd: list[str], log: Path, *, threads: int, deadline: float | None = No
         f.write('$ ' + ' '.join(map(str, cmd)) + '\n')
         f.flush()
         p = subprocess.Popen(list(map(str, cmd)), stdout=f, stderr=subprocess.STDOUT, env=env)
+        stopped = False
         while p.poll() is None:
-            if deadline is not None and time.time() >= deadline:
+            if not stopped and deadline is not None and time.time() >= deadline:
                 p.send_signal(signal.SIGTERM)                    # the command ends after the batch or step in hand
-                deadline = None
+                stopped = True
             time.sleep(0.5)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if p.returncode not in (0, 75):
+    if p.returncode not in (0, 75) and not (stopped and p.returncode == -signal.SIGTERM):
         tail = log.read_text(encoding='utf-8', errors='replace')[-3000:]
         raise RuntimeError(f"{' '.join(map(str, cmd[:4]))} ...: exit {p.returncode}; the end of {log}:\n{tail}")
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
@@ -120,7 +122,10 @@ def _synthesize(o: RealBench, target: str, work: Path, deadline: float) -> dict:
            '--system', o.system, '--batch-size', 32, '--max-prompt-tokens', 128, '--max-new-tokens', 256,
            '--threads', 2, '--no-progress']
     r = _run(cmd, work / 'synthesize.log', threads=2, deadline=deadline)
-    batches = [json.loads(l) for l in (work / 'data.jsonl.index').read_text().splitlines()[1:]]
+    index = work / 'data.jsonl.index'
+    batches = [json.loads(l) for l in index.read_text().splitlines()[1:]] if index.is_file() else []
+    if not batches: raise RuntimeError(f"no record synthesized in the budget ({60 * o.minutes * o.synth_share:.0f} s); "
+                                       "raise --minutes or --synth-share")
     return {**r, 'records': sum(b['records'] for b in batches),
             'tokens': sum(b['prompt_tokens'] + b['tokens'] for b in batches)}
 

@@ -11,7 +11,7 @@ def test_the_whole_path_writes_its_report_and_a_bf16_drafter_that_decodes_lossle
     work, out = tmp_path / 'work', tmp_path / 'out'
     cmd = [sys.executable, '-m', 'dflash.bench', 'real', '--target', toy_target_dir(),
            '--prompts', toy_data_dir() / 'eval.jsonl', '--num-prompts', '2', '--max-new-tokens', '8',
-           '--minutes', '0.5', '--synth-share', '0.4', '--draft-vocab-size', '256', '--levers', 'block-4',
+           '--minutes', '1', '--synth-share', '0.5', '--draft-vocab-size', '256', '--levers', 'block-4',
            '--ablation-prompts', '2', '--work', work, '--out', out]
     r = subprocess.run(list(map(str, cmd)), env=ENV, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
