@@ -781,7 +781,7 @@ def test_bench_every_bad_option_in_one_error(capsys):
      "--data = 'missing.jsonl': no such file"),
     ('dflash.data', [], "usage: python -m dflash.data {tokenize,cache"),
     ('dflash.bench', ['train', '--machines', '0', '--steps', '1'], "2 bad options"),
-    ('dflash.bench', [], "usage: python -m dflash.bench {attention,scaling,step,train,regenerate,data,quality,gpu}"),
+    ('dflash.bench', [], "usage: python -m dflash.bench {attention,scaling,step,train,regenerate,data,quality,gpu,real}"),
 ], ids=['train', 'plan', 'speculate', 'data', 'data-no-command', 'bench', 'bench-no-command'])
 def test_command_exits_2_with_the_error(tmp_path, module, argv, expect):
     r = subprocess.run([sys.executable, '-m', module, *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120)
