@@ -3,6 +3,7 @@ import json, os, re, shlex, shutil, subprocess, sys, time
 from pathlib import Path
 import numpy as np
 import pytest, torch
+from conftest import override
 from dflash.files import resolve_local, toy_target_dir, toy_data_dir, assets_dir
 from dflash.harness import launch_commands
 from dflash.features import TargetFeatures, CacheDataset
@@ -126,7 +127,7 @@ def _readme_recipe() -> list[str]:
             not line.lstrip().startswith('#')]
 
 
-TOY_SIZES = {'regenerate': '--max-new-tokens 16 --batch-size 8 --no-progress',   # toy sizes, after the README's flags
+TOY_SIZES = {'regenerate': '--max-new-tokens 16 --batch-size 8 --no-progress',   # toy sizes, in place of the README's
              'synthesize': '--num 2 --max-prompt-tokens 16 --max-new-tokens 8 --batch-size 2 --no-progress',
              'data cache': '--dtype float32 --no-progress',
              'dflash.train': '--max-steps 2 --batch-size 2 --num-anchors 8 --progress-bar false',
@@ -151,7 +152,8 @@ def test_readme_recipe_with_a_hub_id(toy_hub, tmp_path):
     for cmd in cmds[1:]:
         cmd = cmd.replace('Qwen/Qwen3-8B', 'acme/qwen3-toy').replace('--num-proc 16', '--num-proc 1')
         cmd = cmd.replace('accelerate launch --multi_gpu --num_processes 8', launcher)
-        cmd += ''.join(f' {v}' for k, v in TOY_SIZES.items() if k in cmd)
+        for k, v in TOY_SIZES.items():                                 # the README's flag replaced where it has one
+            if k in cmd: cmd = shlex.join(override(shlex.split(cmd), *v.split()))
         r = subprocess.run(['bash', '-c', cmd], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, f"{cmd}\n{r.stdout}\n{r.stderr}"
     assert (tmp_path / 'regen.jsonl').is_file() and (tmp_path / 'cache' / 'qwen3-8b' / 'manifest.json').is_file()
