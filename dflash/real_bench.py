@@ -185,7 +185,8 @@ def _measure(o: RealBench, target: str, prompts: Path, drafter: Path, where: Pat
     for i in range(k):
         write_atomic(where / f'prompts-{i}.jsonl', ''.join(l + '\n' for l in lines[i::k]))   # every k-th: like lengths
         cmd = [sys.executable, '-m', 'dflash.speculate', '--target', target, '--drafter', drafter,
-               '--data', where / f'prompts-{i}.jsonl', '--max-new-tokens', o.max_new_tokens, '--block-size', block,
+               '--data', where / f'prompts-{i}.jsonl', '--num-prompts', len(lines[i::k]), '--max-new-tokens', o.max_new_tokens,
+               '--block-size', block,
                '--temperature', *temperatures, '--threads', 1, '--out', where / f'part-{i}', '--no-progress']
         log = os.open(where / f'speculate-{i}.log', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         procs.append(subprocess.Popen(list(map(str, cmd)), stdout=log, stderr=subprocess.STDOUT, env=env))
