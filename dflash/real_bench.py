@@ -313,7 +313,8 @@ def _write_real(o: RealBench, out: Path, phases: dict, table: list[dict], abl: l
     from dflash.drafter import DFlashDrafter
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / 'real.csv', _csv(table + abl))
-    info = {k: {kk: str(v) if isinstance(v, Path) else v for kk, v in p.items()} for k, p in phases.items()}
+    info = {k: {kk: os.path.relpath(v, o.work) if isinstance(v, Path) else v for kk, v in p.items()}   # under --work
+            for k, p in phases.items()}
     write_json(out / 'real.json', {'options': {k: getattr(o, k) for k in o.__dataclass_fields__}, 'phases': info,
                                    'total_s': total_s, 'results': table, 'ablation': abl})
     md = _markdown(o, phases, table, abl, total_s)

@@ -25,6 +25,7 @@ def test_the_whole_path_writes_its_report_and_a_bf16_drafter_that_decodes_lossle
     data = (work / 'data.jsonl').read_text().splitlines()
     assert report['phases']['synthesize']['records'] == len(data) > 0    # trained on what the target wrote
     assert report['phases']['train']['steps'] >= 1
+    assert report['phases']['train']['dir'] == os.path.join('runs', 'base')   # under --work, not a machine's path
     assert '| T | prompts | τ |' in (out / 'real.md').read_text() and (out / 'real.png').stat().st_size > 0
     with safe_open(str(out / 'drafter' / 'model.safetensors'), 'pt') as f:
         dtypes = {str(f.get_tensor(k).dtype) for k in f.keys() if f.get_tensor(k).is_floating_point()}
