@@ -7,8 +7,8 @@ from __future__ import annotations
 import os, sys
 from dataclasses import dataclass
 from pathlib import Path
-from .files import (config_vocab_size, disk_refused, out_problems, resolve_local, target_config_dict,
-                          target_problems)
+from .files import (config_max_positions, config_vocab_size, disk_refused, out_problems, resolve_local,
+                          target_config_dict, target_problems)
 from .options import Command, option, parse_subcommand, usage_text, OptionsError, exit_bad_options
 from .regenerate import REGENERATE
 from .synthesize import SYNTHESIZE
@@ -83,10 +83,14 @@ def _check_cache(o: CacheOptions) -> list[str]:
     if o.layers is not None:
         try: _layer_ids(o.layers)
         except ValueError as e: probs.append(str(e))
-    if o.mask_token_id is not None and o.target is not None and not any(p.startswith('--target') for p in probs):
-        V = config_vocab_size(target_config_dict(resolve_local(o.target))[0])
-        if V is not None and not o.mask_token_id < V:
-            probs.append(f"--mask-token-id = {o.mask_token_id}: allowed 0..{V - 1} (the target's vocabulary)")
+    if o.target is None or any(p.startswith('--target') for p in probs): return probs
+    conf = target_config_dict(resolve_local(o.target))[0]
+    V, P = config_vocab_size(conf), config_max_positions(conf)
+    if o.mask_token_id is not None and V is not None and not o.mask_token_id < V:
+        probs.append(f"--mask-token-id = {o.mask_token_id}: allowed 0..{V - 1} (the target's vocabulary)")
+    if P is not None and isinstance(o.max_length, int) and o.max_length > P:
+        probs.append(f"--max-length = {o.max_length}: allowed <= {P} (the target's max_position_embeddings: it has no "
+                     f"positions past {P})")
     return probs
 
 # %% ../nbs/08d_data.ipynb #072afdab

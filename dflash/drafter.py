@@ -16,7 +16,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedd
 from .config import DrafterConfig
 from .layout import BlockLayout
 from .attention import get_backend
-from .files import resolve_local, write_atomic
+from .files import resolve_local, safetensors_problem, write_atomic
 
 # %% auto #0
 __all__ = ['compute_dtype', 'RMSNorm', 'DFlashAttention', 'DFlashDecoderLayer', 'ContextCache', 'DFlashDrafter',
@@ -296,8 +296,10 @@ def _check_state(expected: dict, found: dict, source: str):
                              f"config.json implies {tuple(expected[name].shape)}")
 
 def _read_safetensors(f: Path) -> dict:
-    "The tensors of one safetensors file; a truncated or foreign file is named."
+    "The tensors of one safetensors file; a truncated, foreign or hostile file (`safetensors_problem`) is named."
     from safetensors import SafetensorError
+    if bad := safetensors_problem(f):
+        raise ValueError(f"{f}: unreadable, truncated or not safetensors ({bad.removeprefix(f'{f}: ')})")
     try: return load_file(f)
     except SafetensorError as e: raise ValueError(f"{f}: unreadable, truncated or not safetensors ({e})") from None
 

@@ -14,14 +14,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 from .config import DrafterConfig, choose_mask_token, default_target_layer_ids
-from .files import (file_sha256, gguf_problem, is_gguf, json_problem, make_dir, pretrained, read_problem,
-                          remove_temporaries, resolve_local, write_atomic, write_json)
+from .files import (file_sha256, gguf_problem, is_gguf, json_problem, make_dir, pretrained, remove_temporaries,
+                          resolve_local, safetensors_problem, write_atomic, write_json)
 from .stops import Preempted, StopRequest, any_stop
 from .chat import DataStats
 
 # %% auto #0
-__all__ = ['check_target_dir', 'target_identity', 'target_features', 'TargetFeatures', 'cache_bytes_per_token', 'write_cache',
-           'CacheDataset', 'token_counts', 'data_mask_token', 'collate']
+__all__ = ['check_target_dir', 'target_identity', 'target_features', 'load_target', 'TargetFeatures', 'cache_bytes_per_token',
+           'write_cache', 'CacheDataset', 'token_counts', 'data_mask_token', 'collate']
 
 # %% ../nbs/08a_features.ipynb #3bfa4cc6
 _WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pt', '.pth')
@@ -105,8 +105,9 @@ def target_features(hidden_states, layer_ids) -> Tensor:
     "Concatenated outputs of target layers `layer_ids` from a forward's hidden_states -> (N, T, L·H)."
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
-def _load_problem(loaded: dict) -> str | None:
-    "What transformers' loading report says is wrong with a target's weights (missing, other shapes), or None."
+def _load_problem(loaded: dict, arch: str) -> str | None:
+    """What transformers' loading report says is wrong with the weights of a target that config.json makes an `arch`:
+    weights missing, of other shapes, or with no place in it (which transformers would drop); or None."""
     if wrong := sorted(loaded['mismatched_keys']):
         k, saved, wanted = wrong[0]
         return (f"{len(wrong)} weights have other shapes than config.json gives (like {k}: {list(saved)} in the "
@@ -114,13 +115,29 @@ def _load_problem(loaded: dict) -> str | None:
     if missing := sorted(loaded['missing_keys']):
         return (f"its files lack weights of the model config.json describes ({len(missing)}, like "
                 f"{', '.join(missing[:3])}): they hold another architecture's weights")
+    if unexpected := sorted(loaded['unexpected_keys']):
+        return (f"its files hold {len(unexpected)} weights the {arch} of config.json has no place for (like "
+                f"{', '.join(unexpected[:3])}): another architecture's weights, which transformers would drop")
     return None
+
+def load_target(path, dtype: torch.dtype):
+    """The causal LM of target `path` (a model directory or a GGUF file, `pretrained`) in `dtype`, refused with a
+    `ValueError` naming the weights when its files and its config.json are not of one model (`_load_problem`)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()                  # transformers' table of the keys: what is wrong is said below
+    try: model, loaded = pretrained(AutoModelForCausalLM, path, dtype=dtype, output_loading_info=True,
+                                    ignore_mismatched_sizes=True)
+    finally: hf_logging.set_verbosity(level)
+    if bad := _load_problem(loaded, type(model).__name__): raise ValueError(f"target {path}: {bad}")
+    return model
 
 class TargetFeatures:
     "A frozen target causal LM that yields the DFlash context features (N, S, L·H)."
     def __init__(self, path, *, layer_ids=None, num_draft_layers: int = 5, dtype: torch.dtype | None = None,
                  device=None, tokenizer=None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
         self.path = path = resolve_local(path)
         self.config = config = check_target_dir(path)
         T = config.num_hidden_layers
@@ -138,10 +155,7 @@ class TargetFeatures:
         self.tokenizer = tokenizer
         self.device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == 'cuda' else torch.float32)
-        model, loaded = pretrained(AutoModelForCausalLM, path, dtype=self.dtype, output_loading_info=True,
-                                   ignore_mismatched_sizes=True)                          # refused below, named
-        if bad := _load_problem(loaded): raise ValueError(f"target {path}: {bad}")
-        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.model = load_target(path, self.dtype).to(self.device).eval().requires_grad_(False)
         rows = self.embed_weight.shape[0]
         if tokenizer is not None and len(tokenizer) > rows:
             raise ValueError(f"target {path}: the tokenizer has {len(tokenizer)} tokens but the target's embedding has "
@@ -327,6 +341,25 @@ def write_cache(features: TargetFeatures, dataset, out, *, shard_size: int = 64,
 _MANIFEST_KEYS = ('num_samples', 'num_shards', 'shard_size', 'layer_ids', 'target', 'data', 'shards')
 _REDO = "; run the `python -m dflash.data cache` command that wrote it again: it redoes the shards that are not whole"
 
+def _count(v) -> bool: return type(v) is int and v >= 0
+
+def _manifest_problem(m: dict) -> str | None:
+    """Where a cache manifest's counts and its shard records disagree, or None: there are `num_shards` records, their
+    samples sum to `num_samples`, and each shard holds `shard_size` samples but the last, which may hold fewer."""
+    n, K, size, shards = m['num_samples'], m['num_shards'], m['shard_size'], m['shards']
+    if not (_count(n) and _count(K) and _count(size) and size > 0 and isinstance(shards, list)):
+        return "num_samples, num_shards and shard_size are not counts, or shards not a list"
+    if bad := [k for k, s in enumerate(shards) if not (isinstance(s, dict) and isinstance(s.get('file'), str)
+                                                       and _count(s.get('bytes')) and _count(s.get('num_samples')))]:
+        return f"shard record {bad[0]} is not a mapping of file, bytes and num_samples"
+    if len(shards) != K: return f"num_shards is {K}, but it records {len(shards)} shards"
+    if (held := sum(s['num_samples'] for s in shards)) != n:
+        return f"num_samples is {n}, but its shards hold {held}"
+    for k, s in enumerate(shards):
+        if s['num_samples'] > size or s['num_samples'] < size and k < K - 1:
+            return f"shard_size is {size}, but shard {s['file']} holds {s['num_samples']} samples"
+    return None
+
 class CacheDataset(Dataset):
     "Samples of an offline cache: `{'input_ids', 'loss_mask', 'context' (S, L·H), 'sample_id'}` (+ `final_hidden`)."
     def __init__(self, path, target: TargetFeatures | str | Path | None = None):
@@ -343,6 +376,8 @@ class CacheDataset(Dataset):
         if not m.get('complete'):
             raise ValueError(f"cache {path}: incomplete, {len(m['shards'])} of {m['num_shards']} shards written; "
                              "rerun the cache command to finish it")
+        if bad := _manifest_problem(m):
+            raise ValueError(f"cache {mf}: {bad}; the manifest does not describe its shards: write the cache again")
         if target is not None:
             ident = target.identity if isinstance(target, TargetFeatures) else target_identity(resolve_local(target))
             tpath = target.path if isinstance(target, TargetFeatures) else target
@@ -356,7 +391,7 @@ class CacheDataset(Dataset):
             if f.stat().st_size != s['bytes']:
                 raise ValueError(f"cache {path}: shard {s['file']} is truncated or corrupt "
                                  f"({f.stat().st_size} bytes, the manifest says {s['bytes']}){_REDO}")
-            if bad := read_problem(f): raise ValueError(f"cache {bad}")
+            if bad := safetensors_problem(f): raise ValueError(f"cache {bad}")      # unreadable, or a hostile header
         self.shard_size, self.stats = m['shard_size'], DataStats(**m['data'].get('stats', {}))
         self._open = {}
 

@@ -10,11 +10,11 @@ from typing import Callable
 from .options import unreadable
 
 # %% auto #0
-__all__ = ['DISK_REFUSED', 'fsync_path', 'disk_error', 'temp_beside', 'write_atomic', 'temp_dir_beside', 'remove_temporaries',
-           'write_json', 'disk_refused', 'hf_hub_cache', 'resolve_local', 'read_problem', 'json_problem',
-           'safetensors_problem', 'model_dir_problems', 'file_sha256', 'is_gguf', 'gguf_problem', 'pretrained',
-           'target_problems', 'target_config_dict', 'config_vocab_size', 'make_dir', 'dir_write_problem', 'dir_kind',
-           'out_problems', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
+__all__ = ['DISK_REFUSED', 'SAFETENSORS_HEADER_MAX', 'fsync_path', 'disk_error', 'temp_beside', 'write_atomic', 'temp_dir_beside',
+           'remove_temporaries', 'write_json', 'disk_refused', 'hf_hub_cache', 'resolve_local', 'read_problem',
+           'json_problem', 'safetensors_problem', 'model_dir_problems', 'file_sha256', 'is_gguf', 'gguf_problem',
+           'pretrained', 'target_problems', 'target_config_dict', 'config_vocab_size', 'config_max_positions',
+           'make_dir', 'dir_write_problem', 'dir_kind', 'out_problems', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
 
 # %% ../nbs/00b_files.ipynb #99b1472b
 def fsync_path(path):
@@ -154,23 +154,44 @@ def json_problem(path, what: str = 'file') -> tuple[dict | None, str | None]:
     if not isinstance(d, dict): return None, f"{path}: expected a JSON object, got {type(d).__name__}"
     return d, None
 
+SAFETENSORS_HEADER_MAX = 16 * 2**20     # bytes; the safetensors library reads up to 100 MB, a model's header a few KB
+
+def _sizes(v, n: int | None = None) -> bool:
+    "Whether `v` is a list (of `n` items) of integers >= 0."
+    return isinstance(v, list) and (n is None or len(v) == n) and all(type(x) is int and x >= 0 for x in v)
+
+def _entry_problem(name: str, t) -> str | None:
+    "What is wrong with the header entry of tensor `name` (a mapping of dtype, shape and [begin, end]), or None."
+    if name == '__metadata__':
+        ok = isinstance(t, dict) and all(isinstance(v, str) for v in t.values())
+        return None if ok else "__metadata__ is not a mapping of strings"
+    if not isinstance(t, dict): return f"tensor {name!r}: its entry is a {type(t).__name__}, not a mapping"
+    if not isinstance(t.get('dtype'), str): return f"tensor {name!r}: no dtype name"
+    if not _sizes(t.get('shape')): return f"tensor {name!r}: its shape is not a list of sizes"
+    if not _sizes(t.get('data_offsets'), 2) or t['data_offsets'][0] > t['data_offsets'][1]:
+        return f"tensor {name!r}: its data_offsets are not [begin, end]"
+    return None
+
 def safetensors_problem(path) -> str | None:
-    "What is wrong with a safetensors file's header or size (truncated, garbage), or None."
+    """What is wrong with a safetensors file's header or size (truncated, garbage, a header over
+    `SAFETENSORS_HEADER_MAX` or nested past what Python parses, an entry that is no tensor's), or None."""
     path = Path(path)
     if bad := read_problem(path): return bad
     size = path.stat().st_size
     with open(path, 'rb') as f:
         if size < 8: return f"{path}: not a safetensors file ({size} bytes)"
         n = struct.unpack('<Q', f.read(8))[0]
+        if n > SAFETENSORS_HEADER_MAX:
+            return (f"{path}: not a safetensors file (its header claims {n} bytes, over the "
+                    f"{SAFETENSORS_HEADER_MAX >> 20} MiB a model's header stays under; not read)")
         if n > size - 8: return f"{path}: not a safetensors file or truncated (header of {n} bytes, file of {size})"
         try: header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError): return f"{path}: not a safetensors file (header is not JSON)"
+        except RecursionError: return f"{path}: not a safetensors file (its header is nested too deep to parse)"
     if not isinstance(header, dict): return f"{path}: not a safetensors file (header is not a mapping)"
-    ends = [t['data_offsets'][1] for k, t in header.items() if k != '__metadata__' and isinstance(t, dict)
-            and isinstance(t.get('data_offsets'), list) and len(t['data_offsets']) == 2]
-    if len(ends) != len(header) - ('__metadata__' in header):
-        return f"{path}: not a safetensors file (bad tensor entries)"
-    need = 8 + n + max(ends, default=0)
+    if bad := next((b for k, t in header.items() if (b := _entry_problem(k, t))), None):
+        return f"{path}: not a safetensors file ({bad})"
+    need = 8 + n + max((t['data_offsets'][1] for k, t in header.items() if k != '__metadata__'), default=0)
     if need > size: return f"{path}: truncated ({size} bytes, its header needs {need})"
     return None
 
@@ -244,6 +265,12 @@ def config_vocab_size(d: dict | None) -> int | None:
     d = d or {}
     V = d.get('vocab_size') or (d.get('text_config') or {}).get('vocab_size')
     return V if isinstance(V, int) and not isinstance(V, bool) else None
+
+def config_max_positions(d: dict | None) -> int | None:
+    "The positions a config dict's model takes (max_position_embeddings; a multimodal model's text config's), or None."
+    d = d or {}
+    P = d.get('max_position_embeddings') or (d.get('text_config') or {}).get('max_position_embeddings')
+    return P if isinstance(P, int) and not isinstance(P, bool) else None
 
 # %% ../nbs/00b_files.ipynb #8dcfcfca
 def make_dir(path) -> Path:

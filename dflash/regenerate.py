@@ -364,7 +364,8 @@ def _dtype(cfg: RegenConfig, device) -> torch.dtype:
 
 def make_engine(cfg: RegenConfig, tokenizer, device):
     "The engine `cfg` asks for, with its stop ids."
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
+    from dflash.features import load_target
     target = target_dir(cfg)
     try: gen_cfg = pretrained(GenerationConfig, target)
     except (OSError, ValueError): gen_cfg = None            # none saved: the tokenizer's end of turn
@@ -372,7 +373,7 @@ def make_engine(cfg: RegenConfig, tokenizer, device):
     if cfg.engine == 'vllm':
         return VLLMEngine(target, stops, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                           top_p=cfg.top_p, dtype=cfg.dtype)
-    model = pretrained(AutoModelForCausalLM, target, dtype=_dtype(cfg, device)).to(device).eval()
+    model = load_target(target, _dtype(cfg, device)).to(device).eval()       # its weights and config.json agree
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     return TransformersEngine(model, stops, pad, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p)
@@ -412,11 +413,11 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
     tkw = template_kwargs(tok, cfg.thinking, str(target))
     header = run_header(cfg)
     done = read_index(cfg.out, header)
+    engine = make_engine(cfg, tok, state.device)                   # a target that does not load: before any write
     state.wait_for_everyone()                                                          # all read before anyone writes
     if state.is_main_process: repair_output(cfg.out, header, done)
     n_batches = -(-len(convs) // cfg.batch_size)
     todo = list(range(len(done), n_batches))
-    engine = make_engine(cfg, tok, state.device)
     res = {'conversations': len(convs), 'skipped_lines': stats.bad_lines, 'batches': n_batches,
            'resumed_batches': len(done), 'regenerated': 0, 'turns': 0, 'appended': 0, 'tokens': 0,
            'truncated_replies': 0}

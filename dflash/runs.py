@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from .options import SEED_MAX, option, flag
 from .threads import threads_option
-from .files import (config_vocab_size, file_sha256, json_problem, make_dir, out_problems, resolve_local,
-                          target_config_dict, target_problems, toy_target_dir)
+from .files import (config_max_positions, config_vocab_size, file_sha256, json_problem, make_dir, out_problems,
+                          resolve_local, target_config_dict, target_problems, toy_target_dir)
 from .locks import LockError, take_lock, start_heartbeat, release_lock
 
 # %% auto #0
@@ -176,6 +176,9 @@ def check_train(c: TrainConfig) -> list[str]:
         conf = None if bad else target_config_dict(resolve_local(c.target))[0]
     else: conf = json_problem(toy_target_dir() / 'config.json')[0]
     probs += _layer_problems(c, (conf or {}).get('num_hidden_layers'))
+    if isinstance(P := config_max_positions(conf), int) and isinstance(c.max_length, int) and c.max_length > P:
+        probs.append(f"--max-length = {c.max_length}: allowed <= {P} (the target's max_position_embeddings: it has no "
+                     f"positions past {P})")
     V = config_vocab_size(conf)
     if isinstance(c.draft_vocab_size, int) and isinstance(V, int) and not c.draft_vocab_size <= V:
         probs.append(f"--draft-vocab-size = {c.draft_vocab_size}: allowed 1..{V} (the target's vocabulary)")

@@ -104,7 +104,7 @@ from torch import Tensor
 from transformers import DynamicCache, GenerationConfig
 from .drafter import DFlashDrafter, ContextCache
 from .chat import DataError
-from .features import target_features
+from .features import load_target, target_features
 from .threads import use_threads
 
 # %% ../nbs/09a_speculate.ipynb #5491609a
@@ -385,10 +385,11 @@ def main(argv=None) -> dict:
     """`python -m dflash.speculate`: tau, its histogram and the speed against plain decoding (and prompt lookup at T = 0)
     at each `--temperature`, prompt by prompt with a running total; returns {'runs': [one acceptance_eval result per
     temperature], ...}. SIGTERM or SIGINT stops it between two prompts with the results so far written, exit status
-    75; a data file without a prompt, or a full or read-only disk, ends as one `error:` line, exit status 2."""
+    75; a data file without a prompt, a target or drafter that does not load as it is, or a full or read-only disk,
+    ends as one `error:` line, exit status 2."""
     a = _parse_speculate(argv)
     try: return _speculate(a)
-    except DataError as e:                                          # a record past what the option check read
+    except (ValueError, FileNotFoundError) as e:     # a record past the options' check, a target or drafter unfit
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except Preempted as e:
@@ -401,7 +402,7 @@ def main(argv=None) -> dict:
         sys.exit(2)
 
 def _speculate(a: SpeculateOptions) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     threads, why = use_threads(a.threads, 1) if dev.type == 'cpu' else (torch.get_num_threads(), 'left as is on a GPU')
     print(f"CPU threads: {threads} ({why})")
@@ -412,7 +413,7 @@ def _speculate(a: SpeculateOptions) -> dict:
     drafter_cfg = DrafterConfig.load(ddir / 'config.json')
     from transformers import AutoConfig
     _check_compatible(drafter_cfg, pretrained(AutoConfig, tdir), a.block_size, name=f"drafter {a.drafter}")
-    target = pretrained(AutoModelForCausalLM, tdir, dtype=dtype).to(dev).eval()   # a directory or a .gguf file
+    target = load_target(tdir, dtype).to(dev).eval()       # a directory or a .gguf file, its weights of its config
     tok = pretrained(AutoTokenizer, tdir)
     drafter = DFlashDrafter.from_pretrained(ddir, dtype=dtype).to(dev).eval()
     prompts = eval_prompts(a.data, tok, a.num_prompts)

@@ -29,8 +29,8 @@ from .plan import budgets, recommend_policy, step_memory, online_target_bytes, o
 from .chunking import free_bytes
 from .objective import dflash_objective, draft_labels, draft_vocab, Objective, ObjectiveSums
 from .chat import ChatDataset
-from .features import (CacheDataset, TargetFeatures, check_target_dir, collate, data_mask_token, target_identity,
-                             token_counts)
+from .features import (CacheDataset, TargetFeatures, check_target_dir, collate, data_mask_token, load_target,
+                             target_identity, token_counts)
 from .files import (json_problem, file_sha256, is_gguf, pretrained, write_atomic, write_json, fsync_path,
                           toy_target_dir, toy_data_dir, make_dir, remove_temporaries, temp_dir_beside,
                           resolve_local, disk_error)
@@ -433,10 +433,9 @@ def _fsdp_settings(acc: Accelerator) -> dict | None:
 
 def _target_layers(cfg: TrainConfig, parts: _RunParts):
     "The target's decoder layers: those of the online target, else (a cache run) the target loaded on the CPU."
-    from transformers import AutoModelForCausalLM
     if parts.features is not None: return parts.features.model.base_model.layers
     target = resolve_local(cfg.target) if cfg.target else toy_target_dir()
-    return pretrained(AutoModelForCausalLM, target, dtype=torch.float32).base_model.layers
+    return load_target(target, torch.float32).base_model.layers
 
 def _shard_drafter(drafter: DFlashDrafter, **settings) -> DFlashDrafter:
     "FSDP2 over all processes: each decoder layer its own unit, then the rest (fc, norms) at the root."

@@ -120,7 +120,7 @@ def chat_targets(tmp_path_factory, chat_tokenizers):
     root = tmp_path_factory.mktemp('targets')
     torch.manual_seed(0)
     sizes = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=448, max_position_embeddings=1024)
+                 num_key_value_heads=2, vocab_size=448, max_position_embeddings=4096)   # past the default --max-length
     Qwen3ForCausalLM(Qwen3Config(head_dim=16, **sizes)).save_pretrained(root / 'qwen3')
     chat_tokenizers['chatml'].save_pretrained(root / 'qwen3')
     LlamaForCausalLM(LlamaConfig(**sizes)).save_pretrained(root / 'llama')
