@@ -184,6 +184,18 @@ class _QualityBench:
     temperatures: list[float] = option((0., 1.), 'temperatures of the speculative loop (0: greedy)', ge=0)
     threads: int = option(2, 'CPU threads of training and of both decoding arms', ge=1)
     out: str = option('benchmarks/quality', "directory for quality.csv, quality.png and runs/")
+    overwrite: bool = option(False, "move the results of an earlier run in --out (quality.csv, quality.png, runs/) "
+                                    "aside, to OUT.replaced-TIME, and measure again")
+
+_QUALITY_FILES = ('quality.csv', 'quality.png', 'runs')           # what `quality` writes into --out
+
+def _quality_found(out) -> list[str]: return [n for n in _QUALITY_FILES if os.path.lexists(Path(out) / n)]
+
+def _check_quality(o: _QualityBench) -> list[str]:
+    "An --out holding an earlier run's results, refused unless --overwrite: never replaced without a word."
+    if o.overwrite or not (found := _quality_found(o.out)): return []
+    return [f"--out = {o.out!r}: holds the results of an earlier quality run ({', '.join(found)}); pass --overwrite "
+            f"to move them aside (to {o.out}.replaced-TIME) and measure again, or choose another --out"]
 
 # %% ../nbs/13_bench.ipynb #be0c0004
 COMMANDS = {   # the functions they run are looked up when they run, after the imports below
@@ -203,7 +215,7 @@ COMMANDS = {   # the functions they run are looked up when they run, after the i
                     'chat data tokenization: conversations/s with 1 and 2 processes, first and second launch'),
     'quality': Command(_QualityBench, lambda o: _run_quality(o),
                        'the toy drafter per training objective and seed: tau at T = 0 and 1, accuracy per position, '
-                       'speedup, training time'),
+                       'speedup, training time', _check_quality),
     'gpu': Command(_GpuBench, lambda o: run_gpu(o),
                    'every CUDA check in one bounded run (one H200: <= 8 minutes); CSV and JSON to --out'),
     'real': Command(RealBench, lambda o: run_real(o),
@@ -789,15 +801,27 @@ def _speculate_quality(args, rows: list[dict], runs: Path):
     return plain
 
 # %% ../nbs/13_bench.ipynb #4794b1cc
+def _fresh(path: Path) -> Path:
+    "A new directory at `path`, or at `path-1`, `path-2`, ... when that name is taken."
+    k, p = 0, path
+    while True:
+        try:
+            p.mkdir(parents=True)
+            return p
+        except FileExistsError: k, p = k + 1, path.with_name(f'{path.name}-{k + 1}')
+
 def _run_quality(args) -> list[dict]:
     "Train per objective and seed, measure each drafter, print the table; write quality.csv and quality.png."
     out = Path(args.out)
     runs = out / 'runs'
+    if found := _quality_found(out):                                            # --overwrite: checked with the options
+        aside = _fresh(out.resolve().with_name(f"{out.resolve().name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
+        for n in found: os.rename(out / n, aside / n)
+        print(f"--overwrite: moved the earlier results in {out} ({', '.join(found)}) to {aside}")
     rows = []
     for objective in args.objectives:
         for seed in args.seeds:
             d = runs / f'{objective}-s{seed}'
-            if d.exists(): shutil.rmtree(d)                                      # a fresh run, not a resume
             print(f"training {objective}, seed {seed} ...", flush=True)
             rows.append(_train_quality_run(args, objective, seed, d))
     plain = _speculate_quality(args, rows, runs)

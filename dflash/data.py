@@ -10,6 +10,7 @@ from pathlib import Path
 from .files import (config_max_positions, config_vocab_size, disk_refused, out_problems, resolve_local,
                           target_config_dict, target_problems)
 from .options import Command, option, parse_subcommand, usage_text, OptionsError, exit_bad_options
+from .locks import LockError, release_lock, start_heartbeat, take_lock, writer_locks, writer_problem
 from .regenerate import REGENERATE
 from .synthesize import SYNTHESIZE
 from .stops import EXIT_PREEMPTED, Preempted, StopRequest
@@ -58,7 +59,8 @@ _DATA_SUFFIXES = ('.jsonl', '.json', '.parquet')
 
 def _check_data(o: DataOptions) -> list[str]:
     """Problems beyond each value's range: required options, a target or tokenizer that is not here (a directory, or a
-    hub id in the local cache) or whose files are broken, a data file that is not here."""
+    hub id in the local cache) or whose files are broken, a data file that is not here or that another command is
+    still writing."""
     probs = [f"{flag} is required" for flag, v in (('--target', o.target), ('--data', o.data)) if v is None]
     if o.target is not None: probs += target_problems(o.target, '--target')
     if o.tokenizer is not None:
@@ -66,6 +68,7 @@ def _check_data(o: DataOptions) -> list[str]:
         except FileNotFoundError as e: probs.append(f"--tokenizer: {e}")
     if o.data is not None and Path(o.data).suffix in _DATA_SUFFIXES and not Path(o.data).exists():
         probs.append(f"--data = {o.data!r}: no such file")
+    if o.data is not None and (busy := writer_problem(o.data, '--data')): probs.append(busy)
     return probs
 
 def _layer_ids(text: str) -> list[int]:
@@ -131,9 +134,21 @@ def _tokenize_command(o: DataOptions):
     print(f"tokenized: {len(ds)} samples, {ds.stats.tokens} tokens ({ds.stats.supervised_tokens} supervised)")
 
 def _cache_command(o: CacheOptions):
-    "`python -m dflash.data cache`: data checked and tokenized first, then the target loads and the shards are written."
+    """`python -m dflash.data cache`: `--out` locked (`OUT.lock`, by the main process), data checked and tokenized, then
+    the target loads and the shards are written."""
     from accelerate import PartialState
     state = PartialState(cpu=not torch.cuda.is_available())   # gloo processes on a CPU machine
+    lock, main = writer_locks(o.out)[0], state.is_main_process
+    if main:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        take_lock(lock, f"--out {o.out}")                      # another command writing it is refused
+        start_heartbeat(lock)
+    try: _write_cache(o, state, stop_release=(lambda: release_lock(lock)) if main else None)
+    finally:
+        if main: release_lock(lock)
+
+def _write_cache(o: CacheOptions, state, stop_release=None):
+    "The cache of `_cache_command`, its `--out` locked; `stop_release`: what a second SIGTERM or SIGINT runs first."
     if state.device.type == 'cpu':
         threads, why = use_threads(o.threads)
         if state.is_main_process: print(f"CPU threads: {threads} per process ({why})")
@@ -148,7 +163,7 @@ def _cache_command(o: CacheOptions):
     feats = TargetFeatures(o.target, layer_ids=_layer_ids(o.layers) if o.layers else None,
                            num_draft_layers=o.num_draft_layers, dtype=dtype, device=device, tokenizer=tok)
     info = {'path': str(o.data), 'max_length': o.max_length, 'stats': ds.stats.as_dict(), 'mask_token_id': mask}
-    with StopRequest() as stop:
+    with StopRequest(on_exit=stop_release) as stop:
         man = write_cache(feats, ds, o.out, shard_size=o.shard_size, progress=o.progress, batch_tokens=o.batch_tokens,
                           final_hidden=o.final_hidden, data_info=info, stop=stop)
     if state.is_main_process:
@@ -158,7 +173,7 @@ def main(argv=None):
     "Run a `python -m dflash.data` subcommand: options checked first (exit 2), then its function."
     name, opts = _parse_command(argv)
     try: return COMMANDS[name].run(opts)
-    except (ValueError, FileNotFoundError) as e:                        # DataError and TemplateError are ValueErrors
+    except (ValueError, FileNotFoundError, LockError) as e:             # DataError and TemplateError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except Preempted as e:                                              # SIGTERM, SIGINT: stopped after a shard

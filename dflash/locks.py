@@ -9,7 +9,8 @@ from pathlib import Path
 from .files import json_problem, temp_beside, write_json
 
 # %% auto #0
-__all__ = ['LOCK_HEARTBEAT_S', 'LOCK_STALE_S', 'LockError', 'take_lock', 'start_heartbeat', 'release_lock']
+__all__ = ['LOCK_HEARTBEAT_S', 'LOCK_STALE_S', 'LockError', 'take_lock', 'start_heartbeat', 'release_lock', 'writer_locks',
+           'writer_problem']
 
 # %% ../nbs/00d_locks.ipynb #3f5672fb
 def _alive(pid: int) -> bool:
@@ -100,3 +101,29 @@ def release_lock(lock):
     if stop := _BEATING.pop(lock, None): stop.set()
     with _LOCK_FILES:
         if _mine(lock) is not None: lock.unlink()
+
+# %% ../nbs/00d_locks.ipynb #ad7fb185
+def writer_locks(path) -> list[Path]:
+    """Where the commands that write `path` keep their locks: `PATH.lock` beside it; in a directory, its `.lock` (a
+    run's) and each of its files' `FILE.lock`; for a run's `drafter`, the run's `.lock`."""
+    p = Path(path).expanduser()
+    if p.name in ('', '..'): p = p.resolve()                        # '.', '..': a name to put `.lock` after
+    found = [p.with_name(p.name + '.lock')]
+    if p.is_dir(): found += sorted(p.glob('*.lock'))                 # `.lock` too: pathlib's * matches hidden names
+    if p.name == 'drafter' and (p.parent / 'run.json').is_file(): found.append(p.parent / '.lock')
+    return found
+
+def writer_problem(path, name: str) -> str | None:
+    """Why option `name` cannot read `path` yet: another live process holds the lock of a command writing it
+    (`writer_locks`), or such a lock cannot be read; None when no one is writing it."""
+    for lock in writer_locks(path):
+        if not os.path.lexists(lock): continue
+        held, bad = json_problem(lock, 'lock')
+        if bad and not os.path.lexists(lock): continue                 # released meanwhile
+        if bad: return f"{name}: {lock}: unreadable lock ({bad}); remove it if no process is writing {path}"
+        mine = held.get('pid') == os.getpid() and held.get('host') == socket.gethostname()
+        if mine or _stale(held): continue
+        host = '' if held.get('host') == socket.gethostname() else f" on {held.get('host')}"
+        return (f"{name}: {path} is still being written by process {held.get('pid')}{host} (its lock {lock} is "
+                f"held): wait for it to finish")
+    return None

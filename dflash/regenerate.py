@@ -12,7 +12,7 @@ from .options import (SEED_MAX, TEMPERATURE_MIN, Command, option, build_options,
 from .files import (disk_error, disk_refused, file_sha256, pretrained, resolve_local, target_problems,
                           toy_target_dir, write_atomic)
 from .threads import threads_option, use_threads
-from .locks import LockError, take_lock, start_heartbeat, release_lock
+from .locks import LockError, take_lock, start_heartbeat, release_lock, writer_locks, writer_problem
 from .stops import EXIT_PREEMPTED, Preempted, StopRequest, any_stop
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.chat (which loads torch) load inside the
@@ -74,6 +74,7 @@ def _check_options(cfg: RegenConfig) -> list[str]:
         else:
             if cfg.out is not None and Path(cfg.out).resolve() == data.resolve():
                 p.append(f"--out = {cfg.out!r}: must differ from --data")
+            if busy := writer_problem(data, '--data'): p.append(busy)
     if cfg.out is not None and Path(cfg.out).is_dir():
         p.append(f"--out = {cfg.out!r}: is a directory, expected a JSONL file path")
     return p + target_engine_problems(cfg)
@@ -484,7 +485,7 @@ def run_locked(cfg, work, report) -> dict:
     if not torch.cuda.is_available():
         threads, why = use_threads(cfg.threads)
         print(f"CPU threads: {threads} per process ({why})")
-    lock, main = Path(str(cfg.out) + '.lock'), process_state().is_main_process
+    lock, main = writer_locks(cfg.out)[0], process_state().is_main_process   # OUT.lock
     try:
         if main:
             lock.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from .options import SEED_MAX, option, flag
 from .threads import threads_option
 from .files import (config_max_positions, config_vocab_size, file_sha256, json_problem, make_dir, out_problems,
                           resolve_local, target_config_dict, target_problems, toy_target_dir)
-from .locks import LockError, take_lock, start_heartbeat, release_lock
+from .locks import LockError, take_lock, start_heartbeat, release_lock, writer_problem
 
 # %% auto #0
 __all__ = ['TRACKERS', 'LOSSES', 'RUN_ACTIONS', 'TrainConfig', 'launch_problems', 'policy_problem', 'check_train', 'RunDirError',
@@ -191,6 +191,8 @@ def check_train(c: TrainConfig) -> list[str]:
         p = getattr(c, name)
         if p is not None and Path(p).is_file() and not _has_line(p):
             probs.append(f"{flag(name)} = {p!r}: empty file (no conversation)")
+    probs += [busy for name in ('data', 'eval_data', 'cache')
+              if (p := getattr(c, name)) is not None and (busy := writer_problem(p, flag(name)))]
     if c.cache is not None and Path(c.cache).is_dir():
         manifest, bad = json_problem(Path(c.cache) / 'manifest.json')
         if bad: probs.append(f"--cache: {bad}")

@@ -11,6 +11,7 @@ from .config import DrafterConfig
 from .options import SEED_MAX, TEMPERATURE_MIN, option, parse_options, OptionsError, exit_bad_options
 from .threads import threads_option
 from .stops import EXIT_PREEMPTED, Preempted, StopRequest
+from .locks import writer_problem
 from .files import (json_problem, is_gguf, pretrained, target_problems, resolve_local, safetensors_problem, dir_write_problem,
                           disk_refused, write_atomic, write_json)
 
@@ -46,7 +47,8 @@ class SpeculateOptions:
     threads: int | None = threads_option()
 
 def _check_speculate(o: SpeculateOptions) -> list[str]:
-    "Problems beyond each option's range: required options, the model directories and the prompts, read without loading."
+    """Problems beyond each option's range: required options, the model directories and the prompts, read without
+    loading; prompts or a drafter that another command is still writing."""
     probs = [f"--{k} is required" for k in ('target', 'drafter', 'data') if getattr(o, k) is None]
     if o.out is not None and (bad := dir_write_problem(o.out, '--out')): probs.append(bad)   # before minutes of work
     if o.target is not None: probs += target_problems(o.target, '--target')
@@ -55,9 +57,11 @@ def _check_speculate(o: SpeculateOptions) -> list[str]:
         n = o.num_prompts if isinstance(o.num_prompts, int) and o.num_prompts >= 1 else 1
         try: _prompt_turns(o.data, n)                              # the turns of the prompts to be run
         except DataError as e: probs.append(f"--data: {e}")
+    if o.data is not None and (busy := writer_problem(o.data, '--data')): probs.append(busy)
     if o.drafter is not None:
         try: d = resolve_local(o.drafter)                          # a directory, or a hub id's local snapshot
         except FileNotFoundError as e: return probs + [f"--drafter: {e}"]
+        if busy := writer_problem(d, '--drafter'): return probs + [busy]      # a run still training it
         conf, bad = json_problem(d / 'config.json', 'config.json')
         if not d.is_dir(): probs.append(f"--drafter = {o.drafter!r}: not a directory")
         elif bad: probs.append(f"--drafter: {bad}")

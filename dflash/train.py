@@ -5,7 +5,7 @@
 # %% ../nbs/11_train.ipynb #e61e91ca
 from __future__ import annotations
 import csv, importlib.resources, io, os, sys, time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 import yaml
 from .options import OptionParser, OptionsError, build_options, exit_bad_options
@@ -84,10 +84,12 @@ def _sampled_text(r: dict) -> str:
     x = r.get('sampled')
     return f", at T=1 {x['tau'][0]:.3f} and {x['tau'][1]:.3f} (seeds 0 and 1), on {r['prompts']} prompts" if x else ''
 
+_SCHEDULE = ('max_steps', 'epochs', 'lr', 'warmup_ratio', 'schedule', 'decay_ratio')   # what lays out the rates
+
 def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, stop: StopRequest | None = None) -> dict:
     t_start = time.perf_counter()
     import torch                                         # torch, transformers, accelerate: only now
-    from dflash.trainer import Trainer, TrackerError, timed
+    from dflash.trainer import Trainer, TrackerError, timed, run_steps, steps_change
     from dflash.threads import use_threads
     gpu = torch.cuda.is_available()
     threads, why = use_threads(cfg.threads) if not gpu else (torch.get_num_threads(), 'left as is on a GPU')
@@ -107,7 +109,12 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
     try: trainer = Trainer(cfg)
     except (ValueError, FileNotFoundError, MemoryError) as e:       # a target, tokenizer, data or cache it cannot use
         raise StartupFailed(str(e) or type(e).__name__) from e
-    trainer.restore()                                    # a refused resume, like a failed start-up, records nothing
+    where = trainer.restore()                            # a refused resume, like a failed start-up, records nothing
+    if where and is_main:
+        before = replace(cfg, **{k: v for k, v in rec['config'].items() if k in _SCHEDULE})
+        was = rec.get('total_steps') or run_steps(before, len(trainer.parts.train))
+        if said := steps_change(before, was, cfg, trainer.total_steps, trainer.step): print(said)
+    record['total_steps'] = trainer.total_steps
     try: trainer.start_trackers()                        # a tracker that cannot start: the same, named
     except TrackerError as e: raise StartupFailed(str(e)) from e
     if is_main: write_json(out / 'run.json', record)     # the run has started
@@ -151,6 +158,17 @@ def _finished_work(out: Path, rec: dict, cfg: TrainConfig) -> str | None:
         return f"{out}: this run finished at step {step} but its drafter is missing: exporting it again"
     return None
 
+def _fewer_steps(rec: dict, cfg: TrainConfig) -> str | None:
+    "Why a resume of a run finished as `rec` records cannot train to `cfg`'s length (fewer steps), or None."
+    step, before = rec.get('step'), rec['config']
+    if not isinstance(step, int): return None
+    if cfg.max_steps is not None and cfg.max_steps < step: asked = f"--max-steps = {cfg.max_steps}"
+    elif cfg.max_steps is None and before.get('max_steps') is None and cfg.epochs < before.get('epochs', cfg.epochs):
+        asked = f"--epochs = {cfg.epochs:g} (it ran {before['epochs']:g})"
+    else: return None
+    return (f"{asked}: the run already has {step} steps (it finished at step {step}); a resume cannot take steps "
+            f"back: pass --max-steps above {step} to train longer, or start a new run with --overwrite or another --out")
+
 def _disk_refused(e: OSError) -> str:
     "The `error: ...` line of a write the disk refused (full, read-only, not permitted), naming the file; raise others."
     said = disk_refused(e, " (or choose another --out), then run the command again (with --resume once the run has "
@@ -163,6 +181,9 @@ def main(argv=None) -> dict:
     except OptionsError as e: exit_bad_options(e)
     out, is_main = Path(cfg.out), int(os.environ.get('RANK', '0')) == 0
     if cfg.resume and rec and rec.get('status') == 'finished':
+        if fewer := _fewer_steps(rec, cfg):
+            if is_main: print(f"error: {fewer}", file=sys.stderr)
+            raise SystemExit(2)
         work = _finished_work(out, rec, cfg)
         if is_main: print(work or f"{out}: this run finished at step {rec.get('step')}; --resume leaves it as it is "
                                   f"(to train longer, resume with more --max-steps or --epochs; to train again, start a "

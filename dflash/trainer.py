@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_trainer.ipynb #132bd6a8
 from __future__ import annotations
-import csv, io, os, re, resource, shutil, sys, time
+import csv, io, math, os, re, resource, shutil, sys, time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
@@ -38,8 +38,8 @@ from .stops import Preempted, StopRequest
 from .runs import TrainConfig, launch_problems, RunDirError, RunFailed
 
 # %% auto #0
-__all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'whole_or_nothing', 'rotate_checkpoints', 'lr_schedule',
-           'Trainer', 'timed', 'TrackerError']
+__all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'whole_or_nothing', 'rotate_checkpoints', 'run_steps',
+           'lr_schedule', 'lr_at', 'steps_change', 'Trainer', 'timed', 'TrackerError']
 
 # %% ../nbs/10_trainer.ipynb #0ebcce23
 def _gguf_head_weights(path: Path) -> tuple[Tensor, Tensor]:
@@ -390,13 +390,42 @@ def _truncate_csv(path, last_step: int):
     write_atomic(path, buf.getvalue())
 
 # %% ../nbs/10_trainer.ipynb #b7a11001
+def run_steps(cfg: TrainConfig, samples: int) -> int:
+    "The optimizer steps of run `cfg` over `samples` training samples: `max_steps`, else `epochs` of whole batches."
+    return cfg.max_steps or max(1, int(cfg.epochs * (samples // cfg.batch_size)))
+
+def _phases(cfg: TrainConfig, total: int) -> tuple[int, int]:
+    "(warmup steps, decay steps) of `cfg`'s schedule over `total` steps; cosine decays over every step after the warmup."
+    warmup = round(cfg.warmup_ratio * total)
+    if cfg.schedule == 'cosine': return warmup, total - warmup
+    return warmup, min(max(1, round(cfg.decay_ratio * total)), total - warmup)
+
 def lr_schedule(opt, cfg: TrainConfig, total: int):
     """The learning-rate schedule of `cfg` over `total` steps: a linear warmup over `cfg.warmup_ratio` of them, then a
     cosine decay to 0 (`cosine`), or the peak held and a cosine decay over the last `cfg.decay_ratio` (`wsd`)."""
-    warmup = round(cfg.warmup_ratio * total)
+    warmup, decay = _phases(cfg, total)
     if cfg.schedule == 'cosine': return get_cosine_schedule_with_warmup(opt, warmup, total)
-    decay = min(max(1, round(cfg.decay_ratio * total)), total - warmup)
     return get_wsd_schedule(opt, warmup, decay, num_training_steps=total)
+
+def lr_at(cfg: TrainConfig, total: int, step: int) -> float:
+    "The learning rate of `cfg`'s schedule over `total` steps once `step` of them are taken (the next step's)."
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.lr)
+    return cfg.lr * lr_schedule(opt, cfg, total).lr_lambdas[0](step)
+
+# %% ../nbs/10_trainer.ipynb #882d07f4
+def steps_change(before: TrainConfig, was: int, cfg: TrainConfig, total: int, step: int) -> str | None:
+    """What a resume at `step` does when the run's step count changes from `was` (under the schedule options of
+    `before`) to `total` (under `cfg`'s), in one line: the rate it resumes at, where the decay moves; None: no change."""
+    if was == total: return None
+    head = f"resume: the run's step count changes from {was} to {total}"
+    if step >= total: return f"{head}: it ends at step {step}, its checkpoint's, with no step left to train"
+    old, new = lr_at(before, was, step), lr_at(cfg, total, step)
+    name, span = {'wsd': 'WSD'}.get(cfg.schedule, cfg.schedule), lambda c, t: f"{t - _phases(c, t)[1] + 1}..{t}"
+    rate = (f"the rate stays {new:.3g}" if math.isclose(new, old, rel_tol=1e-6, abs_tol=1e-12) else
+            f"the rate goes back up from {old:.3g} to {new:.3g}" if new > old else
+            f"the rate drops from {old:.3g} to {new:.3g}")
+    return (f"{head}: it resumes at step {step} at learning rate {new:.3g} (the {name} decay moves from steps "
+            f"{span(before, was)} to {span(cfg, total)}: {rate})")
 
 # %% ../nbs/10_trainer.ipynb #6042605f
 def _online_fit(target_config, drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int, *,
@@ -504,7 +533,7 @@ class Trainer:
         set_checkpointing(drafter, self.policy, budget_bytes=attention_budget)
         if self.fsdp is not None: drafter = _shard_drafter(drafter, **self.fsdp)  # before the optimizer sees it
         opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=gpu or None)
-        self.total_steps = cfg.max_steps or max(1, int(cfg.epochs * (len(p.train) // cfg.batch_size)))
+        self.total_steps = run_steps(cfg, len(p.train))
         self.sched = lr_schedule(opt, cfg, self.total_steps)
         if self.fsdp is not None and acc.distributed_type.value != 'FSDP':        # CPU: accelerate would wrap DDP
             self.model, self.opt = drafter, acc.prepare(opt)
@@ -655,7 +684,8 @@ def resume(self: Trainer) -> Path | None:
 @patch
 def restore(self: Trainer) -> Path | None:
     """On --resume, once (every process): load the newest intact checkpoint and cut the metrics files back to its step;
-    refuse a run whose metrics were logged with no checkpoint left. The checkpoint loaded, or None."""
+    refuse a run whose metrics were logged with no checkpoint left, or one asked for fewer steps than its checkpoint
+    has taken. The checkpoint loaded, or None."""
     if not self.cfg.resume or getattr(self, '_restored', False): return None
     self._restored, main = True, self.acc.is_main_process
     where = self.resume()
@@ -663,6 +693,12 @@ def restore(self: Trainer) -> Path | None:
         raise RunDirError(f"{self.out}: metrics.csv logs steps {logged[0]}..{logged[-1]} but no checkpoint is left to "
                           f"resume from; training again from step 0 would log over them: start a new run with "
                           f"--overwrite (the old one is moved aside) or another --out")
+    if where and self.step > self.total_steps:                      # before the metrics are cut: nothing changes
+        c = self.cfg
+        asked = f"--max-steps = {c.max_steps}" if c.max_steps else f"--epochs = {c.epochs:g} ({self.total_steps} steps)"
+        raise RunDirError(f"{asked}: the run already has {self.step} steps (checkpoint {where}); a resume cannot take "
+                          f"steps back: pass --max-steps {self.step} or more, or start a new run with --overwrite or "
+                          f"another --out")
     if where and main:
         print(f"resumed from {where} at step {self.step}")
         for f in ('metrics.csv', 'eval.csv'): _truncate_csv(self.out / f, self.step)
