@@ -252,12 +252,27 @@ def _unmask_false_ends(tokenizer, ids: Tensor, mask: Tensor, messages: list[dict
             m[k:e] = False
     return torch.from_numpy(m)
 
+def _check_tool_calls(tokenizer, messages: list[dict], where: str, tools=None, **template_kw):
+    """A `_TemplateError` when the chat template rejects a conversation with tool calls, or writes it the same without
+    them: a template that does not show tool calls would train the drafter on replies with the calls cut out."""
+    try: text = _render(tokenizer, messages, tools=tools, **template_kw)
+    except Exception as e: raise _TemplateError(f"{where}: the chat template rejects this conversation ({e})") from None
+    bare = [{k: v for k, v in m.items() if k != 'tool_calls'} for m in messages]
+    try: same = text == _render(tokenizer, bare, tools=tools, **template_kw)
+    except Exception: same = False                        # a template that fails without them uses them
+    if same:
+        raise _TemplateError(f"{where}: the chat template does not write tool calls (the conversation renders the same "
+                             "without them); pass --chat-template with a template that does")
+
 def tokenize_chat(tokenizer, messages: list[dict], where: str = 'conversation', tools=None,
                   **template_kw) -> tuple[Tensor, Tensor]:
     "Token ids (S,) long and assistant loss mask (S,) bool of a conversation rendered once by the chat template."
+    if any(m.get('tool_calls') for m in messages): _check_tool_calls(tokenizer, messages, where, tools, **template_kw)
     if _GENERATION_TAG.search(_template_text(tokenizer)):
-        enc = tokenizer.apply_chat_template(template_messages(messages), tools=tools, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True, **template_kw)
+        try: enc = tokenizer.apply_chat_template(template_messages(messages), tools=tools, tokenize=True,
+                                                 return_dict=True, return_assistant_tokens_mask=True, **template_kw)
+        except Exception as e:
+            raise _TemplateError(f"{where}: the chat template rejects this conversation ({e})") from None
         ids, mask = torch.tensor(enc['input_ids'], dtype=torch.long), torch.tensor(enc['assistant_masks'], dtype=torch.bool)
         return ids, _unmask_false_ends(tokenizer, ids, mask, messages, where)
     if not tokenizer.is_fast:
@@ -372,7 +387,10 @@ _SAVED = ('dataset_info.json', 'state.json', 'dataset_dict.json')     # what `Da
 
 def _saved_rows(path: Path, stats: DataStats):
     import datasets
-    ds = datasets.load_from_disk(str(path))
+    try: ds = datasets.load_from_disk(str(path))
+    except (OSError, ValueError) as e:                  # pyarrow's words for a file cut short or overwritten
+        raise DataError(f"{path}: a dataset saved by `datasets` that does not load ({type(e).__name__}: {e}): a file "
+                        "of it is damaged or cut short; save it again") from None
     if isinstance(ds, datasets.DatasetDict):
         if 'train' not in ds:
             raise DataError(f"{path}: a saved DatasetDict without a 'train' split (splits: {list(ds)})")
@@ -422,11 +440,14 @@ def read_records(path, skip_bad_lines: bool = False, stats: DataStats | None = N
             raise DataError(f"{path}: no {', '.join(_DATA_SUFFIXES)} files, and not a dataset saved by `datasets`")
         for f in files: yield from read_records(f, skip_bad_lines, stats)
     elif path.suffix == '.parquet': yield from _parquet_rows(path, stats)
+    elif path.suffix == '.arrow':
+        raise DataError(f"{path}: an Arrow file alone, which dflash does not read: pass the directory `datasets` saved "
+                        "it in (save_to_disk), or the data as JSONL, JSON or parquet")
     elif path.suffix == '.json': yield from _json_rows(path, skip_bad_lines, stats)
     else: yield from read_jsonl(path, skip_bad_lines, stats)
 
 # %% ../nbs/08_chat.ipynb #3433f8ba
-_TOKENIZE_VERSION = 2   # bump when tokenization changes, so older caches are not reused
+_TOKENIZE_VERSION = 3   # bump when tokenization changes, so older caches are not reused
 
 def _tokenizer_fingerprint(tokenizer) -> str:
     "A hash of what tokenization depends on: the vocabulary and merges, special tokens, and the chat template."
@@ -489,6 +510,7 @@ def load_chat_data(path, tokenizer, *, max_length: int = 3072, skip_bad_lines: b
         if not (out / 'stats.json').is_file():
             read = DataStats()
             rows = list(read_records(src, skip_bad_lines, read))
+            if not rows: read.check_usable(path)                             # no record at all: named, as for JSONL
             raw = datasets.Dataset.from_dict({'where': [w for w, _ in rows],
                                               'record': [json.dumps(r) for _, r in rows]})
             del rows

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 from .config import DrafterConfig, choose_mask_token, default_target_layer_ids
-from .files import (file_sha256, gguf_problem, is_gguf, json_problem, make_dir, pretrained, remove_temporaries,
-                          resolve_local, safetensors_problem, write_atomic, write_json)
+from .files import (causal_lm_problem, file_sha256, gguf_problem, is_gguf, json_problem, make_dir, pretrained,
+                          remove_temporaries, resolve_local, safetensors_problem, write_atomic, write_json)
 from .stops import Preempted, StopRequest, any_stop
 from .chat import DataStats
 
@@ -40,20 +40,6 @@ def _config_problem(path: Path) -> str | None:
                 f"(trust_remote_code, which dflash does not run) or of a newer transformers")
     return None
 
-def _not_causal(config) -> str | None:
-    "Why the model of transformers `config` is not a decoder-only causal LM (tokens see only earlier ones), or None."
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
-    kind = f"model_type {config.model_type!r}"
-    if 'DFlashDraftModel' in (config.architectures or []):
-        return "a DFlash drafter (architectures DFlashDraftModel), not a target: pass the model it drafts for"
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        return f"{kind} is not a causal LM (AutoModelForCausalLM cannot load it)"
-    if getattr(config, 'is_encoder_decoder', False):
-        return f"{kind} is an encoder-decoder (config.json: is_encoder_decoder), not a decoder-only causal LM"
-    if type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, 'is_decoder', False):
-        return f"{kind} is an encoder (config.json: is_decoder false: every token sees the whole text), not a causal LM"
-    return None
-
 def check_target_dir(path: Path):
     """The config of target `path` (a model directory, or a GGUF file), after checking it is a local decoder-only
     causal LM with weights."""
@@ -67,7 +53,7 @@ def check_target_dir(path: Path):
     try: config = pretrained(AutoConfig, path)
     except Exception as e:                              # transformers' own checks of the config's fields
         raise ValueError(f"target {path}: its config does not load ({type(e).__name__}: {e})") from None
-    if bad := _not_causal(config):
+    if bad := causal_lm_problem(config):
         raise ValueError(f"target {path}: {bad}; DFlash drafts for decoder-only causal LMs (Qwen3, Llama, ...)")
     if not is_gguf(path) and not _weight_files(path):
         raise ValueError(f"target {path}: no weight files ({', '.join(_WEIGHT_SUFFIXES)})")

@@ -14,7 +14,8 @@ __all__ = ['DISK_REFUSED', 'SAFETENSORS_HEADER_MAX', 'fsync_path', 'disk_error',
            'remove_temporaries', 'write_json', 'disk_refused', 'hf_hub_cache', 'resolve_local', 'read_problem',
            'json_problem', 'safetensors_problem', 'model_dir_problems', 'file_sha256', 'is_gguf', 'gguf_problem',
            'pretrained', 'target_problems', 'target_config_dict', 'config_vocab_size', 'config_max_positions',
-           'make_dir', 'dir_write_problem', 'dir_kind', 'out_problems', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
+           'causal_lm_problem', 'make_dir', 'dir_write_problem', 'dir_kind', 'out_problems', 'assets_dir',
+           'toy_target_dir', 'toy_data_dir']
 
 # %% ../nbs/00b_files.ipynb #99b1472b
 def fsync_path(path):
@@ -116,14 +117,19 @@ def hf_hub_cache() -> Path:
     return Path(home).expanduser() / 'hub'
 
 _HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$')
+_FILE_SUFFIXES = ('.jsonl', '.json', '.parquet', '.arrow', '.csv', '.txt', '.gguf', '.safetensors')   # never a hub id
 
 def resolve_local(name, kind: str = 'model') -> Path:
     """The local path of `name`: itself when it exists, else the snapshot of hub id `name` (`owner/repo[@revision]`,
-    `kind` 'model' or 'dataset') in the local hub cache. Never downloads; `FileNotFoundError` names where it looked."""
+    `kind` 'model' or 'dataset') in the local hub cache. Never downloads; `FileNotFoundError` names where it looked
+    (a name ending in a file's suffix, like `chats/train.jsonl`, is a file: its absence is said as such)."""
     p = Path(name).expanduser()
     if p.exists(): return p
     repo, _, rev = str(name).partition('@')
     where = f"no such path ({p.absolute()})"
+    if p.suffix.lower() in _FILE_SUFFIXES:
+        raise FileNotFoundError(f"{kind} {str(name)!r}: {where}: the file does not exist ({p.suffix} names a file, "
+                                f"not a hub id)")
     if not _HUB_ID.match(repo):
         raise FileNotFoundError(f"{kind} {str(name)!r}: {where}; pass a local path, or a hub id (owner/name) held in "
                                 f"the local Hugging Face cache")
@@ -271,6 +277,20 @@ def config_max_positions(d: dict | None) -> int | None:
     d = d or {}
     P = d.get('max_position_embeddings') or (d.get('text_config') or {}).get('max_position_embeddings')
     return P if isinstance(P, int) and not isinstance(P, bool) else None
+
+def causal_lm_problem(config) -> str | None:
+    "Why the model of transformers `config` is not a decoder-only causal LM (tokens see only earlier ones), or None."
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
+    kind = f"model_type {config.model_type!r}"
+    if 'DFlashDraftModel' in (config.architectures or []):
+        return "a DFlash drafter (architectures DFlashDraftModel), not a target: pass the model it drafts for"
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return f"{kind} is not a causal LM (AutoModelForCausalLM cannot load it)"
+    if getattr(config, 'is_encoder_decoder', False):
+        return f"{kind} is an encoder-decoder (config.json: is_encoder_decoder), not a decoder-only causal LM"
+    if type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, 'is_decoder', False):
+        return f"{kind} is an encoder (config.json: is_decoder false: every token sees the whole text), not a causal LM"
+    return None
 
 # %% ../nbs/00b_files.ipynb #8dcfcfca
 def make_dir(path) -> Path:

@@ -343,8 +343,27 @@ def _write_fits_table(path, table: str):
 
 # %% ../nbs/07a_plan.ipynb #dbcad539
 from .options import parse_options, OptionsError, exit_bad_options
-from .files import config_vocab_size, json_problem, target_config_dict
+from .files import causal_lm_problem, config_vocab_size, json_problem, target_config_dict
 from .recompute import checkpointed_layers
+
+def _target_problems(o: PlanOptions) -> list[str]:
+    """What keeps the plan from the target of a readable `--target-config`: transformers cannot read it, its language
+    model is no decoder-only causal LM, it reads fewer positions than `--seq-len` (the plan would hold tensors that
+    long), or it has fewer layers than the drafter reads (one each)."""
+    name = f"--target-config {o.target_config}"
+    try: t = _target_config(o.target_config)                   # a multimodal target: its language model
+    except Exception as e: return [f"{name}: transformers cannot read it ({type(e).__name__}: {e})"]
+    if bad := causal_lm_problem(t):
+        return [f"{name}: {bad}; DFlash drafts for decoder-only causal LMs (Qwen3, Llama, ...)"]
+    probs = []
+    n, T = getattr(t, 'max_position_embeddings', None), getattr(t, 'num_hidden_layers', None)
+    if isinstance(n, int) and isinstance(o.seq_len, int) and o.seq_len > n:
+        probs.append(f"--seq-len = {o.seq_len}: more tokens than the target's {n} positions (max_position_embeddings); "
+                     f"allowed 1..{n}")
+    if isinstance(T, int) and isinstance(o.layers, int) and o.layers > T:
+        probs.append(f"--layers = {o.layers}: allowed 1..{T} (the drafter reads one target layer each; the target has "
+                     f"{T})")
+    return probs
 
 def _check_plan(o: PlanOptions) -> list[str]:
     "Problems of the plan's options beyond each one's range: the config file, the memory size, the policies."
@@ -368,6 +387,7 @@ def _check_plan(o: PlanOptions) -> list[str]:
             probs.append(f"--target-config {o.target_config}: no 'model_type', not a transformers config")
         elif o.mask_token_id is not None and not o.mask_token_id < (V := config_vocab_size(d) or 0):
             probs.append(f"--mask-token-id = {o.mask_token_id}: allowed 0..{V - 1} (the target's vocabulary)")
+        else: probs += _target_problems(o)
     try: parse_memory(o.memory)
     except ValueError as e: probs.append(f"--memory: {e}")
     for pol in o.policies or []:
@@ -398,7 +418,9 @@ def main(argv=None) -> int:
     try: policy, table = recommend_policy(cfg, a.seq_len, a.anchors, budget, policies=a.policies, full_table=True, **opts)
     except ValueError as e:                      # not even the weights and moments fit: the steps at a budget that does
         print(f"does not fit: {e}")
-        table = [step_memory(cfg, a.seq_len, a.anchors, policy=p, **opts) for p in a.policies]
+        weights, frozen = _static_bytes(cfg, a.seq_len, a.micro_batch_size, DTYPES[a.dtype], opts['teacher'])
+        held = 4 * weights + frozen + budget            # those, and this GPU's memory beside them for the step
+        table = [step_memory(cfg, a.seq_len, a.anchors, policy=p, memory_bytes=held, **opts) for p in a.policies]
         policy = min(table, key=lambda r: r.total).policy
     print(_format_table(table, budget))
     print(_recommendation(policy, table, budget))

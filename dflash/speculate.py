@@ -389,11 +389,12 @@ def main(argv=None) -> dict:
     """`python -m dflash.speculate`: tau, its histogram and the speed against plain decoding (and prompt lookup at T = 0)
     at each `--temperature`, prompt by prompt with a running total; returns {'runs': [one acceptance_eval result per
     temperature], ...}. SIGTERM or SIGINT stops it between two prompts with the results so far written, exit status
-    75; a data file without a prompt, a target or drafter that does not load as it is, or a full or read-only disk,
-    ends as one `error:` line, exit status 2."""
+    75; a data file without a prompt, a target and drafter that do not fit together or do not load as they are, or
+    a full or read-only disk, ends as one `error:` line, exit status 2."""
     a = _parse_speculate(argv)
     try: return _speculate(a)
-    except (ValueError, FileNotFoundError) as e:     # a record past the options' check, a target or drafter unfit
+    except OptionsError as e: exit_bad_options(e)                   # what the configs and the tokenizer say
+    except (ValueError, FileNotFoundError) as e:     # a record past the options' check, weights unfit for their config
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except Preempted as e:
@@ -405,6 +406,17 @@ def main(argv=None) -> dict:
         print(said, file=sys.stderr)
         sys.exit(2)
 
+def _check_fit(a: SpeculateOptions, drafter_cfg: DrafterConfig, tdir, tok):
+    "An `OptionsError` naming every way the drafter does not fit the target, and a tokenizer with no end of sequence."
+    from transformers import AutoConfig
+    probs = []
+    if tok.eos_token_id is None:
+        probs.append(f"--target {a.target}: its tokenizer has no end-of-sequence token (eos_token), so no reply would "
+                     "end; set eos_token in its tokenizer_config.json to the token that ends the model's turn")
+    try: _check_compatible(drafter_cfg, pretrained(AutoConfig, tdir), a.block_size, name=f"drafter {a.drafter}")
+    except ValueError as e: probs.append(f"--drafter: {e}")
+    if probs: raise OptionsError(probs, 'python -m dflash.speculate')
+
 def _speculate(a: SpeculateOptions) -> dict:
     from transformers import AutoTokenizer
     dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -415,10 +427,9 @@ def _speculate(a: SpeculateOptions) -> dict:
     if not is_gguf(tdir) and not (tdir / 'config.json').is_file():
         raise FileNotFoundError(f"{a.target}: no config.json, not a model")
     drafter_cfg = DrafterConfig.load(ddir / 'config.json')
-    from transformers import AutoConfig
-    _check_compatible(drafter_cfg, pretrained(AutoConfig, tdir), a.block_size, name=f"drafter {a.drafter}")
-    target = load_target(tdir, dtype).to(dev).eval()       # a directory or a .gguf file, its weights of its config
     tok = pretrained(AutoTokenizer, tdir)
+    _check_fit(a, drafter_cfg, tdir, tok)                            # before any weights load
+    target = load_target(tdir, dtype).to(dev).eval()       # a directory or a .gguf file, its weights of its config
     drafter = DFlashDrafter.from_pretrained(ddir, dtype=dtype).to(dev).eval()
     prompts = eval_prompts(a.data, tok, a.num_prompts)
     out = Path(a.out) if a.out else None

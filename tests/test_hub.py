@@ -209,7 +209,7 @@ def test_a_hub_id_missing_from_the_cache_fails_fast_in_every_command(toy_hub, tm
                      '--batch-size', '0']),
     ('dflash.speculate', ['--target', 'acme/qwen3-toy', '--drafter', 'acme/toy-drafter', '--data', '{data}',
                           '--num-prompts', '0']),
-    ('dflash.plan', ['--target-config', 'acme/qwen3-toy', '--anchors', '0'])],
+    ('dflash.plan', ['--target-config', 'acme/qwen3-toy', '--seq-len', '2048', '--anchors', '0'])],
     ids=['train', 'tokenize', 'regenerate', 'speculate', 'plan'])
 def test_option_checks_accept_hub_ids(toy_hub, tmp_path, module, argv):
     "A hub id in the cache passes every command's option checks: the one bad option is the only one named."
