@@ -44,6 +44,7 @@ LEVERS = {   # each ablation: the base recipe with one lever changed (train opti
     'one-layer': 'one drafter layer',
     'block-4': 'the same drafter, decoding blocks of 4',
     'block-16': 'trained and decoded with blocks of 16',
+    'fp32-training': 'trained in float32, not in bfloat16 mixed precision',
 }
 
 @dataclass
@@ -65,6 +66,9 @@ class RealBench:
     draft_vocab_size: int = option(4096, 'pruned draft vocabulary (the most supervised target tokens)', ge=1)
     lr: float = option(3e-3, 'peak learning rate', gt=0)
     block_size: int = option(8, 'block size of training and decoding', ge=2)
+    bf16: bool = option(True, 'bfloat16 for the target while it synthesizes and caches, and bfloat16 mixed precision in '
+                              'training (about twice as fast on a CPU with AVX512-BF16 or AMX); the measurement runs in '
+                              'float32, so that T = 0 output can be compared with greedy decoding token for token')
     max_new_tokens: int = option(64, 'new tokens per prompt at most', ge=1)
     temperatures: list[float] = option((0., 1.), 'temperatures of the measurement (0: greedy)', ge=0)
     levers: list[str] = option((), 'ablations, each trained on the same data for the same minutes and measured at '
@@ -115,12 +119,14 @@ def _run(cmd: list[str], log: Path, *, threads: int, deadline: float | None = No
     return {'rc': p.returncode, 'wall_s': time.perf_counter() - t0, 'cpu_s': cpu}
 
 # %% ../nbs/12b_real.ipynb #b11274d2
+def _dtype(o: RealBench) -> str: return 'bfloat16' if o.bf16 else 'float32'
+
 def _synthesize(o: RealBench, target: str, work: Path, deadline: float) -> dict:
     "Chat data written by the target until `deadline` (continuing what `work` holds): its counts and phase times."
     data = work / 'data.jsonl'
     cmd = [sys.executable, '-m', 'dflash.data', 'synthesize', '--target', target, '--out', data, '--num', 1_000_000,
            '--system', o.system, '--batch-size', 32, '--max-prompt-tokens', 128, '--max-new-tokens', 256,
-           '--threads', 2, '--no-progress']
+           '--dtype', _dtype(o), '--threads', 2, '--no-progress']
     r = _run(cmd, work / 'synthesize.log', threads=2, deadline=deadline)
     index = work / 'data.jsonl.index'
     batches = [json.loads(l) for l in index.read_text().splitlines()[1:]] if index.is_file() else []
@@ -134,7 +140,8 @@ def _cache(o: RealBench, target: str, work: Path) -> dict:
     cache = work / 'cache'
     if cache.exists(): shutil.rmtree(cache)                          # this bench's own cache of an earlier run
     cmd = [sys.executable, '-m', 'dflash.data', 'cache', '--target', target, '--data', work / 'data.jsonl',
-           '--out', cache, '--num-draft-layers', o.num_layers, '--max-length', 512, '--threads', 2, '--no-progress']
+           '--out', cache, '--num-draft-layers', o.num_layers, '--max-length', 512, '--dtype', _dtype(o),
+           '--threads', 2, '--no-progress']
     return _run(cmd, work / 'cache.log', threads=2)
 
 # %% ../nbs/12b_real.ipynb #a106bc91
@@ -152,6 +159,10 @@ def _train_args(o: RealBench, target: str, work: Path, lever: str | None) -> lis
     if lever != 'random-init': args += ['--init-from-target']
     return args
 
+def _accelerate_args(o: RealBench, lever: str | None) -> tuple:
+    "The launch's precision: bfloat16 mixed precision unless `--no-bf16` or the lever trains in float32."
+    return '--mixed_precision', 'bf16' if o.bf16 and lever != 'fp32-training' else 'no'
+
 def _train(o: RealBench, target: str, work: Path, name: str, lever: str | None, minutes: float) -> dict:
     """A drafter trained for about `minutes` in all: a short probe run times a step, then the run takes the steps that
     fit in what is left (its schedule ends with them). Its directory, steps and phase times."""
@@ -160,13 +171,15 @@ def _train(o: RealBench, target: str, work: Path, name: str, lever: str | None, 
     for d in (runs / f'{name}-probe', runs / name):
         if d.exists(): shutil.rmtree(d)                              # this bench's own runs: trained afresh
     args = _train_args(o, target, work, lever)
+    acc = _accelerate_args(o, lever)
     log = work / f'train-{name}.log'
-    p = _run(launch_commands(runs / f'{name}-probe', *args, '--max-steps', _PROBE_STEPS)[0], log, threads=2)
+    probe_cmd = launch_commands(runs / f'{name}-probe', *args, '--max-steps', _PROBE_STEPS, accelerate_args=acc)[0]
+    p = _run(probe_cmd, log, threads=2)
     probe = json.loads((runs / f'{name}-probe' / 'summary.json').read_text())
     per_step = probe['seconds']['training steps'] / _PROBE_STEPS                  # its first step is slower: an upper bound
     start_up = p['wall_s'] - probe['seconds']['training steps']
     steps = max(1, int((60 * minutes - p['wall_s'] - start_up) / per_step))
-    r = _run(launch_commands(runs / name, *args, '--max-steps', steps)[0], log, threads=2)
+    r = _run(launch_commands(runs / name, *args, '--max-steps', steps, accelerate_args=acc)[0], log, threads=2)
     summary = json.loads((runs / name / 'summary.json').read_text())
     return {'wall_s': p['wall_s'] + r['wall_s'], 'cpu_s': p['cpu_s'] + r['cpu_s'], 'dir': runs / name, 'steps': steps,
             'train_s': summary['seconds']['training steps']}
