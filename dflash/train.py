@@ -110,7 +110,7 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
     except (ValueError, FileNotFoundError, MemoryError) as e:       # a target, tokenizer, data or cache it cannot use
         raise StartupFailed(str(e) or type(e).__name__) from e
     where = trainer.restore()                            # a refused resume, like a failed start-up, records nothing
-    if where and is_main:
+    if where and is_main and rec is not None:          # a run.json to compare with (copied checkpoints have none)
         before = replace(cfg, **{k: v for k, v in rec['config'].items() if k in _SCHEDULE})
         was = rec.get('total_steps') or run_steps(before, len(trainer.parts.train))
         if said := steps_change(before, was, cfg, trainer.total_steps, trainer.step): print(said)
