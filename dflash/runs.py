@@ -30,8 +30,8 @@ class TrainConfig:
                                       ".gguf file (default: the shipped toy target)")
     data: str | None = option(None, "chat data for training, JSONL (the toy run's: in the package's assets)",
                               path='file')
-    eval_data: str | None = option(None, "held-out chat JSONL (none: no held-out evaluation)",
-                                   path='file')
+    eval_data: str | None = option(None, "held-out chat JSONL (none: no held-out evaluation); with --cache, the "
+                                         "target is loaded for the evaluations", path='file')
     cache: str | None = option(None, "offline hidden-state cache directory (from `python -m dflash.data cache`) "
                                      "(default: none: the target runs online)", path='dir')
     out: str = option('runs/dflash', "run directory: checkpoints, metrics, the exported drafter")

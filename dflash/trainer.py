@@ -71,13 +71,20 @@ def _frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
 class _RunParts:
     "Everything a process needs to train: tokenizer, target features or cache, datasets, drafter config."
     tokenizer: object
-    features: TargetFeatures | None      # None in offline mode
+    features: TargetFeatures | None      # None in offline mode without --eval-data
     embed: Tensor                        # (V, H) frozen
     lm_head: Tensor                      # (V, H) frozen
     train: object                        # ChatDataset or CacheDataset
     eval: object | None
     drafter_config: DrafterConfig
     draft_ids: Tensor | None = None      # (K,) the draft vocabulary's target ids; None: the whole vocabulary
+
+def _eval_set(eval_data, tok, max_length: int) -> ChatDataset | None:
+    "The held-out conversations of `eval_data` (None: no held-out evaluation); refused when none is usable."
+    if not eval_data: return None
+    ev = ChatDataset.from_jsonl(eval_data, tok, max_length)
+    if not len(ev): raise ValueError(f"--eval-data {eval_data}: no usable conversation to evaluate on")
+    return ev
 
 def _has_chat_template(tok) -> bool:
     "Whether tokenizer `tok` has a chat template (of named ones, a default)."
@@ -122,17 +129,18 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     eval_data = cfg.eval_data or (toy_data_dir() / 'eval.jsonl' if toy else None)
     if data is None and cfg.cache is None:
         raise ValueError("--data FILE (chat JSONL) or --cache DIR is needed with --target")
-    tok, tc = _target_tokenizer(target, chat=cfg.cache is None), pretrained(AutoConfig, target)
+    tok, tc = _target_tokenizer(target, chat=cfg.cache is None or eval_data is not None), pretrained(AutoConfig, target)
     if len(tok) > (V := tc.get_text_config().vocab_size):
         raise ValueError(f"--target {target}: its tokenizer has {len(tok)} tokens, more than the model's vocab_size "
                          f"({V} in config.json): tokenizer and model do not belong together; put the model's own "
                          "tokenizer files beside it")
     dkw = dict(num_hidden_layers=cfg.num_layers, block_size=cfg.block_size, draft_vocab_size=cfg.draft_vocab_size)
     if cfg.cache:
-        features, ev, (embed, lm_head) = None, None, _frozen_head_weights(target)
+        features, (embed, lm_head) = None, _frozen_head_weights(target)
         train = CacheDataset(cfg.cache, target)
+        ev = _eval_set(eval_data, tok, cfg.max_length)
         said = cfg.mask_token_id if cfg.mask_token_id is not None else train.manifest['data'].get('mask_token_id')
-        dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, train, None, said)
+        dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, train, ev, said)
         if cfg.loss == 'kl' and not train.manifest.get('final_hidden'):
             raise ValueError(f"--loss kl: the cache {cfg.cache} holds no final hidden state of the target (the "
                              "teacher); write one with `python -m dflash.data cache ... --final-hidden`")
@@ -142,12 +150,13 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
                              "leave --target-layer-ids out to train on those")
         train = _cut_cache(train, cfg.max_length)
         dcfg = DrafterConfig.from_target(tc, target_layer_ids=ids, **dkw)
+        if ev is not None:                              # held-out hidden states: the target runs for evaluations only
+            features = TargetFeatures(target, layer_ids=ids, num_draft_layers=cfg.num_layers, device=device,
+                                      tokenizer=tok)
         embed, lm_head = embed.to(device), lm_head.to(device)
     else:
         train = load_chat_data(data, tok, max_length=cfg.max_length, report=True)   # tokenized once, cached; counted
-        ev = ChatDataset.from_jsonl(eval_data, tok, cfg.max_length) if eval_data else None
-        if ev is not None and not len(ev):
-            raise ValueError(f"--eval-data {eval_data}: no usable conversation to evaluate on")
+        ev = _eval_set(eval_data, tok, cfg.max_length)
         dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, train, ev, cfg.mask_token_id)
         features = TargetFeatures(target, layer_ids=cfg.target_layer_ids, num_draft_layers=cfg.num_layers,
                                   device=device, tokenizer=tok)

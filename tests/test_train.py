@@ -318,7 +318,7 @@ def test_sigint_without_save_on_signal_stops_and_releases(tmp_path):
 
 
 def test_distillation_reads_the_same_teacher_online_and_from_the_cache(tmp_path):
-    "`--loss kl` online, and from a cache written with --final-hidden: the same losses; D-PACE trains too."
+    "`--loss kl` online, and from a cache written with --final-hidden: the same losses, held-out ones too; D-PACE trains too."
     from dflash.files import toy_data_dir, toy_target_dir
     data = tmp_path / 'train.jsonl'
     data.write_text(''.join((toy_data_dir() / 'train.jsonl').read_text().splitlines(True)[:12]))
@@ -329,12 +329,15 @@ def test_distillation_reads_the_same_teacher_online_and_from_the_cache(tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads((cache / 'manifest.json').read_text())['final_hidden'] is True
     kl = [*SMALL, '--max-steps', '3', '--save-every', '0', '--report-to', 'none', '--target', str(toy_target_dir()),
-          '--loss', 'kl', '--kl-weight', '0.5', '--kl-temperature', '2']
+          '--loss', 'kl', '--kl-weight', '0.5', '--kl-temperature', '2', '--eval-data', str(toy_data_dir() / 'eval.jsonl')]
     online = launch(tmp_path / 'online', *kl, '--data', str(data))
     assert online.returncode == 0, online.stdout[-2000:] + online.stderr[-2000:]
     offline = launch(tmp_path / 'offline', *kl, '--cache', str(cache))
     assert offline.returncode == 0, offline.stdout[-2000:] + offline.stderr[-2000:]
     assert_close(losses(tmp_path / 'offline'), losses(tmp_path / 'online'), rel=1e-5)
+    held_out = lambda run: next(csv.DictReader((run / 'eval.csv').read_text().splitlines()))
+    on, off = held_out(tmp_path / 'online'), held_out(tmp_path / 'offline')   # a cached run evaluates held-out data too
+    assert_close({k: float(v) for k, v in off.items()}, {k: float(v) for k, v in on.items()}, rel=1e-5)
     record = json.loads((tmp_path / 'online' / 'run.json').read_text())['config']
     assert (record['loss'], record['kl_weight'], record['kl_temperature']) == ('kl', 0.5, 2.0)
     dpace = launch(tmp_path / 'dpace', *SMALL, '--max-steps', '3', '--save-every', '0', '--report-to', 'none',
