@@ -192,11 +192,15 @@ def _train(o: RealBench, target: str, work: Path, name: str, lever: str | None, 
             'train_s': summary['seconds']['training steps']}
 
 def _trained(run: Path) -> dict:
-    "The training phase of a run trained elsewhere (`--run`), as `_train` reports one: its steps and minutes."
+    """The training phase of a run trained elsewhere (`--run`), as `_train` reports one: its steps and minutes. A
+    resumed run's summary times the steps of its last process only: the earlier steps are counted at that rate."""
     summary = json.loads((run / 'summary.json').read_text())
-    wall = sum(summary['seconds'].values())
-    return {'wall_s': wall, 'dir': run, 'steps': json.loads((run / 'run.json').read_text())['step'],
-            'train_s': summary['seconds']['training steps']}
+    steps = json.loads((run / 'run.json').read_text())['step']
+    first, last = summary.get('timed_steps', (0, steps))
+    timed = summary['seconds']['training steps']
+    train_s = timed * steps / max(last - first, 1)
+    return {'wall_s': sum(summary['seconds'].values()) - timed + train_s, 'dir': run, 'steps': steps,
+            'train_s': train_s, 'timed_steps': [first, last]}
 
 # %% ../nbs/12b_real.ipynb #9f936334
 def _measure(o: RealBench, target: str, prompts: Path, drafter: Path, where: Path, *, n: int | None, block: int,

@@ -124,7 +124,7 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
         with timed(seconds, 'tau before training'): record['spec_before'] = _spec_tau(trainer, sampled=False)
         if is_main: write_json(out / 'run.json', record)
     trainer.acc.wait_for_everyone()
-    t0 = time.perf_counter()
+    t0, first = time.perf_counter(), trainer.step          # a resumed run's steps before this process are not timed here
     metrics = trainer.fit(stop)                          # final checkpoint and export happen before its evaluation
     seconds['training steps'] = time.perf_counter() - t0 - sum(trainer.seconds.values())
     seconds.update(trainer.seconds)
@@ -133,7 +133,8 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
     summary, before = {}, record['spec_before']
     if is_main:
         summary = {'metrics': metrics, 'spec_before': before, 'spec_after': after, 'drafter': str(out / 'drafter'),
-                   'threads': threads, 'seconds': {k: round(v, 1) for k, v in seconds.items()}}
+                   'threads': threads, 'seconds': {k: round(v, 1) for k, v in seconds.items()},
+                   'timed_steps': [first, trainer.step]}
         write_json(out / 'summary.json', summary)
         with timed(seconds, 'plots'): pictures = _draw_run(out, before, after)   # before 'finished': resumes draw
         write_json(out / 'run.json', {**record, 'status': 'finished', 'step': trainer.step})

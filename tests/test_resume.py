@@ -64,6 +64,8 @@ def test_relative_data_is_found_from_another_directory(tmp_path, monkeypatch, fi
     train_main(['--out', str(run), '--resume'])
     assert losses(run) == losses(finished)
     assert same_weights(run / 'drafter' / 'model.safetensors', finished / 'drafter' / 'model.safetensors')
+    timed = lambda r: json.loads((r / 'summary.json').read_text())['timed_steps']
+    assert timed(run) == [2, 4] and timed(finished) == [0, 4]     # which steps the summary's seconds are of
 
 
 def test_data_changed_in_place_is_refused_unless_accepted(tmp_path, capsys, finished):
