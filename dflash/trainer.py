@@ -248,7 +248,6 @@ def verify_checkpoint(d) -> dict:
             raise CheckpointError(f"{p}: corrupt (size or SHA-256 differs from trainer_state.json)")
     return st
 
-_complete_checkpoints = checkpoint_dirs
 
 # %% ../nbs/10_trainer.ipynb #dd239312
 @contextmanager
