@@ -299,13 +299,15 @@ def make_dir(path) -> Path:
     return Path(path)
 
 def dir_write_problem(path, name: str) -> str | None:
-    """What keeps a command from writing into directory `path` (option `name`), found by creating it (`make_dir`) and
-    a probe file (a new name, never a link followed)."""
+    """What keeps a command from writing into directory `path` (option `name`), found without creating it: its nearest
+    existing directory takes a probe file (a new name, never a link followed, removed at once)."""
     p = Path(path)
+    q = p
+    while not q.exists() and q != q.parent: q = q.parent
     try:
-        make_dir(p)
-        temp_beside(p / '.write-probe').unlink()
-    except OSError as e: return f"{name} = {str(path)!r}: cannot write there ({e.strerror}: {e.filename})"
+        if not q.is_dir(): raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(q))
+        temp_beside(q / '.write-probe').unlink()
+    except OSError as e: return f"{name} = {str(path)!r}: cannot write there ({e.strerror}: {p})"
     return None
 
 # %% ../nbs/00b_files.ipynb #9958767a
