@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
+from filelock import FileLock, Timeout
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
@@ -71,9 +72,10 @@ def _weights_sha256(f: Path) -> str:
     digest = file_sha256(f)
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
-        now = json_problem(memo)[0] or {}                                   # read again: others may have added theirs
-        write_json(memo, {**{k: v for k, v in now.items() if Path(k.split('|')[0]).exists()}, key: digest})
-    except OSError: pass                                                     # a read-only cache: hashed again next time
+        with FileLock(f"{memo}.lock", timeout=60):                           # one writer at a time: none loses another's
+            now = json_problem(memo)[0] or {}                               # read again: others may have added theirs
+            write_json(memo, {**{k: v for k, v in now.items() if Path(k.split('|')[0]).exists()}, key: digest})
+    except (OSError, Timeout): pass                                          # a read-only or busy cache: hashed again later
     return digest
 
 def target_identity(path) -> str:

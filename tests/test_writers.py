@@ -150,3 +150,24 @@ def test_tracker_that_fails_mid_run_warns_once_and_the_run_goes_on(tmp_path):
     assert [int(r.split(',')[0]) for r in rows] == list(range(1, steps + 1))    # the CSV kept every step
     assert json.loads((out / 'run.json').read_text())['status'] == 'finished'
     assert (out / 'drafter' / 'model.safetensors').is_file()
+
+
+def test_checksum_memo_keeps_every_writers_entry(tmp_path):
+    "Processes that hash targets at once share one memo of weights checksums: a lock keeps each one's entries."
+    n, k = 64, 4
+    for i in range(n):
+        (tmp_path / f't{i}').mkdir()
+        (tmp_path / f't{i}' / 'config.json').write_text('{}')
+        (tmp_path / f't{i}' / 'model.safetensors').write_bytes(os.urandom(1 << 12))
+    code = ("import sys, time; from pathlib import Path; from dflash.features import target_identity\n"
+            "d = Path(sys.argv[2])\n"
+            "while not (d / 'go').exists(): time.sleep(0.01)\n"          # all start together, once imported
+            f"for i in range(int(sys.argv[1]), {n}, {k}): target_identity(d / f't{{i}}')")
+    env = {**ENV, 'XDG_CACHE_HOME': str(tmp_path / 'xdg')}
+    procs = [subprocess.Popen([sys.executable, '-c', code, str(j), str(tmp_path)], env=env) for j in range(k)]
+    time.sleep(10)
+    (tmp_path / 'go').touch()
+    assert [p.wait(timeout=300) for p in procs] == [0] * k
+    memo = json.loads((tmp_path / 'xdg' / 'dflash' / 'weights-sha256.json').read_text())
+    assert sorted(key.split('|')[0] for key in memo) == sorted(str((tmp_path / f't{i}' / 'model.safetensors').resolve())
+                                                           for i in range(n))
