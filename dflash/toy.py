@@ -382,7 +382,8 @@ def regenerate_corpus(out=None, batch_size: int = 256, max_new_tokens: int = 128
 @dataclass
 class _ToyOptions:
     "Where the toy's assets go and how the target is trained."
-    out: str | None = option(None, "output folder (default: the package's assets)")
+    out: str = option('toy', "output folder; the package's own toy is rebuilt only where named (--out with the "
+                             "package's assets folder)")
     steps: int = option(1000, 'training steps of the target', ge=1)
     seed: int = option(0, 'seed of the corpus and the training', ge=0)
     threads: int = option(1, 'torch threads (one is about as fast for a model this small, and never stalls)', ge=1)
@@ -398,12 +399,12 @@ def _regenerate_command(o: _ToyOptions) -> dict:
 
 def _check_build(o: _ToyOptions) -> list[str]:
     "A build's `--out`: a directory it can make and write into, found before the corpus is made."
-    bad = dir_write_problem(o.out if o.out is not None else assets_dir(), '--out')
+    bad = dir_write_problem(o.out, '--out')
     return [bad] if bad else []
 
 def _check_regenerate(o: _ToyOptions) -> list[str]:
     "A regeneration's `--out`: a toy built there (its target and corpus), and room beside the corpus for its rewrite."
-    out = Path(o.out) if o.out is not None else assets_dir()
+    out = Path(o.out)
     built = [out / 'toy-target' / 'config.json', out / 'toy-data' / 'train.jsonl', out / 'toy-data' / 'eval.jsonl']
     if missing := [p for p in built if not p.is_file()]:
         return [f"--out = {str(out)!r}: no toy target built there (no {missing[0]}); run "

@@ -3,7 +3,7 @@ exit status 2 (or, for a plan too large for any GPU, its "does not fit" answer):
 and sizes past the target's reach, a target or drafter that does not fit `dflash.speculate`, a toy build or
 regeneration with nowhere to write or nothing built, tool calls a chat template drops or refuses, a damaged Arrow file,
 a data file without records, and a missing data file taken for a hub id."""
-import json, shutil
+import json, os, shutil, subprocess, sys
 from dataclasses import replace
 import pytest
 from dflash.config import DrafterConfig
@@ -121,6 +121,16 @@ def test_toy_regenerate_without_a_built_target_is_named(tmp_path):
     assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr
     assert f"--out = '{out}': no toy target built there (no {out / 'toy-target' / 'config.json'})" in r.stderr
     assert f"python -m dflash.toy build --out {out}" in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_toy_commands_default_to_a_folder_here_not_the_installed_package(tmp_path):
+    "No --out: `toy` in the current directory; the package's shipped toy is rewritten only where --out names it."
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    r = subprocess.run([sys.executable, '-m', 'dflash.toy', 'regenerate'], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "--out = 'toy': no toy target built there (no toy/toy-target/config.json)" in r.stderr, r.stderr
     assert list(tmp_path.iterdir()) == []
 
 
