@@ -303,7 +303,7 @@ def dir_write_problem(path, name: str) -> str | None:
     existing directory takes a probe file (a new name, never a link followed, removed at once)."""
     p = Path(path)
     q = p
-    while not q.exists() and q != q.parent: q = q.parent
+    while not (q.exists() or q.is_symlink()) and q != q.parent: q = q.parent    # a dangling link stops the climb
     try:
         if not q.is_dir(): raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(q))
         temp_beside(q / '.write-probe').unlink()
