@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from tqdm import tqdm
-from .options import Command, option, parse_subcommand, usage_text, OptionsError, exit_bad_options
+from .errors import run_command
+from .options import Command, option, parse_subcommand, usage_text
 from .runs import policy_problem
 from .real_bench import RealBench, check_real
 
@@ -224,21 +225,20 @@ COMMANDS = {   # the functions they run are looked up when they run, after the i
 }
 _PROG = 'python -m dflash.bench'
 
-def _parse_bench(argv=None) -> tuple[str, object]:
+def _parse_bench(argv: list[str], prog: str = _PROG) -> tuple[str, object]:
     "(the subcommand, its checked options); `--help` prints and exits 0; bad options raise one `OptionsError`."
-    usage = usage_text(_PROG, 'dflash benchmarks: time and peak memory as ratios in one run', COMMANDS)
-    return parse_subcommand(COMMANDS, argv, _PROG, usage)
+    usage = usage_text(prog, 'dflash benchmarks: time and peak memory as ratios in one run', COMMANDS)
+    return parse_subcommand(COMMANDS, argv, prog, usage)
 
-def main(argv=None):
+def main(argv=None, prog: str = _PROG):
     "Run a benchmark: its options checked first (exit 2), then the benchmark."
-    try: name, opts = _parse_bench(argv)
-    except OptionsError as e: exit_bad_options(e)
-    return COMMANDS[name].run(opts)
+    def run(argv: list[str], prog: str):
+        name, opts = _parse_bench(argv, prog)
+        return COMMANDS[name].run(opts)
+    return run_command(run, argv, prog)
 
 # %% ../nbs/13_bench.ipynb #be0c0005
-if __name__ == '__main__' and '__file__' in globals():         # help and bad options before torch loads
-    try: _parse_bench()
-    except OptionsError as e: exit_bad_options(e)
+if __name__ == '__main__' and '__file__' in globals(): run_command(_parse_bench, prog=_PROG)   # help and bad options before torch loads
 
 # %% ../nbs/13_bench.ipynb #be0c0006
 import torch

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import Dataset
 from torch import Tensor
 from .layout import valid_anchors
+from .errors import InputError
 from .files import disk_error, file_sha256, hf_hub_cache, pretrained, resolve_local
 
 # %% auto #0
@@ -19,7 +20,7 @@ __all__ = ['DataError', 'DataStats', 'read_jsonl', 'to_messages', 'template_mess
            'load_tokenizer', 'ChatDataset', 'read_records', 'load_chat_data']
 
 # %% ../nbs/08_chat.ipynb #e33fbecc
-class DataError(ValueError):
+class DataError(InputError):
     "Bad training data; the message names the file and line."
 
 _SKIPS = {'bad_lines': 'malformed line (--skip-bad-lines)', 'no_supervised': 'no assistant reply',
@@ -336,10 +337,10 @@ def _set_chat_template(tokenizer, path):
     text = path.read_text()
     if path.suffix == '.json':
         t = json.loads(text).get('chat_template')
-        if t is None: raise ValueError(f"--chat-template {path}: a JSON file without a 'chat_template' key")
+        if t is None: raise InputError(f"--chat-template {path}: a JSON file without a 'chat_template' key")
         text = t if isinstance(t, str) else next((x['template'] for x in t if x.get('name') == 'default'), None)
     if not text or '{%' not in text and '{{' not in text:
-        raise ValueError(f"--chat-template {path}: not a Jinja template")
+        raise InputError(f"--chat-template {path}: not a Jinja template")
     tokenizer.chat_template = text
     return tokenizer
 

@@ -4,16 +4,16 @@
 
 # %% ../nbs/08d_data.ipynb #233c65cd
 from __future__ import annotations
-import os, sys
 from dataclasses import dataclass
 from pathlib import Path
-from .files import (config_max_positions, config_vocab_size, disk_refused, out_problems, resolve_local,
+from .errors import InputError, run_command
+from .files import (config_max_positions, config_vocab_size, out_problems, pretrained, resolve_local,
                           target_config_dict, target_problems)
-from .options import Command, option, parse_subcommand, usage_text, OptionsError, exit_bad_options
-from .locks import LockError, release_lock, start_heartbeat, take_lock, writer_locks, writer_problem
+from .options import Command, option, parse_subcommand, usage_text
+from .locks import release_lock, start_heartbeat, take_lock, writer_locks, writer_problem
 from .regenerate import REGENERATE
 from .synthesize import SYNTHESIZE
-from .stops import EXIT_PREEMPTED, Preempted, StopRequest
+from .stops import StopRequest
 from .threads import threads_option
 
 
@@ -76,7 +76,7 @@ def _layer_ids(text: str) -> list[int]:
     try: ids = [int(x) for x in text.split(',')]
     except ValueError: ids = [-1]
     if any(i < 0 for i in ids):
-        raise ValueError(f"--layers = {text!r}: allowed comma-separated layer ids >= 0, like 1,9,17")
+        raise InputError(f"--layers = {text!r}: allowed comma-separated layer ids >= 0, like 1,9,17")
     return ids
 
 def _check_cache(o: CacheOptions) -> list[str]:
@@ -109,25 +109,14 @@ COMMANDS = {
     'regenerate': REGENERATE, 'synthesize': SYNTHESIZE}
 _PROG = 'python -m dflash.data'
 
-def _parse_command(argv=None) -> tuple[str, object]:
-    "(subcommand, its checked options); `--help` prints and exits 0, bad options print every problem and exit 2."
-    try: return parse_subcommand(COMMANDS, argv, _PROG, usage_text(_PROG, 'dflash data tools', COMMANDS))
-    except OptionsError as e: exit_bad_options(e)
-
-# %% ../nbs/08d_data.ipynb #2b331094
-if __name__ == '__main__' and '__file__' in globals(): _parse_command()    # help and bad options before torch loads
-
-# %% ../nbs/08d_data.ipynb #da7a0003
-import torch
-from .threads import use_threads
-from .chat import load_tokenizer, load_chat_data
-from transformers import AutoConfig
-from .features import TargetFeatures, data_mask_token, token_counts, write_cache
-from .files import pretrained
+def _parse_command(argv: list[str], prog: str = _PROG) -> tuple[str, object]:
+    "(subcommand, its checked options); `--help` prints and exits 0; bad options: one `OptionsError` listing them all."
+    return parse_subcommand(COMMANDS, argv, prog, usage_text(prog, 'dflash data tools', COMMANDS))
 
 # %% ../nbs/08d_data.ipynb #1c4a5830
 def _tokenize_command(o: DataOptions):
     "`python -m dflash.data tokenize`: the counts table, and the tokenized data cached for later commands."
+    from dflash.chat import load_tokenizer, load_chat_data      # torch: only once the options are checked
     tok = load_tokenizer(o.target, o.tokenizer, o.chat_template)
     ds = load_chat_data(o.data, tok, max_length=o.max_length, skip_bad_lines=o.skip_bad_lines, num_proc=o.num_proc,
                         report=True)
@@ -136,6 +125,7 @@ def _tokenize_command(o: DataOptions):
 def _cache_command(o: CacheOptions):
     """`python -m dflash.data cache`: `--out` locked (`OUT.lock`, by the main process), data checked and tokenized, then
     the target loads and the shards are written."""
+    import torch
     from accelerate import PartialState
     state = PartialState(cpu=not torch.cuda.is_available())   # gloo processes on a CPU machine
     lock, main = writer_locks(o.out)[0], state.is_main_process
@@ -149,6 +139,11 @@ def _cache_command(o: CacheOptions):
 
 def _write_cache(o: CacheOptions, state, stop_release=None):
     "The cache of `_cache_command`, its `--out` locked; `stop_release`: what a second SIGTERM or SIGINT runs first."
+    import torch
+    from transformers import AutoConfig
+    from dflash.threads import use_threads
+    from dflash.chat import load_tokenizer, load_chat_data
+    from dflash.features import TargetFeatures, data_mask_token, token_counts, write_cache
     if state.device.type == 'cpu':
         threads, why = use_threads(o.threads)
         if state.is_main_process: print(f"CPU threads: {threads} per process ({why})")
@@ -169,20 +164,11 @@ def _write_cache(o: CacheOptions, state, stop_release=None):
     if state.is_main_process:
         print(f"cache: {o.out} ({man['num_samples']} samples, {man['num_tokens']} tokens, {len(man['shards'])} shards)")
 
-def main(argv=None):
+def main(argv=None, prog: str = _PROG):
     "Run a `python -m dflash.data` subcommand: options checked first (exit 2), then its function."
-    name, opts = _parse_command(argv)
-    try: return COMMANDS[name].run(opts)
-    except (ValueError, FileNotFoundError, LockError) as e:             # DataError and TemplateError are ValueErrors
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except Preempted as e:                                              # SIGTERM, SIGINT: stopped after a shard
-        if int(os.environ.get('RANK', '0')) == 0: print(str(e), file=sys.stderr)
-        sys.exit(EXIT_PREEMPTED)
-    except OSError as e:                                                # a full or read-only disk
-        said = disk_refused(e, ", then run the same command again (it keeps what was written whole)")
-        if said is None: raise
-        print(said, file=sys.stderr)
-        sys.exit(2)
+    def run(argv: list[str], prog: str):
+        name, opts = _parse_command(argv, prog)
+        return COMMANDS[name].run(opts)
+    return run_command(run, argv, prog, then=", then run the same command again (it keeps what was written whole)")
 
 if __name__ == '__main__' and '__file__' in globals(): main()

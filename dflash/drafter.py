@@ -13,6 +13,7 @@ from fastcore.basics import patch
 from safetensors.torch import save_file, load_file
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding
+from .errors import InputError
 from .config import DrafterConfig
 from .layout import BlockLayout
 from .attention import get_backend
@@ -286,22 +287,22 @@ def _check_state(expected: dict, found: dict, source: str):
     "Raise naming the first missing, unexpected or mis-shaped tensor."
     for name in expected:
         if name not in found:
-            raise ValueError(f"{source}: missing tensor {name!r} (expected shape {tuple(expected[name].shape)})")
+            raise InputError(f"{source}: missing tensor {name!r} (expected shape {tuple(expected[name].shape)})")
     for name in found:
         if name not in expected:
-            raise ValueError(f"{source}: unexpected tensor {name!r}, not part of this drafter config")
+            raise InputError(f"{source}: unexpected tensor {name!r}, not part of this drafter config")
     for name, t in found.items():
         if tuple(t.shape) != tuple(expected[name].shape):
-            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, "
+            raise InputError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, "
                              f"config.json implies {tuple(expected[name].shape)}")
 
 def _read_safetensors(f: Path) -> dict:
     "The tensors of one safetensors file; a truncated, foreign or hostile file (`safetensors_problem`) is named."
     from safetensors import SafetensorError
     if bad := safetensors_problem(f):
-        raise ValueError(f"{f}: unreadable, truncated or not safetensors ({bad.removeprefix(f'{f}: ')})")
+        raise InputError(f"{f}: unreadable, truncated or not safetensors ({bad.removeprefix(f'{f}: ')})")
     try: return load_file(f)
-    except SafetensorError as e: raise ValueError(f"{f}: unreadable, truncated or not safetensors ({e})") from None
+    except SafetensorError as e: raise InputError(f"{f}: unreadable, truncated or not safetensors ({e})") from None
 
 def _load_weights(path: Path) -> dict:
     "The tensors of `model.safetensors`, or of the shards a `model.safetensors.index.json` lists."

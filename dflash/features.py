@@ -14,6 +14,7 @@ from filelock import FileLock, Timeout
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
+from .errors import InputError
 from .config import DrafterConfig, choose_mask_token, default_target_layer_ids
 from .files import (causal_lm_problem, file_sha256, gguf_problem, is_gguf, json_problem, make_dir, pretrained,
                           remove_temporaries, resolve_local, safetensors_problem, write_atomic, write_json)
@@ -46,18 +47,18 @@ def check_target_dir(path: Path):
     causal LM with weights."""
     from transformers import AutoConfig
     if is_gguf(path):
-        if bad := gguf_problem(path): raise ValueError(f"target {bad}")
+        if bad := gguf_problem(path): raise InputError(f"target {bad}")
     elif not path.is_dir(): raise FileNotFoundError(f"target {path}: no such directory")
     elif not (path / 'config.json').is_file():
-        raise ValueError(f"target {path}: no config.json, not a transformers model directory (nor a .gguf file)")
-    elif bad := _config_problem(path): raise ValueError(f"target {path}: {bad}")
+        raise InputError(f"target {path}: no config.json, not a transformers model directory (nor a .gguf file)")
+    elif bad := _config_problem(path): raise InputError(f"target {path}: {bad}")
     try: config = pretrained(AutoConfig, path)
     except Exception as e:                              # transformers' own checks of the config's fields
-        raise ValueError(f"target {path}: its config does not load ({type(e).__name__}: {e})") from None
+        raise InputError(f"target {path}: its config does not load ({type(e).__name__}: {e})") from None
     if bad := causal_lm_problem(config):
-        raise ValueError(f"target {path}: {bad}; DFlash drafts for decoder-only causal LMs (Qwen3, Llama, ...)")
+        raise InputError(f"target {path}: {bad}; DFlash drafts for decoder-only causal LMs (Qwen3, Llama, ...)")
     if not is_gguf(path) and not _weight_files(path):
-        raise ValueError(f"target {path}: no weight files ({', '.join(_WEIGHT_SUFFIXES)})")
+        raise InputError(f"target {path}: no weight files ({', '.join(_WEIGHT_SUFFIXES)})")
     return config
 
 def _checksum_memo() -> Path:
@@ -118,7 +119,7 @@ def load_target(path, dtype: torch.dtype):
     try: model, loaded = pretrained(AutoModelForCausalLM, path, dtype=dtype, output_loading_info=True,
                                     ignore_mismatched_sizes=True)
     finally: hf_logging.set_verbosity(level)
-    if bad := _load_problem(loaded, type(model).__name__): raise ValueError(f"target {path}: {bad}")
+    if bad := _load_problem(loaded, type(model).__name__): raise InputError(f"target {path}: {bad}")
     return model
 
 class TargetFeatures:
@@ -133,7 +134,7 @@ class TargetFeatures:
                           else [int(i) for i in layer_ids])
         bad = [i for i in self.layer_ids if not 0 <= i < T]
         if bad or not self.layer_ids:
-            raise ValueError(f"target {path}: layer ids {bad or self.layer_ids} out of range: "
+            raise InputError(f"target {path}: layer ids {bad or self.layer_ids} out of range: "
                              f"the target has {T} layers, "
                              f"ids must be in [0, {T - 1}]")
         if tokenizer is None and (is_gguf(path) or (path / 'tokenizer.json').is_file()
@@ -146,7 +147,7 @@ class TargetFeatures:
         self.model = load_target(path, self.dtype).to(self.device).eval().requires_grad_(False)
         rows = self.embed_weight.shape[0]
         if tokenizer is not None and len(tokenizer) > rows:
-            raise ValueError(f"target {path}: the tokenizer has {len(tokenizer)} tokens but the target's embedding has "
+            raise InputError(f"target {path}: the tokenizer has {len(tokenizer)} tokens but the target's embedding has "
                              f"only {rows} rows; tokenizer and target do not belong together")
         self.identity = target_identity(path)
 
@@ -248,15 +249,15 @@ def _check_resume(out: Path, plan: dict):
     "An existing manifest in `out` must be of the same target, layers, sizes and data."
     old = json.loads((out / 'manifest.json').read_text())
     if old.get('target', {}).get('identity') != plan['target']['identity']:
-        raise ValueError(f"{out}: holds a cache of target {old.get('target', {}).get('identity')} "
+        raise InputError(f"{out}: holds a cache of target {old.get('target', {}).get('identity')} "
                          f"({old.get('target', {}).get('path')}), not of target {plan['target']['identity']} "
                          f"({plan['target']['path']}); use another --out")
     for k in _PLAN_KEYS:
         if old.get(k, False if k == 'final_hidden' else None) != plan[k]:    # caches before final_hidden: False
-            raise ValueError(f"{out}: holds a cache with {k}={old.get(k)!r}, this run has {plan[k]!r}; "
+            raise InputError(f"{out}: holds a cache with {k}={old.get(k)!r}, this run has {plan[k]!r}; "
                              "use another --out")
     if old['data']['fingerprint'] != plan['data']['fingerprint']:
-        raise ValueError(f"{out}: holds a cache of other data (fingerprint {old['data']['fingerprint']}, "
+        raise InputError(f"{out}: holds a cache of other data (fingerprint {old['data']['fingerprint']}, "
                          f"this data {plan['data']['fingerprint']}); use another --out")
 
 def _done_shard(out: Path, k: int, verify: bool = False) -> dict | None:
@@ -319,7 +320,7 @@ def write_cache(features: TargetFeatures, dataset, out, *, shard_size: int = 64,
         manifest['shards'] = [_done_shard(out, k) for k in range(K)]
         missing = [_shard_name(k) for k, r in enumerate(manifest['shards']) if r is None]
         if missing:
-            raise ValueError(f"{out}: shards {missing[:5]} are missing or corrupt after writing; rerun to redo them")
+            raise InputError(f"{out}: shards {missing[:5]} are missing or corrupt after writing; rerun to redo them")
         manifest['complete'] = True
         write_json(out / 'manifest.json', manifest)
     state.wait_for_everyone()
@@ -355,31 +356,31 @@ class CacheDataset(Dataset):
         mf = path / 'manifest.json'
         if not mf.is_file(): raise FileNotFoundError(f"cache {path}: no manifest.json, not a dflash cache")
         try: self.manifest = m = json.loads(mf.read_text())
-        except json.JSONDecodeError as e: raise ValueError(f"cache {mf}: unreadable manifest ({e})") from None
+        except json.JSONDecodeError as e: raise InputError(f"cache {mf}: unreadable manifest ({e})") from None
         if m.get('format') != _CACHE_FORMAT:
-            raise ValueError(f"cache {path}: format {m.get('format')!r}, expected {_CACHE_FORMAT!r}")
+            raise InputError(f"cache {path}: format {m.get('format')!r}, expected {_CACHE_FORMAT!r}")
         if missing := [k for k in _MANIFEST_KEYS if k not in m]:
-            raise ValueError(f"cache {mf}: no {', '.join(missing)}; not a manifest `python -m dflash.data cache` "
+            raise InputError(f"cache {mf}: no {', '.join(missing)}; not a manifest `python -m dflash.data cache` "
                              f"writes: write the cache again")
         if not m.get('complete'):
-            raise ValueError(f"cache {path}: incomplete, {len(m['shards'])} of {m['num_shards']} shards written; "
+            raise InputError(f"cache {path}: incomplete, {len(m['shards'])} of {m['num_shards']} shards written; "
                              "rerun the cache command to finish it")
         if bad := _manifest_problem(m):
-            raise ValueError(f"cache {mf}: {bad}; the manifest does not describe its shards: write the cache again")
+            raise InputError(f"cache {mf}: {bad}; the manifest does not describe its shards: write the cache again")
         if target is not None:
             ident = target.identity if isinstance(target, TargetFeatures) else target_identity(resolve_local(target))
             tpath = target.path if isinstance(target, TargetFeatures) else target
             if ident != m['target']['identity']:
-                raise ValueError(f"cache {path} was written for target {m['target']['identity']} "
+                raise InputError(f"cache {path} was written for target {m['target']['identity']} "
                                  f"({m['target']['path']}), not for target {ident} ({tpath}): train with the target "
                                  f"it was written for, or write a cache of this one")
         for s in m['shards']:
             f = path / s['file']
-            if not f.is_file(): raise ValueError(f"cache {path}: shard {s['file']} is missing{_REDO}")
+            if not f.is_file(): raise InputError(f"cache {path}: shard {s['file']} is missing{_REDO}")
             if f.stat().st_size != s['bytes']:
-                raise ValueError(f"cache {path}: shard {s['file']} is truncated or corrupt "
+                raise InputError(f"cache {path}: shard {s['file']} is truncated or corrupt "
                                  f"({f.stat().st_size} bytes, the manifest says {s['bytes']}){_REDO}")
-            if bad := safetensors_problem(f): raise ValueError(f"cache {bad}")      # unreadable, or a hostile header
+            if bad := safetensors_problem(f): raise InputError(f"cache {bad}")      # unreadable, or a hostile header
         self.shard_size, self.stats = m['shard_size'], DataStats(**m['data'].get('stats', {}))
         self._open = {}
 
@@ -395,7 +396,7 @@ class CacheDataset(Dataset):
         if k not in self._open:
             s = self.manifest['shards'][k]
             if file_sha256(self.path / s['file']) != s['sha256']:
-                raise ValueError(f"cache {self.path}: shard {s['file']} is corrupt (sha256 differs from the manifest)")
+                raise InputError(f"cache {self.path}: shard {s['file']} is corrupt (sha256 differs from the manifest)")
             f = safe_open(self.path / s['file'], framework='pt')
             self._open[k] = (f, f.get_tensor('offsets').tolist())
         return self._open[k]
@@ -434,7 +435,7 @@ def data_mask_token(tokenizer, vocab_size: int, used: set[int], requested: int |
         mask = requested
         why = f"mask token {tokenizer.convert_ids_to_tokens(mask)!r} (id {mask}): asked for (--mask-token-id)"
     if mask in used:
-        raise ValueError(f"mask token id {mask} ({tokenizer.convert_ids_to_tokens(mask)!r}): the training data uses "
+        raise InputError(f"mask token id {mask} ({tokenizer.convert_ids_to_tokens(mask)!r}): the training data uses "
                          "it, so the drafter could not tell a masked position from that token; pass --mask-token-id "
                          "with a token the data never uses")
     if say and int(os.environ.get('RANK', '0')) == 0: print(why)

@@ -10,12 +10,11 @@ from typing import Callable
 from .options import unreadable
 
 # %% auto #0
-__all__ = ['DISK_REFUSED', 'SAFETENSORS_HEADER_MAX', 'fsync_path', 'disk_error', 'temp_beside', 'write_atomic', 'temp_dir_beside',
-           'remove_temporaries', 'write_json', 'disk_refused', 'hf_hub_cache', 'resolve_local', 'read_problem',
-           'json_problem', 'safetensors_problem', 'model_dir_problems', 'file_sha256', 'is_gguf', 'gguf_problem',
-           'pretrained', 'target_problems', 'target_config_dict', 'config_vocab_size', 'config_max_positions',
-           'causal_lm_problem', 'make_dir', 'dir_write_problem', 'dir_kind', 'out_problems', 'assets_dir',
-           'toy_target_dir', 'toy_data_dir']
+__all__ = ['SAFETENSORS_HEADER_MAX', 'fsync_path', 'disk_error', 'temp_beside', 'write_atomic', 'temp_dir_beside',
+           'remove_temporaries', 'write_json', 'hf_hub_cache', 'resolve_local', 'read_problem', 'json_problem',
+           'safetensors_problem', 'model_dir_problems', 'file_sha256', 'is_gguf', 'gguf_problem', 'pretrained',
+           'target_problems', 'target_config_dict', 'config_vocab_size', 'config_max_positions', 'causal_lm_problem',
+           'make_dir', 'dir_write_problem', 'dir_kind', 'out_problems', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
 
 # %% ../nbs/00b_files.ipynb #99b1472b
 def fsync_path(path):
@@ -100,14 +99,6 @@ def remove_temporaries(directory, names) -> list[str]:
     return sorted(gone)
 
 def write_json(path, obj): write_atomic(path, json.dumps(obj, indent=1) + '\n')
-
-DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
-
-def disk_refused(e: BaseException, then: str = ", then run the command again") -> str | None:
-    """The `error: ...` line of a write the disk refused (full, over quota, read-only, not permitted), naming the file
-    and the cause; None for any other error."""
-    if not isinstance(e, OSError) or e.errno not in DISK_REFUSED: return None
-    return f"error: {e.filename}: {e.strerror} ({errno.errorcode[e.errno]}): make room or make it writable{then}"
 
 # %% ../nbs/00b_files.ipynb #857aeacb
 def hf_hub_cache() -> Path:

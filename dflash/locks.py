@@ -6,6 +6,7 @@
 from __future__ import annotations
 import json, os, socket, threading, time
 from pathlib import Path
+from .errors import EXIT_INPUT
 from .files import json_problem, temp_beside, write_json
 
 # %% auto #0
@@ -46,6 +47,7 @@ def _stale(held: dict) -> str | None:
 
 class LockError(RuntimeError):
     "A lock that another live process holds, or that cannot be read."
+    exit_status = EXIT_INPUT                 # the user's to resolve: wait for the holder, or remove a stale lock
 
 def take_lock(lock, what) -> Path:
     """Take lock file `lock` for this process, for `what` (the directory or file it guards, named in errors); a live

@@ -13,11 +13,12 @@ from fastcore.basics import patch_to
 
 # %% auto #0
 __all__ = ['SEED_MAX', 'TEMPERATURE_MIN', 'OptionsError', 'option', 'flag', 'unreadable', 'OptionParser', 'build_options',
-           'parse_options', 'exit_bad_options', 'Command', 'usage_text', 'parse_subcommand']
+           'parse_options', 'Command', 'usage_text', 'parse_subcommand']
 
 # %% ../nbs/00a_options.ipynb #38d158e5
 class OptionsError(ValueError):
     "Bad options, all in one message: each with its value and what is allowed."
+    exit_status = 2                      # argparse's, and every command's for input it cannot use
     def __init__(self, problems: list[str], prog: str = ''):
         self.problems = list(problems)
         n = len(self.problems)
@@ -151,6 +152,8 @@ class OptionParser(argparse.ArgumentParser):
         for f in self.fields.values(): _add_field(self, f, (help_defaults or {}).get(f.name, f.default))
         if config: self.add_argument('--config', metavar='YAML', default=argparse.SUPPRESS,
                                      help='YAML file of options (names with underscores); flags override it')
+        self.add_argument('--debug', action='store_true', default=argparse.SUPPRESS,
+                          help="show the traceback of any error, not only a bug's")
 
     def error(self, message): raise OptionsError([*self.problems, message], self.prog)
 
@@ -237,6 +240,7 @@ def read(self, argv=None) -> dict:
     "The options the user gave (`--config` YAML, then flags on top), converted: {name: value}."
     argv = sys.argv[1:] if argv is None else list(argv)
     flags = self._parse(argv, 'command line')
+    flags.pop('debug', None)                             # the command's error boundary reads it
     config = flags.pop('config', None)
     values = {**(self.read_yaml(config) if config else {}), **flags}
     return {k: v for k, v in values.items() if v is not _BAD}
@@ -280,12 +284,6 @@ def parse_options(cls, argv=None, *, prog: str = '', description: str = '', base
     p = OptionParser(cls, prog, description, help_defaults)
     given = p.read(argv)
     return build_options(cls, {**(base or {}), **given}, p.problems, prog, check, given), given
-
-# %% ../nbs/00a_options.ipynb #a3da401f
-def exit_bad_options(e: OptionsError):
-    "Print `e` and exit with status 2 (a command-line error)."
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2)
 
 # %% ../nbs/00a_options.ipynb #bb14f0d1
 @dataclass(frozen=True)

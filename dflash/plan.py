@@ -342,7 +342,8 @@ def _write_fits_table(path, table: str):
     write_atomic(path, text[:start + len(_FITS_MARKERS[0])] + '\n' + table + '\n' + text[end:])
 
 # %% ../nbs/07a_plan.ipynb #dbcad539
-from .options import parse_options, OptionsError, exit_bad_options
+from .options import parse_options
+from .errors import run_command
 from .files import causal_lm_problem, config_vocab_size, json_problem, target_config_dict
 from .recompute import checkpointed_layers
 
@@ -395,10 +396,9 @@ def _check_plan(o: PlanOptions) -> list[str]:
         except (ValueError, TypeError) as e: probs.append(f"--policies: {e}")
     return probs
 
-def main(argv=None) -> int:
-    "Predict the peak memory of a drafter training step per checkpointing policy and recommend one."
-    try: a, _ = parse_options(PlanOptions, argv, prog=_PROG, description=_ABOUT, check=_check_plan)
-    except OptionsError as e: exit_bad_options(e)
+def _plan(argv: list[str], prog: str) -> int:
+    "The plan of `main`: 0 when the recommended step fits the memory, 3 when none does."
+    a, _ = parse_options(PlanOptions, argv, prog=prog, description=_ABOUT, check=_check_plan)
     if a.fits_table:
         _write_fits_table(a.fits_table, fits_table())
         print(f"wrote the fits table of {len(shipped_targets())} targets into {a.fits_table}")
@@ -429,6 +429,12 @@ def main(argv=None) -> int:
     print("fake tensors with CPU kernel semantics; allocator rounding and fragmentation not counted: "
           "keep a few % spare")
     return 0 if next(r for r in table if r.policy == policy).total <= budget else 3
+
+def main(argv=None, prog: str = _PROG) -> int:
+    """Predict the peak memory of a drafter training step per checkpointing policy and recommend one: exit status 0
+    when it fits, 3 when nothing does, 2 for options it cannot use."""
+    return run_command(_plan, argv, prog)
+
 
 # %% ../nbs/07a_plan.ipynb #3eed0329
 if __name__ == '__main__' and '__file__' in globals(): sys.exit(main())

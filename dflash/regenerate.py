@@ -4,16 +4,16 @@
 
 # %% ../nbs/08b_regenerate.ipynb #99d95e82
 from __future__ import annotations
-import hashlib, importlib.util, json, os, sys, time
+import hashlib, importlib.util, json, os, time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from .options import (SEED_MAX, TEMPERATURE_MIN, Command, option, build_options, parse_options, OptionsError,
-                            exit_bad_options)
-from .files import (disk_error, disk_refused, file_sha256, pretrained, resolve_local, target_problems,
+from .errors import InputError, run_command
+from .options import SEED_MAX, TEMPERATURE_MIN, Command, option, build_options, parse_options
+from .files import (disk_error, file_sha256, pretrained, resolve_local, target_problems,
                           toy_target_dir, write_atomic)
 from .threads import threads_option, use_threads
-from .locks import LockError, take_lock, start_heartbeat, release_lock, writer_locks, writer_problem
-from .stops import EXIT_PREEMPTED, Preempted, StopRequest, any_stop
+from .locks import take_lock, start_heartbeat, release_lock, writer_locks, writer_problem
+from .stops import Preempted, StopRequest, any_stop
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.chat (which loads torch) load inside the
     import torch          # functions that use them, so `--help` answers at once
@@ -125,7 +125,7 @@ def template_kwargs(tokenizer, thinking: str | None, name: str = 'target') -> di
     "The chat-template keyword arguments for `thinking` (on, off or None)."
     if thinking is None: return {}
     if 'enable_thinking' not in _template_text(tokenizer):
-        raise ValueError(f"thinking {thinking!r}: the chat template of {name} has no enable_thinking switch; "
+        raise InputError(f"thinking {thinking!r}: the chat template of {name} has no enable_thinking switch; "
                          "leave --thinking unset")
     return {'enable_thinking': thinking == 'on'}
 
@@ -302,28 +302,28 @@ def read_index(out, header: dict) -> list[dict]:
     out, idx = Path(out), index_path(out)
     if not idx.is_file():
         if out.is_file() and out.stat().st_size:
-            raise ValueError(f"out {out}: exists without {idx.name}, so it was not written by this command; "
+            raise InputError(f"out {out}: exists without {idx.name}, so it was not written by this command; "
                              "choose another --out")
         return []
     lines = idx.read_bytes().split(b'\n')
     try: old = json.loads(lines[0])
-    except json.JSONDecodeError: raise ValueError(f"{idx}: unreadable first line; not an index of this command") from None
+    except json.JSONDecodeError: raise InputError(f"{idx}: unreadable first line; not an index of this command") from None
     if old != header:
         diff = sorted(k for k in set(old) | set(header) if old.get(k) != header.get(k))
         o1, o2 = old.get('options') or {}, header.get('options') or {}
         said = [f"{k} {old.get(k)!r} there, {header.get(k)!r} now" for k in diff if k != 'options']
         said += [f"--{k.replace('_', '-')} {o1.get(k)!r} there, {o2.get(k)!r} now" for k in sorted(set(o1) | set(o2))
                  if o1.get(k) != o2.get(k)]
-        raise ValueError(f"{idx}: {out} was written with other {', '.join(diff)} ({'; '.join(said)}); "
+        raise InputError(f"{idx}: {out} was written with other {', '.join(diff)} ({'; '.join(said)}); "
                          "choose another --out or remove both files")
     done = []
     for line in lines[1:]:
         try: e = json.loads(line)
         except json.JSONDecodeError: break                                 # a line cut by a kill: the batch is redone
-        if e.get('batch') != len(done): raise ValueError(f"{idx}: batch {e.get('batch')} follows batch {len(done) - 1}")
+        if e.get('batch') != len(done): raise InputError(f"{idx}: batch {e.get('batch')} follows batch {len(done) - 1}")
         done.append(e)
     if done and (not out.is_file() or out.stat().st_size < done[-1]['bytes']):
-        raise ValueError(f"out {out}: shorter than its index says ({done[-1]['bytes']} bytes); the file was changed")
+        raise InputError(f"out {out}: shorter than its index says ({done[-1]['bytes']} bytes); the file was changed")
     return done
 
 def repair_output(out, header: dict, done: list[dict]):
@@ -407,7 +407,7 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
                         "turn to rewrite or ends on a user turn to answer")
     state = process_state()
     if cfg.engine == 'vllm' and state.num_processes > 1:
-        raise ValueError("engine vllm: run it as one process (vLLM batches by itself); drop accelerate launch")
+        raise InputError("engine vllm: run it as one process (vLLM batches by itself); drop accelerate launch")
     target = target_dir(cfg)
     check_target_dir(target)
     tok = pretrained(AutoTokenizer, target)
@@ -477,10 +477,9 @@ def greedy_agreement(model, tokenizer, path, n: int | None = None, template_kw: 
 
 # %% ../nbs/08b_regenerate.ipynb #5f4c3504
 def run_locked(cfg, work, report) -> dict:
-    """`work(cfg, stop)` with checked options, `--out` locked (`OUT.lock`) by the main process while it writes; a bad
-    file or model, or an `--out` another command is writing, ends as `error: ...` with exit status 2. SIGTERM, SIGINT or
-    the launcher's exit end it after the batch (or round of batches) in progress, with status 75. The main process
-    prints `report(result)`."""
+    """`work(cfg, stop)` with checked options, `--out` locked (`OUT.lock`) by the main process while it writes (an
+    `--out` another command is writing is refused). SIGTERM, SIGINT or the launcher's exit end it after the batch (or
+    round of batches) in progress: `Preempted`. The main process prints `report(result)`."""
     import torch
     if not torch.cuda.is_available():
         threads, why = use_threads(cfg.threads)
@@ -492,32 +491,22 @@ def run_locked(cfg, work, report) -> dict:
             take_lock(lock, f"--out {cfg.out}")
             start_heartbeat(lock)
         with StopRequest(on_exit=(lambda: release_lock(lock)) if main else None) as stop: r = work(cfg, stop)
-    except (ValueError, FileNotFoundError, LockError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except Preempted as e:
-        if main: print(str(e), file=sys.stderr)
-        sys.exit(EXIT_PREEMPTED)
-    except OSError as e:                                        # a full or read-only disk: whole batches stay
-        said = disk_refused(e, ", then run the same command again (it continues after the last whole batch)")
-        if said is None: raise
-        if main: print(said, file=sys.stderr)
-        sys.exit(2)
     finally:
         if main: release_lock(lock)
-    if process_state().is_main_process: print(report(r))
+    if main: print(report(r))
     return r
 
 def _run_regenerate(cfg: RegenConfig) -> dict: return run_locked(cfg, regenerate, lambda r: 'regenerated: ' + json.dumps(r))
 
 REGENERATE = Command(RegenConfig, _run_regenerate, 'rewrite the assistant turns with the target itself', _check_options)
 
-def main(argv=None) -> dict:
+def main(argv=None, prog: str = _PROG) -> dict:
     "`python -m dflash.regenerate`: every option checked first (exit 2), then the corpus regenerated."
-    try: cfg, _ = parse_options(RegenConfig, argv, prog=_PROG, description=RegenConfig.__doc__,
-                                    check=_check_options)
-    except OptionsError as e: exit_bad_options(e)
-    return REGENERATE.run(cfg)
+    def run(argv: list[str], prog: str) -> dict:
+        cfg, _ = parse_options(RegenConfig, argv, prog=prog, description=RegenConfig.__doc__, check=_check_options)
+        return REGENERATE.run(cfg)
+    return run_command(run, argv, prog, then=", then run the same command again (it continues after the last whole "
+                                             "batch)")
 
 # %% ../nbs/08b_regenerate.ipynb #7863c879
 if __name__ == '__main__' and '__file__' in globals(): main()

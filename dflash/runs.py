@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses, importlib.util, json, os, time
 from dataclasses import dataclass
 from pathlib import Path
+from .errors import EXIT_INPUT
 from .options import SEED_MAX, option, flag
 from .threads import threads_option
 from .files import (config_max_positions, config_vocab_size, file_sha256, json_problem, make_dir, out_problems,
@@ -221,13 +222,16 @@ _RUN_FILES = ('run.json', 'checkpoints', 'metrics.csv', 'eval.csv', 'drafter', '
 
 class RunDirError(RuntimeError):
     "A run directory that this run may not use as asked."
+    exit_status = EXIT_INPUT
 
 class RunFailed(RuntimeError):
     "A run that ended without a drafter worth keeping (its steps were not finite); the message says what to do."
+    exit_status = 1                          # no bug: the message says what to change
 
 class StartupFailed(RuntimeError):
     """A run that could not start: a target, tokenizer, data or cache it cannot use, found before the run is recorded
     (no run.json: the corrected command starts afresh); the message names the file or option and what to do."""
+    exit_status = EXIT_INPUT
 
 def _run_files(out) -> list[str]:
     "The files of a run in `out` (empty: `out` holds no run)."

@@ -4,16 +4,17 @@
 
 # %% ../nbs/09a_speculate.ipynb #3aa57e83
 from __future__ import annotations
-import csv, inspect, io, sys, time
+import csv, inspect, io, time
 from pathlib import Path
 from dataclasses import dataclass, field
+from .errors import InputError, run_command
 from .config import DrafterConfig
-from .options import SEED_MAX, TEMPERATURE_MIN, option, parse_options, OptionsError, exit_bad_options
+from .options import SEED_MAX, TEMPERATURE_MIN, option, parse_options, OptionsError
 from .threads import threads_option
-from .stops import EXIT_PREEMPTED, Preempted, StopRequest
+from .stops import Preempted, StopRequest
 from .locks import writer_problem
 from .files import (json_problem, is_gguf, pretrained, target_problems, resolve_local, safetensors_problem, dir_write_problem,
-                          disk_refused, write_atomic, write_json)
+                          write_atomic, write_json)
 
 # %% auto #0
 __all__ = ['SpeculateOptions', 'warp', 'sample_tokens', 'verify_block', 'speculative_generate', 'greedy_generate',
@@ -73,12 +74,12 @@ def _check_speculate(o: SpeculateOptions) -> list[str]:
             [f"--drafter: {b}" for b in [safetensors_problem(w)] if b]
     return probs
 
-def _parse_speculate(argv=None) -> SpeculateOptions:
-    "The checked options of `python -m dflash.speculate`; `--help` prints and exits 0, bad options exit 2."
-    try: return parse_options(SpeculateOptions, argv, prog='python -m dflash.speculate',
-                              description='Measure the acceptance length and speed of a DFlash drafter on a target.',
-                              check=_check_speculate)[0]
-    except OptionsError as e: exit_bad_options(e)
+_PROG = 'python -m dflash.speculate'
+
+def _parse_speculate(argv: list[str], prog: str = _PROG) -> SpeculateOptions:
+    "The checked options of `python -m dflash.speculate`; `--help` prints and exits 0; bad options: one `OptionsError`."
+    return parse_options(SpeculateOptions, argv, prog=prog, check=_check_speculate,
+                         description='Measure the acceptance length and speed of a DFlash drafter on a target.')[0]
 
 # %% ../nbs/09a_speculate.ipynb #78b6154e
 def _prompt_turns(path, n: int | None = None) -> list[tuple[str, list[dict]]]:
@@ -99,7 +100,7 @@ def _prompt_turns(path, n: int | None = None) -> list[tuple[str, list[dict]]]:
     return prompts
 
 # %% ../nbs/09a_speculate.ipynb #cb096869
-if __name__ == '__main__' and '__file__' in globals(): _parse_speculate()   # help and bad options before torch loads
+if __name__ == '__main__' and '__file__' in globals(): run_command(_parse_speculate, prog=_PROG)   # help and bad options before torch loads   # help and bad options before torch loads
 
 # %% ../nbs/09a_speculate.ipynb #fcd9d88d
 import torch
@@ -126,7 +127,7 @@ def _check_compatible(drafter_config: DrafterConfig, target_config, block_size: 
     if block_size is not None and not 2 <= block_size <= d.block_size:
         problems.append(f"block size {block_size} is not in [2, {d.block_size}] "
                         f"(the drafter was trained with {d.block_size})")
-    if problems: raise ValueError(f"{name} does not fit the target: " + '; '.join(problems))
+    if problems: raise InputError(f"{name} does not fit the target: " + '; '.join(problems))
 
 # %% ../nbs/09a_speculate.ipynb #161c1162
 def warp(logits: Tensor, temperature: float, top_p: float = 1.) -> Tensor:
@@ -385,28 +386,15 @@ def plot_acceptance(hist: list[int], ax=None, title: str = ''):
     return ax
 
 # %% ../nbs/09a_speculate.ipynb #d1b01d47
-def main(argv=None) -> dict:
+def main(argv=None, prog: str = _PROG) -> dict:
     """`python -m dflash.speculate`: tau, its histogram and the speed against plain decoding (and prompt lookup at T = 0)
     at each `--temperature`, prompt by prompt with a running total; returns {'runs': [one acceptance_eval result per
     temperature], ...}. SIGTERM or SIGINT stops it between two prompts with the results so far written, exit status
     75; a data file without a prompt, a target and drafter that do not fit together or do not load as they are, or
     a full or read-only disk, ends as one `error:` line, exit status 2."""
-    a = _parse_speculate(argv)
-    try: return _speculate(a)
-    except OptionsError as e: exit_bad_options(e)                   # what the configs and the tokenizer say
-    except (ValueError, FileNotFoundError) as e:     # a record past the options' check, weights unfit for their config
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except Preempted as e:
-        print(str(e), file=sys.stderr)
-        sys.exit(EXIT_PREEMPTED)
-    except OSError as e:
-        said = disk_refused(e)
-        if said is None: raise
-        print(said, file=sys.stderr)
-        sys.exit(2)
+    return run_command(lambda argv, prog: _speculate(_parse_speculate(argv, prog), prog), argv, prog)
 
-def _check_fit(a: SpeculateOptions, drafter_cfg: DrafterConfig, tdir, tok):
+def _check_fit(a: SpeculateOptions, drafter_cfg: DrafterConfig, tdir, tok, prog: str = _PROG):
     "An `OptionsError` naming every way the drafter does not fit the target, and a tokenizer with no end of sequence."
     from transformers import AutoConfig
     probs = []
@@ -415,9 +403,9 @@ def _check_fit(a: SpeculateOptions, drafter_cfg: DrafterConfig, tdir, tok):
                      "end; set eos_token in its tokenizer_config.json to the token that ends the model's turn")
     try: _check_compatible(drafter_cfg, pretrained(AutoConfig, tdir), a.block_size, name=f"drafter {a.drafter}")
     except ValueError as e: probs.append(f"--drafter: {e}")
-    if probs: raise OptionsError(probs, 'python -m dflash.speculate')
+    if probs: raise OptionsError(probs, prog)
 
-def _speculate(a: SpeculateOptions) -> dict:
+def _speculate(a: SpeculateOptions, prog: str = _PROG) -> dict:
     from transformers import AutoTokenizer
     dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     threads, why = use_threads(a.threads, 1) if dev.type == 'cpu' else (torch.get_num_threads(), 'left as is on a GPU')
@@ -428,7 +416,7 @@ def _speculate(a: SpeculateOptions) -> dict:
         raise FileNotFoundError(f"{a.target}: no config.json, not a model")
     drafter_cfg = DrafterConfig.load(ddir / 'config.json')
     tok = pretrained(AutoTokenizer, tdir)
-    _check_fit(a, drafter_cfg, tdir, tok)                            # before any weights load
+    _check_fit(a, drafter_cfg, tdir, tok, prog)                            # before any weights load
     target = load_target(tdir, dtype).to(dev).eval()       # a directory or a .gguf file, its weights of its config
     drafter = DFlashDrafter.from_pretrained(ddir, dtype=dtype).to(dev).eval()
     prompts = eval_prompts(a.data, tok, a.num_prompts)

@@ -5,15 +5,15 @@
 # %% ../nbs/00e_stops.ipynb #d5700003
 from __future__ import annotations
 import os, signal, threading, time
+from .errors import EXIT_PREEMPTED
 
 # %% auto #0
-__all__ = ['EXIT_PREEMPTED', 'Preempted', 'StopRequest', 'any_stop']
+__all__ = ['Preempted', 'StopRequest', 'any_stop']
 
 # %% ../nbs/00e_stops.ipynb #556d377e
-EXIT_PREEMPTED = 75            # sysexits' EX_TEMPFAIL: stopped on request at a boundary; run again to continue
-
 class Preempted(Exception):
     "The command stopped at a boundary on a signal or its launcher's exit; the message says what was saved."
+    exit_status = EXIT_PREEMPTED
 
 _LAUNCHER_VARS = ('ACCELERATE_DYNAMO_BACKEND', 'TORCHELASTIC_RUN_ID')   # what accelerate launch, torchrun set
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy, json, time
 from dataclasses import dataclass, fields
 from pathlib import Path
+from .errors import InputError
 from .options import SEED_MAX, TEMPERATURE_MIN, Command, option, build_options
 from .files import pretrained, target_config_dict
 from .threads import threads_option
@@ -29,7 +30,7 @@ def _open_user_turn(tokenizer, history: list[dict], template_kw: dict | None = N
     text = tokenizer.apply_chat_template(template_messages(history) + [{'role': 'user', 'content': _SENTINEL}],
                                          tokenize=False, **(template_kw or {}))
     if text.count(_SENTINEL) != 1:
-        raise ValueError("the chat template does not show a user message's text as it is given, so it cannot open a "
+        raise InputError("the chat template does not show a user message's text as it is given, so it cannot open a "
                          "user turn for the target to write")
     return tokenizer(text[:text.index(_SENTINEL)], add_special_tokens=False)['input_ids']
 
@@ -176,7 +177,7 @@ def synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
     _validate_synth(cfg)
     state = process_state()
     if state.num_processes > 1:
-        raise ValueError("synthesize: run it as one process (each batch's duplicates are judged against the records "
+        raise InputError("synthesize: run it as one process (each batch's duplicates are judged against the records "
                          "before it); drop accelerate launch")
     target = target_dir(cfg)
     check_target_dir(target)
@@ -200,7 +201,7 @@ def synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
         idle = next((i for i, e in enumerate(reversed(entries)) if e['records']), len(entries))
         if idle >= _STALL:
             drops = {k: sum(e[k] for e in entries[-idle:]) for k in _FILTERS}
-            raise ValueError(f"{cfg.out}: the last {idle} batches ({idle * cfg.batch_size} user messages) added no "
+            raise InputError(f"{cfg.out}: the last {idle} batches ({idle * cfg.batch_size} user messages) added no "
                              f"record (dropped: {drops}), with {written} of {cfg.num} written; raise "
                              "--prompt-temperature or --prompt-top-p, or lower --num")
         k = len(entries)

@@ -8,7 +8,8 @@ import json, math, random, time
 from dataclasses import dataclass
 from pathlib import Path
 from .files import assets_dir, dir_write_problem, toy_target_dir
-from .options import Command, option, parse_subcommand, usage_text, OptionsError, exit_bad_options
+from .errors import run_command
+from .options import Command, option, parse_subcommand, usage_text
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:         # for annotations: torch, tokenizers and transformers load inside the functions that use
     from transformers import PreTrainedTokenizerFast, Qwen3Config     # them, so `--help` answers at once
@@ -417,12 +418,13 @@ _COMMANDS = {'build': Command(_ToyOptions, _build_command, 'the corpus, the toke
                                   _check_regenerate)}
 _PROG = 'python -m dflash.toy'
 
-def main(argv=None) -> dict:
+def main(argv=None, prog: str = _PROG) -> dict:
     "Build the toy target (`python -m dflash.toy build [--out DIR]`), then its regenerated corpus (`... regenerate`)."
-    usage = usage_text(_PROG, 'the shipped toy target and its data, rebuilt', _COMMANDS)
-    try: name, opts = parse_subcommand(_COMMANDS, argv, _PROG, usage)
-    except OptionsError as e: exit_bad_options(e)
-    return _COMMANDS[name].run(opts)
+    def run(argv: list[str], prog: str) -> dict:
+        usage = usage_text(prog, 'the shipped toy target and its data, rebuilt', _COMMANDS)
+        name, opts = parse_subcommand(_COMMANDS, argv, prog, usage)
+        return _COMMANDS[name].run(opts)
+    return run_command(run, argv, prog)
 
 # %% ../nbs/09_toy.ipynb #d0e70001
 if __name__ == '__main__' and '__file__' in globals(): main()

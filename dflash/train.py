@@ -8,11 +8,12 @@ import csv, importlib.resources, io, os, sys, time
 from dataclasses import asdict, replace
 from pathlib import Path
 import yaml
-from .options import OptionParser, OptionsError, build_options, exit_bad_options
-from .stops import StopRequest, Preempted, EXIT_PREEMPTED
+from .errors import EXIT_PREEMPTED, InputError, run_command
+from .options import OptionParser, OptionsError, build_options
+from .stops import StopRequest, Preempted
 from .runs import (TrainConfig, check_train, read_run, resume_changes, claim_run, unlock_run, RunDirError,
-                         RUN_ACTIONS, RunFailed, StartupFailed, absolute_paths, data_checksums, data_changes)
-from .files import write_json, write_atomic, toy_data_dir, disk_refused
+                         RUN_ACTIONS, StartupFailed, absolute_paths, data_checksums, data_changes)
+from .files import write_json, write_atomic, toy_data_dir
 
 
 # %% auto #0
@@ -24,9 +25,9 @@ _DESCRIPTION = ("Train a DFlash drafter. With no arguments: the toy target and c
                "defaults shown are that run's. With --target, options not given take the recipe's defaults (DFlash's "
                "published one, trained with D-PACE and warmup-stable-decay).")
 
-def _configure(argv=None) -> tuple[TrainConfig, dict | None, dict]:
+def _configure(argv=None, prog: str = _PROG) -> tuple[TrainConfig, dict | None, dict]:
     "(checked options, the run record being resumed or None, allowed changes {name: (old, new)}); one error for all."
-    p = OptionParser(TrainConfig, _PROG, _DESCRIPTION, help_defaults=toy_profile(resolve=False))
+    p = OptionParser(TrainConfig, prog, _DESCRIPTION, help_defaults=toy_profile(resolve=False))
     given = p.read(argv)
     base = toy_profile() if 'target' not in given else {}
     out = given.get('out', base.get('out', TrainConfig.out))
@@ -38,11 +39,11 @@ def _configure(argv=None) -> tuple[TrainConfig, dict | None, dict]:
             base = {k: v for k, v in rec['config'].items() if k not in RUN_ACTIONS}
             refused, changed = resume_changes(rec['config'], given)
             problems += refused
-    cfg = absolute_paths(build_options(TrainConfig, {**base, **given}, problems, _PROG, check_train, given))
+    cfg = absolute_paths(build_options(TrainConfig, {**base, **given}, problems, prog, check_train, given))
     if rec and not cfg.accept_changed_data and (moved := data_changes(rec.get('data') or {}, data_checksums(cfg))):
         raise OptionsError([*moved, "a resume trains on the data the run started with: put it back, pass "
                                     "--accept-changed-data to go on with the data as it is now (run.json records it), "
-                                    "or start a new run (--overwrite, or another --out)"], _PROG)
+                                    "or start a new run (--overwrite, or another --out)"], prog)
     return cfg, rec, changed
 
 def parse_config(argv=None) -> TrainConfig:
@@ -107,8 +108,8 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
             print("changed on resume: " + ', '.join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
         if is_main and moved: print("data changed on resume (--accept-changed-data): " + '; '.join(moved))
     try: trainer = Trainer(cfg)
-    except (ValueError, FileNotFoundError, MemoryError) as e:       # a target, tokenizer, data or cache it cannot use
-        raise StartupFailed(str(e) or type(e).__name__) from e
+    except (InputError, FileNotFoundError) as e:        # a target, tokenizer, data or cache it cannot use
+        raise StartupFailed(str(e)) from e
     where = trainer.restore()                            # a refused resume, like a failed start-up, records nothing
     if where and is_main and rec is not None:          # a run.json to compare with (copied checkpoints have none)
         before = replace(cfg, **{k: v for k, v in rec['config'].items() if k in _SCHEDULE})
@@ -170,51 +171,33 @@ def _fewer_steps(rec: dict, cfg: TrainConfig) -> str | None:
     return (f"{asked}: the run already has {step} steps (it finished at step {step}); a resume cannot take steps "
             f"back: pass --max-steps above {step} to train longer, or start a new run with --overwrite or another --out")
 
-def _disk_refused(e: OSError) -> str:
-    "The `error: ...` line of a write the disk refused (full, read-only, not permitted), naming the file; raise others."
-    said = disk_refused(e, " (or choose another --out), then run the command again (with --resume once the run has "
-                           "started)")
-    if said is None: raise e
-    return said
-
-def main(argv=None) -> dict:
-    try: cfg, rec, changed = _configure(argv)
-    except OptionsError as e: exit_bad_options(e)
+def _main(argv: list[str], prog: str) -> dict:
+    cfg, rec, changed = _configure(argv, prog)
     out, is_main = Path(cfg.out), int(os.environ.get('RANK', '0')) == 0
     if cfg.resume and rec and rec.get('status') == 'finished':
-        if fewer := _fewer_steps(rec, cfg):
-            if is_main: print(f"error: {fewer}", file=sys.stderr)
-            raise SystemExit(2)
+        if fewer := _fewer_steps(rec, cfg): raise InputError(fewer)
         work = _finished_work(out, rec, cfg)
         if is_main: print(work or f"{out}: this run finished at step {rec.get('step')}; --resume leaves it as it is "
                                   f"(to train longer, resume with more --max-steps or --epochs; to train again, start a "
                                   f"new run with --overwrite or another --out)")
         if work is None: return {}
-    if is_main:
-        try: claim_run(cfg)
-        except RunDirError as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2)
-        except OSError as e:
-            print(_disk_refused(e), file=sys.stderr)
-            raise SystemExit(2)
+    if is_main: claim_run(cfg)
     with StopRequest(on_exit=(lambda: unlock_run(out)) if is_main else None) as stop:    # SIGTERM, SIGINT, no launcher
         try: return _train(cfg, rec, changed, is_main, stop)
         except Preempted as e:
-            stopped = e
             if is_main and (now := read_run(out)):                          # recorded while the lock is held
                 stops = [*now.get('stops', []), {'at': time.strftime('%FT%T'), 'what': str(e)}]
                 write_json(out / 'run.json', {**now, 'status': 'stopped', 'stops': stops})
-        except (RunDirError, StartupFailed, RunFailed) as e:   # a run directory or input it cannot use; nothing to keep
-            if is_main: print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(1 if isinstance(e, RunFailed) else 2)
-        except OSError as e:                           # a full or read-only disk: what was written whole stays
-            print(_disk_refused(e), file=sys.stderr)
-            raise SystemExit(2)
+            raise Preempted(f"{e}; {out} is released: continue with --resume (exit status {EXIT_PREEMPTED})") from None
         finally:
-            if is_main: unlock_run(out)
-    if is_main: print(f"{stopped}; {out} is released: continue with --resume (exit status {EXIT_PREEMPTED})")
-    raise SystemExit(EXIT_PREEMPTED)
+            if is_main: unlock_run(out)                # a run directory or input it cannot use: nothing to keep
+
+def main(argv=None, prog: str = _PROG) -> dict:
+    """Train a drafter as the options say; the summary. A bad option or input ends as one `error:` line (exit 2), a
+    step that does not fit as 3, a stop on request after a checkpoint as 75."""
+    return run_command(_main, argv, prog, then=" (or choose another --out), then run the command again (with --resume "
+                                               "once the run has started)")
+
 
 # %% ../nbs/11_train.ipynb #cd897561
 def _rows(path) -> list[dict]:

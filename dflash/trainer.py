@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from accelerate import Accelerator
 from accelerate.utils import set_seed, parse_flag_from_env
 from transformers import AutoConfig, AutoTokenizer, get_cosine_schedule_with_warmup, get_wsd_schedule
+from .errors import InputError, NoFit
 from .config import DrafterConfig
 from .layout import BlockLayout, valid_anchors
 from .drafter import DFlashDrafter
@@ -46,7 +47,7 @@ def _gguf_head_weights(path: Path) -> tuple[Tensor, Tensor]:
     "A GGUF target's input embedding and LM head (V, H), dequantized to fp32 from its file, without loading the model."
     from gguf import GGUFReader, dequantize
     found = {t.name: t for t in GGUFReader(path).tensors if t.name in ('token_embd.weight', 'output.weight')}
-    if 'token_embd.weight' not in found: raise ValueError(f"target {path}: no token_embd.weight in the GGUF file")
+    if 'token_embd.weight' not in found: raise InputError(f"target {path}: no token_embd.weight in the GGUF file")
     embed, head = (torch.from_numpy(dequantize(found[k].data, found[k].tensor_type).astype('float32'))
                    if k in found else None for k in ('token_embd.weight', 'output.weight'))
     return embed, embed if head is None else head      # no output.weight: tied embeddings, one matrix
@@ -64,7 +65,7 @@ def _frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
             for k in st.keys():
                 if k.endswith('embed_tokens.weight') or k == 'lm_head.weight':
                     found[k.split('.')[-2]] = st.get_tensor(k)
-    if 'embed_tokens' not in found: raise ValueError(f"target {target_dir}: no embed_tokens.weight in its safetensors")
+    if 'embed_tokens' not in found: raise InputError(f"target {target_dir}: no embed_tokens.weight in its safetensors")
     return found['embed_tokens'], found.get('lm_head', found['embed_tokens'])   # tied embeddings: one matrix
 
 @dataclass
@@ -83,7 +84,7 @@ def _eval_set(eval_data, tok, max_length: int) -> ChatDataset | None:
     "The held-out conversations of `eval_data` (None: no held-out evaluation); refused when none is usable."
     if not eval_data: return None
     ev = ChatDataset.from_jsonl(eval_data, tok, max_length)
-    if not len(ev): raise ValueError(f"--eval-data {eval_data}: no usable conversation to evaluate on")
+    if not len(ev): raise InputError(f"--eval-data {eval_data}: no usable conversation to evaluate on")
     return ev
 
 def _has_chat_template(tok) -> bool:
@@ -95,13 +96,13 @@ def _target_tokenizer(target: Path, chat: bool):
     "The tokenizer in `target`, after checking it loads, has a vocabulary and (`chat`: renders --data) a chat template."
     try: tok = pretrained(AutoTokenizer, target)
     except Exception as e:                               # broken files: tokenizers' and transformers' own errors
-        raise ValueError(f"--target {target}: its tokenizer does not load ({type(e).__name__}: {e}); put the "
+        raise InputError(f"--target {target}: its tokenizer does not load ({type(e).__name__}: {e}); put the "
                          "model's own tokenizer files beside it") from None
     if len(tok) <= len(tok.all_special_tokens):
-        raise ValueError(f"--target {target}: no tokenizer there (it loads with {len(tok)} tokens: no tokenizer.json, "
+        raise InputError(f"--target {target}: no tokenizer there (it loads with {len(tok)} tokens: no tokenizer.json, "
                          "tokenizer.model or vocabulary files); put the model's own tokenizer files beside it")
     if chat and not _has_chat_template(tok):
-        raise ValueError(f"--target {target}: its tokenizer has no chat template (no chat_template.jinja, none in "
+        raise InputError(f"--target {target}: its tokenizer has no chat template (no chat_template.jinja, none in "
                          f"tokenizer_config.json), and --data is rendered with it: put the model's template in "
                          f"{target / 'chat_template.jinja'}, or write a cache with `python -m dflash.data cache "
                          "--chat-template FILE ...` and train with --cache")
@@ -128,10 +129,10 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     data = cfg.data or (toy_data_dir() / 'train.jsonl' if toy else None)
     eval_data = cfg.eval_data or (toy_data_dir() / 'eval.jsonl' if toy else None)
     if data is None and cfg.cache is None:
-        raise ValueError("--data FILE (chat JSONL) or --cache DIR is needed with --target")
+        raise InputError("--data FILE (chat JSONL) or --cache DIR is needed with --target")
     tok, tc = _target_tokenizer(target, chat=cfg.cache is None or eval_data is not None), pretrained(AutoConfig, target)
     if len(tok) > (V := tc.get_text_config().vocab_size):
-        raise ValueError(f"--target {target}: its tokenizer has {len(tok)} tokens, more than the model's vocab_size "
+        raise InputError(f"--target {target}: its tokenizer has {len(tok)} tokens, more than the model's vocab_size "
                          f"({V} in config.json): tokenizer and model do not belong together; put the model's own "
                          "tokenizer files beside it")
     dkw = dict(num_hidden_layers=cfg.num_layers, block_size=cfg.block_size, draft_vocab_size=cfg.draft_vocab_size)
@@ -142,11 +143,11 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
         said = cfg.mask_token_id if cfg.mask_token_id is not None else train.manifest['data'].get('mask_token_id')
         dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, train, ev, said)
         if cfg.loss == 'kl' and not train.manifest.get('final_hidden'):
-            raise ValueError(f"--loss kl: the cache {cfg.cache} holds no final hidden state of the target (the "
+            raise InputError(f"--loss kl: the cache {cfg.cache} holds no final hidden state of the target (the "
                              "teacher); write one with `python -m dflash.data cache ... --final-hidden`")
         ids = train.manifest['layer_ids']
         if cfg.target_layer_ids is not None and list(cfg.target_layer_ids) != ids:
-            raise ValueError(f"cache {cfg.cache} holds target layers {ids}, not the requested {cfg.target_layer_ids}; "
+            raise InputError(f"cache {cfg.cache} holds target layers {ids}, not the requested {cfg.target_layer_ids}; "
                              "leave --target-layer-ids out to train on those")
         train = _cut_cache(train, cfg.max_length)
         dcfg = DrafterConfig.from_target(tc, target_layer_ids=ids, **dkw)
@@ -163,7 +164,7 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
         embed, lm_head = features.embed_weight, features.lm_head_weight
         dcfg = features.drafter_config(**dkw)
     if len(train) < cfg.batch_size:
-        raise ValueError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(train)} samples)")
+        raise InputError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(train)} samples)")
     return _RunParts(tok, features, embed, lm_head, train, ev, dcfg, draft_ids)
 
 # %% ../nbs/10_trainer.ipynb #85a089f2
@@ -194,7 +195,7 @@ def _cut_cache(cache: CacheDataset, max_length: int):
     if written is not None and written <= max_length: return cache
     keep, n = _anchored(cache, max_length), len(cache)
     if not keep:
-        raise ValueError(f"--max-length {max_length}: no sample of the cache {cache.path} (written with max_length "
+        raise InputError(f"--max-length {max_length}: no sample of the cache {cache.path} (written with max_length "
                          f"{written or '(not recorded)'}) has two consecutive supervised tokens in its first "
                          f"{max_length}; raise --max-length")
     if int(os.environ.get('RANK', '0')) == 0:
@@ -212,7 +213,7 @@ def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
 def _step_samples(n: int, batch_size: int, seed: int, step: int) -> tuple[int, list[int]]:
     "(epoch, sample ids) of global step `step`: consecutive slices of each epoch's order, the last partial one dropped."
     per_epoch = n // batch_size
-    if per_epoch == 0: raise ValueError(f"batch_size {batch_size} is larger than the dataset ({n} samples)")
+    if per_epoch == 0: raise InputError(f"batch_size {batch_size} is larger than the dataset ({n} samples)")
     epoch, k = divmod(step, per_epoch)
     return epoch, _epoch_order(n, seed, epoch)[k * batch_size:(k + 1) * batch_size]
 
@@ -489,7 +490,7 @@ def _refuse_online_misfit(cfg: TrainConfig, acc: Accelerator):
                            dtype=_PLAN_DTYPE.get(acc.mixed_precision, 'fp32'), attention=cfg.attention,
                            micro_batch_size=cfg.micro_batch_size, policy=parse_policy(cfg.checkpointing),
                            teacher=cfg.loss == 'kl')
-    if not fits: raise MemoryError(f"online training does not fit on {acc.device}: {why}")
+    if not fits: raise NoFit(f"online training does not fit on {acc.device}: {why}")
 
 class Trainer:
     "Train a DFlash drafter with accelerate (1 CPU process, 1 GPU, or many)."
@@ -499,7 +500,7 @@ class Trainer:
         self.out = Path(cfg.out)
         gpu = torch.cuda.is_available()      # without one, processes launched together train over gloo (MULTI_CPU)
         if bad := launch_problems():                   # checked with the options by the CLI; here for direct use
-            raise ValueError("accelerate settings dflash.train cannot use:\n  " + '\n  '.join(bad))
+            raise InputError("accelerate settings dflash.train cannot use:\n  " + '\n  '.join(bad))
         launched = 'ACCELERATE_MIXED_PRECISION' in os.environ      # set by accelerate launch: the user's choice wins
         precision = None if launched else 'bf16' if gpu else 'no'
         self.acc = acc = accelerator or Accelerator(cpu=not gpu, mixed_precision=precision,
@@ -509,11 +510,11 @@ class Trainer:
         self.seconds = {}                            # wall seconds of fit's phases beyond the steps (`timed`)
         self.fsdp = _fsdp_settings(acc)
         if cfg.batch_size % acc.num_processes:
-            raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the number of processes "
+            raise InputError(f"batch_size {cfg.batch_size} must be a multiple of the number of processes "
                              f"({acc.num_processes})")
         set_seed(cfg.seed)
         if cfg.attention == 'flex' and not gpu:
-            raise ValueError("--attention flex: torch has no FlexAttention backward on CPU, so it trains on a GPU "
+            raise InputError("--attention flex: torch has no FlexAttention backward on CPU, so it trains on a GPU "
                              "only; use --attention sdpa or eager here")
         target = resolve_local(cfg.target) if cfg.target else toy_target_dir()
         check_target_dir(target)                 # a model that is no decoder-only causal LM: before anything loads
