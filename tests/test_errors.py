@@ -2,7 +2,7 @@
 line (exit 2), a bug shows its traceback and says it is one (exit 1), and `--debug` shows the traceback of a user error
 too. The bugs are deliberate: a real command whose internals are made to fail, in a process of its own."""
 import subprocess, sys
-from dflash.files import toy_data_dir, toy_target_dir
+from dflash.files import toy_target_dir
 
 
 def _run(code: str, *args) -> subprocess.CompletedProcess:
