@@ -21,6 +21,7 @@ from tqdm import tqdm
 from .errors import run_command
 from .options import Command, option, parse_subcommand, usage_text
 from .runs import policy_problem
+from .schema import ATTENTIONS
 from .real_bench import RealBench, check_real
 
 # %% auto #0
@@ -120,7 +121,7 @@ class _TrainBench:
     num_layers: int = option(2, 'drafter layers', ge=1)
     num_anchors: int = option(64, 'anchors per sequence', ge=1)
     max_length: int = option(512, 'tokens per sequence at most', ge=1)
-    attention: str = option('sdpa', 'attention backend', choices=['sdpa', 'flex', 'eager'])
+    attention: str = option('sdpa', 'attention backend', choices=list(ATTENTIONS))
     device: str = option('cpu', 'device of every process', choices=['cpu', 'cuda'])
     threads: int = option(1, 'OMP_NUM_THREADS of every process', ge=1)
     seed: int = option(0, 'seed of the targets and the runs', ge=0)
@@ -779,7 +780,7 @@ def _train_quality_run(args, objective: str, seed: int, out: Path) -> dict:
 # %% ../nbs/13_bench.ipynb #f6ed46ff
 def _speculate_quality(args, rows: list[dict], runs: Path):
     "tau and tokens/s of every run's drafter at each temperature, and plain decoding once per temperature (in place)."
-    from .speculate import eval_prompts, acceptance_eval
+    from .decoding import eval_prompts, acceptance_eval
     from .drafter import DFlashDrafter
     torch.set_num_threads(args.threads)
     target = Qwen3ForCausalLM.from_pretrained(toy_target_dir()).eval()

@@ -4,7 +4,7 @@
 
 # %% ../nbs/14_cli.ipynb #c11a0003
 from __future__ import annotations
-import runpy, sys
+import importlib, sys
 from .options import usage_text
 
 # %% auto #0
@@ -22,7 +22,8 @@ COMMANDS = {
 }
 
 def main(argv=None):
-    "`dflash COMMAND [options]`: runs `python -m dflash.COMMAND [options]`; no command or `--help`: the list."
+    """`dflash COMMAND [options]`: module `dflash.COMMAND`'s `main` under the name `dflash COMMAND`, its exit status
+    (a plan's 3 included); no command or `--help`: the list."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ('-h', '--help'):
         print(usage_text('dflash', 'train DFlash drafters for speculative decoding', COMMANDS),
@@ -31,5 +32,5 @@ def main(argv=None):
     if argv[0] not in COMMANDS:
         print(f"error: dflash: {argv[0]!r}: unknown command; one of {', '.join(COMMANDS)}", file=sys.stderr)
         raise SystemExit(2)
-    sys.argv = [f'dflash.{argv[0]}', *argv[1:]]
-    runpy.run_module(f'dflash.{argv[0]}', run_name='__main__', alter_sys=True)
+    result = importlib.import_module(f'dflash.{argv[0]}').main(argv[1:], prog=f'dflash {argv[0]}')
+    raise SystemExit(result if isinstance(result, int) else 0)

@@ -20,7 +20,7 @@ from .testing import eager_attention
 from .drafter import DFlashDrafter
 from .recompute import set_checkpointing
 from .objective import dflash_objective
-from .plan import budgets, recommend_policy, plan_layout
+from .planner import budgets, recommend_policy, plan_layout
 from .harness import METHODS, bench_many, launch_train, last_error, logged_steps
 
 # %% auto #0
@@ -165,7 +165,7 @@ def _step_once(drafter, opt, ctx, lay, embed, lm_head, objective_budget, dtype):
 def _real_step(device='cuda', cfg: DrafterConfig | None = None, *, seq_len: int = 8000, anchors: int = 512,
               memory_bytes: int | None = None, repeats: int = 3, dtype: str = 'bf16', seed: int = 0) -> dict:
     "One trainer-like step of a drafter of `cfg` (default Qwen3-8B's): measured peak against the plan, time, MFU."
-    from dflash.plan import DTYPES
+    from dflash.planner import DTYPES
     device, dt = torch.device(device), DTYPES[dtype]
     cfg = cfg or _qwen3_8b_drafter()[1]
     cuda = device.type == 'cuda'

@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from .layout import BlockLayout
+from .schema import LOSSES
 from .drafter import compute_dtype
 
 # %% auto #0
-__all__ = ['OBJECTIVES', 'objective_bytes_per_row', 'dpace_weights', 'Objective', 'ObjectiveSums', 'accepted_length',
-           'dflash_objective', 'draft_vocab', 'draft_labels']
+__all__ = ['objective_bytes_per_row', 'dpace_weights', 'Objective', 'ObjectiveSums', 'accepted_length', 'dflash_objective',
+           'draft_vocab', 'draft_labels']
 
 # %% ../nbs/07_objective.ipynb #3283df5a
 def objective_bytes_per_row(vocab_size: int, dtype: torch.dtype, teacher: bool = False) -> int:
@@ -154,18 +155,16 @@ def dpace_weights(ce: Tensor, weights: Tensor, *, alpha: float, kind: str = 'dpa
     return d.to(torch.promote_types(weights.dtype, ce.dtype))
 
 # %% ../nbs/07_objective.ipynb #12b53505
-OBJECTIVES = ('ce', 'dpace', 'dpace-confidence', 'dpace-continuation', 'kl')
-
 @dataclass(frozen=True)
 class Objective:
     "Which loss `dflash_objective` computes, with its settings (the train options of the same names)."
-    loss: str = 'ce'              # one of OBJECTIVES
+    loss: str = 'ce'              # one of LOSSES
     dpace_alpha: float = 0.5      # D-PACE: s = (1-alpha)·p + alpha
     kl_weight: float = 1.0        # kl: w·KL + (1-w)·CE
     kl_temperature: float = 1.0   # kl: T of both distributions
 
     def __post_init__(self):
-        if self.loss not in OBJECTIVES: raise ValueError(f"loss {self.loss!r}: use one of {', '.join(OBJECTIVES)}")
+        if self.loss not in LOSSES: raise ValueError(f"loss {self.loss!r}: use one of {', '.join(LOSSES)}")
     @property
     def teacher(self) -> bool:
         "Whether the loss reads the target's final hidden states."

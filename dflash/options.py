@@ -143,13 +143,12 @@ def _add_field(parser, f, default):
 # %% ../nbs/00a_options.ipynb #e49ab8fd
 class OptionParser(argparse.ArgumentParser):
     "An `argparse` parser with a flag per field of dataclass `cls`; it collects every bad value, reads `--config` YAML."
-    def __init__(self, cls, prog: str = '', description: str = '', help_defaults: dict | None = None,
-                 config: bool = True):
+    def __init__(self, cls, prog: str = '', description: str = '', config: bool = True):
         super().__init__(prog=prog, description=description, allow_abbrev=False)
         self.cls, self.problems, self.source = cls, [], 'command line'
         self.hints, self.fields = typing.get_type_hints(cls), {f.name: f for f in fields(cls) if f.init}
         self.actions, self.spellings = {}, {}          # name -> its argparse action; --max_steps -> --max-steps
-        for f in self.fields.values(): _add_field(self, f, (help_defaults or {}).get(f.name, f.default))
+        for f in self.fields.values(): _add_field(self, f, f.default)
         if config: self.add_argument('--config', metavar='YAML', default=argparse.SUPPRESS,
                                      help='YAML file of options (names with underscores); flags override it')
         self.add_argument('--debug', action='store_true', default=argparse.SUPPRESS,
@@ -278,10 +277,9 @@ def build_options(cls, values: dict, problems=(), prog: str = '', check=None, gi
     if problems: raise OptionsError(problems, prog)
     return obj
 
-def parse_options(cls, argv=None, *, prog: str = '', description: str = '', base: dict | None = None, check=None,
-                  help_defaults: dict | None = None):
+def parse_options(cls, argv=None, *, prog: str = '', description: str = '', base: dict | None = None, check=None):
     "Parse flags and `--config` YAML into a checked `cls`; returns (options, the values the user gave)."
-    p = OptionParser(cls, prog, description, help_defaults)
+    p = OptionParser(cls, prog, description)
     given = p.read(argv)
     return build_options(cls, {**(base or {}), **given}, p.problems, prog, check, given), given
 

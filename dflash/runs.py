@@ -5,105 +5,17 @@
 # %% ../nbs/09b_runs.ipynb #6b350687
 from __future__ import annotations
 import dataclasses, importlib.util, json, os, time
-from dataclasses import dataclass
 from pathlib import Path
 from .errors import EXIT_INPUT
-from .options import SEED_MAX, option, flag
-from .threads import threads_option
+from .options import flag
+from .schema import TRACKERS, TrainConfig
 from .files import (config_max_positions, config_vocab_size, file_sha256, json_problem, make_dir, out_problems,
                           resolve_local, target_config_dict, target_problems, toy_target_dir)
 from .locks import LockError, take_lock, start_heartbeat, release_lock, writer_problem
 
 # %% auto #0
-__all__ = ['TRACKERS', 'LOSSES', 'RUN_ACTIONS', 'TrainConfig', 'launch_problems', 'policy_problem', 'check_train', 'RunDirError',
-           'RunFailed', 'StartupFailed', 'read_run', 'unlock_run', 'claim_run', 'resume_changes', 'absolute_paths',
-           'data_checksums', 'data_changes']
-
-# %% ../nbs/09b_runs.ipynb #4745fd52
-TRACKERS = {'tensorboard': 'tensorboard', 'none': None, 'all': None, 'wandb': 'wandb', 'mlflow': 'mlflow',
-            'comet_ml': 'comet_ml', 'aim': 'aim', 'clearml': 'clearml', 'dvclive': 'dvclive', 'swanlab': 'swanlab',
-            'trackio': 'trackio'}     # `--report-to` values and the package each needs (accelerate's trackers)
-LOSSES = ('ce', 'dpace', 'dpace-confidence', 'dpace-continuation', 'kl')   # `--loss`: dflash.objective's objectives
-
-@dataclass
-class TrainConfig:
-    target: str | None = option(None, "target model: a local directory, a hub id (local Hugging Face cache only) or a "
-                                      ".gguf file (default: the shipped toy target)")
-    data: str | None = option(None, "chat data for training, JSONL (the toy run's: in the package's assets)",
-                              path='file')
-    eval_data: str | None = option(None, "held-out chat JSONL (none: no held-out evaluation); with --cache, the "
-                                         "target is loaded for the evaluations", path='file')
-    cache: str | None = option(None, "offline hidden-state cache directory (from `python -m dflash.data cache`) "
-                                     "(default: none: the target runs online)", path='dir')
-    out: str = option('runs/dflash', "run directory: checkpoints, metrics, the exported drafter")
-    num_layers: int = option(5, "drafter layers", ge=1)
-    target_layer_ids: list[int] | None = option(None, "target layers the drafter reads, space separated "
-                                                      "(default: DFlash's spread)", ge=0)
-    block_size: int = option(16, "tokens per drafted block", ge=2)
-    draft_vocab_size: int | None = option(None, "draft over the K target tokens most often supervised in the training "
-                                                "data: the drafter's LM head and loss over those K, mapped back by "
-                                                "d2t/t2d in the export (default: the whole vocabulary)", ge=1)
-    init_from_target: bool = option(False, "start the drafter's layers from the target's top layers (weights of the "
-                                           "same name and shape) instead of a random initialisation")
-    mask_token_id: int | None = option(None, "token id of a block's masked positions, written into the drafter's "
-                                             "config (default: the tokenizer's mask token, else a free embedding "
-                                             "row, else a special token neither the chat template nor the data uses)",
-                                       ge=0)
-    num_anchors: int = option(512, "blocks per sequence (at most)", ge=1)
-    gamma: float | None = option(7.0, "loss decay over block positions, exp(-(k-1)/gamma), for --loss ce and kl; "
-                                      "none: no decay", gt=0,
-                                 read_with=('loss', ('ce', 'kl')))
-    loss: str = option('dpace', "training objective: ce (cross-entropy with the --gamma decay); dpace (D-PACE: each "
-                             "position weighted by the expected accepted tokens that hang on it), dpace-confidence or "
-                             "dpace-continuation (one factor of that weight); kl (distillation to the target's "
-                             "next-token distribution, mixed with ce by --kl-weight)", choices=list(LOSSES))
-    dpace_alpha: float = option(0.5, "D-PACE smoothing of the drafter's probability p of the right token: "
-                                     "s = (1-alpha)·p + alpha", gt=0, le=1,
-                                read_with=('loss', LOSSES[1:4]))
-    kl_weight: float = option(1.0, "--loss kl: loss = w·KL + (1-w)·CE", ge=0, le=1,
-                              read_with=('loss', ('kl',)))
-    kl_temperature: float = option(1.0, "--loss kl: temperature T of the target's and the drafter's distributions "
-                                        "(the KL is scaled by T²)", gt=0,
-                                   read_with=('loss', ('kl',)))
-    max_length: int = option(3072, "tokens per sequence; longer ones are truncated (and counted)", ge=2)
-    batch_size: int = option(8, "sequences per optimizer step, over all processes", ge=1)
-    micro_batch_size: int = option(1, "sequences per forward on one process", ge=1)
-    epochs: float = option(1.0, "passes over the data (ignored when max_steps is set)", gt=0)
-    max_steps: int | None = option(None, "optimizer steps (default: from epochs)", ge=1)
-    lr: float = option(6e-4, "AdamW peak learning rate", ge=0)
-    weight_decay: float = option(0.0, "AdamW weight decay", ge=0)
-    warmup_ratio: float = option(0.04, "share of steps with linear warmup (then the --schedule)", ge=0, lt=1)
-    schedule: str = option('wsd', "learning rate after the warmup: cosine (a cosine decay to 0 over the other "
-                                     "steps) or wsd (warmup-stable-decay: the peak held, then a cosine decay to 0 over "
-                                     "the last --decay-ratio of the steps)", choices=['cosine', 'wsd'])
-    decay_ratio: float = option(0.2, "--schedule wsd: share of steps in the final decay", gt=0, le=1,
-                                read_with=('schedule', ('wsd',)))
-    max_grad_norm: float = option(1.0, "gradient-norm clipping", gt=0)
-    attention: str = option('sdpa', "attention backend", choices=['sdpa', 'flex', 'eager'])
-    checkpointing: str = option('auto', "layer checkpointing: auto (cheapest that fits), none, all, every k-th (k), "
-                                        "or a list like [0,2]")
-    memory_fraction: float = option(0.9, "share of free device memory the attention planner may use", gt=0, le=1)
-    threads: int | None = threads_option()
-    seed: int = option(0, "seeds init, data order and anchors", ge=0, le=SEED_MAX)
-    log_every: int = option(10, "steps between metric rows (0: only the last step)", ge=0)
-    eval_every: int = option(200, "steps between evaluations (0: only at the end)", ge=0)
-    eval_samples: int | None = option(None, "held-out samples per evaluation; none: all", ge=1)
-    eval_batch_size: int = option(8, "sequences per evaluation forward on one process", ge=1)
-    save_every: int = option(500, "steps between checkpoints (0: only at the end)", ge=0)
-    keep_checkpoints: int = option(2, "checkpoints kept (older ones are deleted)", ge=1)
-    save_on_signal: bool = option(True, "on SIGTERM or SIGINT (or the launcher's exit): finish the step, checkpoint "
-                                        "it, release the run directory and exit with status 75 (resume with --resume)")
-    max_bad_steps: int = option(10, "consecutive non-finite steps before the run stops", ge=1)
-    progress_bar: bool = option(True, "show a progress bar (main process)")
-    report_to: str = option('tensorboard', "where the metrics go besides metrics.csv and eval.csv: a tracker "
-                                           "accelerate knows, all of those installed, or none", choices=list(TRACKERS))
-    resume: bool = option(False, "continue the run in `out` from its newest intact checkpoint")
-    overwrite: bool = option(False, "move a run already in `out` aside (to OUT.replaced-TIME) and start a new one")
-    accept_changed_data: bool = option(False, "on --resume: continue although --data, --eval-data or the cache "
-                                               "changed since the run started (recorded in run.json)")
-    spec_eval_prompts: int = option(16, "held-out prompts for speculative-decoding tau before/after training (0: skip)",
-                                    ge=0)
-    spec_new_tokens: int = option(64, "tokens generated per prompt in that evaluation", ge=1)
+__all__ = ['RUN_ACTIONS', 'launch_problems', 'policy_problem', 'check_train', 'RunDirError', 'RunFailed', 'StartupFailed',
+           'read_run', 'unlock_run', 'claim_run', 'resume_changes', 'absolute_paths', 'data_checksums', 'data_changes']
 
 # %% ../nbs/09b_runs.ipynb #b7d1c0a2
 _TRUE, _FALSE = ('1', 'true', 'yes', 'y', 'on', 't'), ('0', 'false', 'no', 'n', 'off', 'f')

@@ -4,30 +4,34 @@
 
 # %% ../nbs/11_train.ipynb #e61e91ca
 from __future__ import annotations
-import csv, importlib.resources, io, os, sys, time
+import csv, io, os, sys, time
 from dataclasses import asdict, replace
 from pathlib import Path
-import yaml
 from .errors import EXIT_PREEMPTED, InputError, run_command
-from .options import OptionParser, OptionsError, build_options
+from .options import OptionParser, OptionsError, build_options, flag
 from .stops import StopRequest, Preempted
-from .runs import (TrainConfig, check_train, read_run, resume_changes, claim_run, unlock_run, RunDirError,
+from .schema import TrainConfig, toy_profile
+from .runs import (check_train, read_run, resume_changes, claim_run, unlock_run, RunDirError,
                          RUN_ACTIONS, StartupFailed, absolute_paths, data_checksums, data_changes)
 from .files import write_json, write_atomic, toy_data_dir
 
 
 # %% auto #0
-__all__ = ['parse_config', 'toy_profile', 'main']
+__all__ = ['parse_config', 'main']
 
 # %% ../nbs/11_train.ipynb #eb366dd9
 _PROG = 'accelerate launch -m dflash.train'
-_DESCRIPTION = ("Train a DFlash drafter. With no arguments: the toy target and corpus shipped in the package; the "
-               "defaults shown are that run's. With --target, options not given take the recipe's defaults (DFlash's "
-               "published one, trained with D-PACE and warmup-stable-decay).")
+def _description() -> str:
+    "The help's text: the defaults shown are the recipe's; the toy profile, and its values, is what no --target runs."
+    toy = ', '.join(f"{flag(k)} {v}" for k, v in toy_profile(resolve=False).items() if k not in ('data', 'eval_data'))
+    return ("Train a DFlash drafter. The defaults shown are the recipe's (DFlash's published one, trained with D-PACE "
+            "and warmup-stable-decay), which a run with --target takes. With no --target the run is the toy profile: "
+            f"the toy target and corpus shipped in the package, with {toy} (dflash/assets/toy-run.yaml); flags given "
+            "override it.")
 
 def _configure(argv=None, prog: str = _PROG) -> tuple[TrainConfig, dict | None, dict]:
     "(checked options, the run record being resumed or None, allowed changes {name: (old, new)}); one error for all."
-    p = OptionParser(TrainConfig, prog, _DESCRIPTION, help_defaults=toy_profile(resolve=False))
+    p = OptionParser(TrainConfig, prog, _description())
     given = p.read(argv)
     base = toy_profile() if 'target' not in given else {}
     out = given.get('out', base.get('out', TrainConfig.out))
@@ -50,19 +54,11 @@ def parse_config(argv=None) -> TrainConfig:
     "A checked `TrainConfig` from flags and an optional YAML file (the toy profile when no target is named)."
     return _configure(argv)[0]
 
-# %% ../nbs/11_train.ipynb #7588c06c
-def toy_profile(resolve: bool = True) -> dict:
-    "The options of the default run on the toy target; its data files as paths (`resolve=False`: as the YAML has them)."
-    assets = importlib.resources.files('dflash') / 'assets'
-    p = yaml.safe_load((assets / 'toy-run.yaml').read_text())
-    return {**p, **{k: str(assets / p[k]) for k in ('data', 'eval_data') if p.get(k) and resolve}}
-
-
 # %% ../nbs/11_train.ipynb #44a8a7d8
 def _spec_tau(trainer, sampled: bool = True) -> dict | None:
     """Speculative-decoding acceptance on the held-out prompts, greedy, and (`sampled`) its τ at T = 1 with seeds 0
     and 1 under 'sampled' (main process; None when not measurable)."""
-    from dflash.speculate import eval_prompts, acceptance_eval
+    from dflash.decoding import eval_prompts, acceptance_eval
     c, p = trainer.cfg, trainer.parts
     eval_path = c.eval_data or (str(toy_data_dir() / 'eval.jsonl') if c.target is None else None)
     if p.features is None or not eval_path or not c.spec_eval_prompts: return None
@@ -174,6 +170,8 @@ def _fewer_steps(rec: dict, cfg: TrainConfig) -> str | None:
 def _main(argv: list[str], prog: str) -> dict:
     cfg, rec, changed = _configure(argv, prog)
     out, is_main = Path(cfg.out), int(os.environ.get('RANK', '0')) == 0
+    if is_main and cfg.target is None: print("no --target: the toy profile (the toy target and corpus shipped in the package, "
+                                             "dflash/assets/toy-run.yaml's options; flags given override them)")
     if cfg.resume and rec and rec.get('status') == 'finished':
         if fewer := _fewer_steps(rec, cfg): raise InputError(fewer)
         work = _finished_work(out, rec, cfg)
@@ -243,7 +241,7 @@ def _draw_curves(out) -> Path | None:
 def _draw_acceptance(out, before: dict | None, after: dict | None) -> Path | None:
     "`out/acceptance.png`: histograms of the tokens accepted per verify step, before and after training."
     from matplotlib.figure import Figure
-    from dflash.speculate import plot_acceptance
+    from dflash.decoding import plot_acceptance
     runs = [(name, r) for name, r in (('before training', before), ('after training', after)) if r]
     if not runs: return None
     fig = Figure(figsize=(5.5 * len(runs), 3.6), layout='constrained')

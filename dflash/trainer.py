@@ -26,7 +26,7 @@ from .config import DrafterConfig
 from .layout import BlockLayout, valid_anchors
 from .drafter import DFlashDrafter
 from .recompute import set_checkpointing, parse_policy
-from .plan import budgets, recommend_policy, step_memory, online_target_bytes, online_advice
+from .planner import budgets, recommend_policy, step_memory, online_target_bytes, online_advice
 from .chunking import free_bytes
 from .objective import dflash_objective, draft_labels, draft_vocab, Objective, ObjectiveSums
 from .chat import ChatDataset
@@ -36,7 +36,8 @@ from .files import (json_problem, file_sha256, is_gguf, pretrained, write_atomic
                           toy_target_dir, toy_data_dir, make_dir, remove_temporaries, temp_dir_beside,
                           resolve_local, disk_error)
 from .stops import Preempted, StopRequest
-from .runs import TrainConfig, launch_problems, RunDirError, RunFailed
+from .schema import TrainConfig
+from .runs import launch_problems, RunDirError, RunFailed
 
 # %% auto #0
 __all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'whole_or_nothing', 'rotate_checkpoints', 'run_steps',

@@ -605,7 +605,7 @@ CORRUPT = [('garbage-state', 'trainer_state.json: not valid JSON'), ('state-not-
 def resumer(finished):
     "A trainer of the finished run's options, to resume from broken copies of it."
     from dflash.trainer import Trainer
-    from dflash.runs import TrainConfig
+    from dflash.schema import TrainConfig
     rec = json.loads((finished / 'run.json').read_text())
     return Trainer(TrainConfig(**{**rec['config'], 'resume': True}))
 
@@ -792,7 +792,7 @@ def test_command_exits_2_with_the_error(tmp_path, module, argv, expect):
 def test_report_to_a_tracker_not_installed_is_refused(tmp_path, capsys, monkeypatch):
     "A tracker whose package is missing: exit 2 with the options' error, before the target loads or `out` is made."
     import importlib.util
-    from dflash.runs import TRACKERS
+    from dflash.schema import TRACKERS
     missing = [t for t, package in TRACKERS.items() if package and importlib.util.find_spec(package) is None]
     if not missing: pytest.skip("every tracker package accelerate knows is installed here")
     monkeypatch.chdir(tmp_path)

@@ -19,7 +19,7 @@ def test_no_module_imports_another_modules_private_names():
 
 def test_model_modules_do_not_import_matplotlib():
     "Every rank imports the model and the trainer; plots import matplotlib only when they draw."
-    code = ("import sys, dflash.drafter, dflash.attention, dflash.trainer, dflash.plan; "
+    code = ("import sys, dflash.drafter, dflash.attention, dflash.trainer, dflash.planner; "
             "print('matplotlib' in sys.modules)")
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=PKG.parent)
     assert r.returncode == 0, r.stderr
@@ -96,11 +96,14 @@ def test_dflash_lists_every_command():
 
 @pytest.mark.parametrize('command', COMMANDS)
 def test_dflash_command_help_is_the_modules_help(command):
-    "`dflash X --help` and `python -m dflash.X --help` print the same text."
+    "`dflash X --help` and `python -m dflash.X --help` print the same text, each under the name that was typed."
     commands = (['dflash', command, '--help'], [sys.executable, '-m', f'dflash.{command}', '--help'])
     console, module = (subprocess.run(c, capture_output=True, text=True, cwd=PKG.parent, timeout=60) for c in commands)
     assert console.returncode == module.returncode == 0, (console.stderr, module.stderr)
-    assert console.stdout == module.stdout and console.stdout.startswith('usage:')
+    assert console.stdout.startswith(f'usage: dflash {command} ') and 'python -m' not in console.stdout.split('\n')[0]
+    typed = 'accelerate launch -m dflash.train' if command == 'train' else f'python -m dflash.{command}'
+    words = lambda text: ' '.join(text.split())                      # argparse wraps the usage to the name's length
+    assert words(console.stdout) == words(module.stdout.replace(typed, f'dflash {command}'))
 
 
 def test_notebooks_import_only_earlier_notebooks():

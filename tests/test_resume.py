@@ -163,7 +163,7 @@ def test_run_with_no_finite_step_fails_and_exports_nothing(tmp_path, capsys, fin
 def test_cache_samples_are_cut_to_max_length(tmp_path, capsys, finished):
     "A cache written with --max-length 512 read by a run planned for 64 tokens: the run's samples are cut to 64."
     from dflash.data import main as data_main
-    from dflash.runs import TrainConfig
+    from dflash.schema import TrainConfig
     from dflash.trainer import Trainer
     data_main(['cache', '--target', str(toy_target_dir()), '--data', str(finished.parent / 'train.jsonl'), '--out',
                str(tmp_path / 'cache'), '--max-length', '512', '--num-draft-layers', '2', '--no-progress'])

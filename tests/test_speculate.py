@@ -7,7 +7,7 @@ from dflash.layout import BlockLayout
 from dflash.objective import dflash_objective
 from dflash.chat import ChatDataset
 from dflash.features import TargetFeatures, collate
-from dflash.speculate import eval_prompts, speculative_generate, greedy_generate, acceptance_eval
+from dflash.decoding import eval_prompts, speculative_generate, greedy_generate, acceptance_eval
 from dflash.speculate import main as speculate_main
 from dflash.toy import load_toy_target
 from dflash.files import assets_dir, toy_data_dir, toy_target_dir
@@ -112,7 +112,7 @@ def test_command_line(tmp_path):
 @pytest.fixture
 def logged_calls(monkeypatch):
     "The decoders `acceptance_eval` calls, in the order it calls them."
-    import dflash.speculate as S
+    import dflash.decoding as S
     calls = []
     for name, label in [('speculative_generate', 'speculative'), ('greedy_generate', 'plain'),
                         ('sample_generate', 'plain'), ('lookup_generate', 'lookup')]:
@@ -138,7 +138,7 @@ def test_each_prompt_is_decoded_by_every_method_in_turn(toy, logged_calls):
 
 def test_same_output_check_names_the_prompts_that_differ(toy, monkeypatch):
     "A plain decoder that gets prompts 1 and 3 wrong: two mismatches, listed, for speculative and prompt lookup alike."
-    import dflash.speculate as S
+    import dflash.decoding as S
     target, tok, drafter = toy
     prompts = eval_prompts(toy_data_dir() / 'eval.jsonl', tok, 4)
     right, calls = S.greedy_generate, []
@@ -249,7 +249,7 @@ def test_tied_embeddings_smollm2_greedy_is_exact(smollm2, tmp_path):
 
 def test_histogram_keeps_its_labels():
     "The acceptance plot's x label lies inside the saved figure (it was cut off before)."
-    from dflash.speculate import plot_acceptance
+    from dflash.decoding import plot_acceptance
     ax = plot_acceptance([5, 3, 2, 1], title='tau = 1.82')
     fig = ax.figure
     fig.canvas.draw()

@@ -124,18 +124,18 @@ def test_non_finite_losses_stop_the_run(tmp_path):
 
 
 def test_help_documents_every_option():
-    "Every option with its help text; the defaults shown are those of the no-argument (toy) run."
+    "Every option with its help text; the defaults shown are the recipe's, and the text names the toy profile's values."
     from dataclasses import fields
-    from dflash.runs import TrainConfig
-    from dflash.train import toy_profile
+    from dflash.schema import TrainConfig, toy_profile
     r = subprocess.run([sys.executable, '-m', 'dflash.train', '--help'], capture_output=True, text=True)
     assert r.returncode == 0
     text, packed = ' '.join(r.stdout.split()), ''.join(r.stdout.split())     # help lines wrap at spaces and hyphens
     for f in fields(TrainConfig):
         assert '--' + f.name.replace('_', '-') in text and ''.join(f.metadata['help'].split()) in packed, f.name
+    assert f"(default: {TrainConfig.num_anchors})" in text and f"(default: {TrainConfig.lr})" in text
     toy = toy_profile(resolve=False)
-    assert f"(default: {toy['num_anchors']})" in text and f"(default: {toy['lr']})" in text
-    assert '--config' in text
+    assert f"--num-anchors {toy['num_anchors']}, " in text and f"--lr {toy['lr']}, " in text, text[:1500]
+    assert 'With no --target the run is the toy profile' in text and '--config' in text
 
 
 def _inked(png) -> float:
@@ -167,23 +167,21 @@ def test_run_draws_its_pictures(tmp_path):
 
 
 def test_help_shows_one_default_per_option():
-    "Each option's help names exactly one default: the toy run's value, the field's default, or what an unset one does."
+    "Each option's help names exactly one default: the field's (the recipe's), or what an unset one does."
     import re
     from dataclasses import fields, MISSING
-    from dflash.runs import TrainConfig
-    from dflash.train import toy_profile
+    from dflash.schema import TrainConfig
     r = subprocess.run([sys.executable, '-m', 'dflash.train', '--help'], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     entries, name = {}, None
     for line in r.stdout.split('options:', 1)[1].splitlines():
         if m := re.match(r'  (--[\w-]+)', line): name = m[1]
         if name: entries[name] = entries.get(name, '') + ' ' + line.strip()
-    toy = toy_profile(resolve=False)
     for f in fields(TrainConfig):
         text = ' '.join(entries['--' + f.name.replace('_', '-')].split())
         shown = re.findall(r'\(default: ([^()]*(?:\([^()]*\)[^()]*)*)\)', text)
         assert len(shown) == 1, (f.name, text)
-        value = toy.get(f.name, f.default)
+        value = ' '.join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
         if value is not None and value is not MISSING:                  # help lines wrap at spaces and hyphens
             assert ''.join(shown[0].split()) == ''.join(str(value).split()), (f.name, shown[0], value)
 
