@@ -5,6 +5,9 @@ import pytest
 from dflash.harness import launch_train
 from conftest import override
 
+# one worker runs this file's tests in order (pytest -n with --dist loadgroup): they share the module's runs
+pytestmark = pytest.mark.xdist_group('distributed')
+
 # a short run on the shipped toy target; checkpoints at step 2 and 4 so a run can be resumed from the middle
 SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4',
          '--micro-batch-size', '1', '--lr', '3e-3', '--attention', 'eager', '--log-every', '1', '--eval-every', '0',
