@@ -7,9 +7,12 @@ from __future__ import annotations
 from typing import Callable
 import torch
 import torch.nn.functional as F
+import torch._dynamo
 from torch import Tensor
 from .layout import BlockLayout, HeadShape
 from .testing import eager_attention
+import weakref
+from .chunking import ChunkPlan, plan_chunks, shared_keys
 
 # %% auto #0
 __all__ = ['BACKENDS', 'register_backend', 'get_backend', 'sdpa_attention']
@@ -36,9 +39,6 @@ def get_backend(name: str, **options) -> _AttentionFn:
 def _eager() -> _AttentionFn: return eager_attention        # the reference (`01a_testing`): dense mask, float32 math
 
 # %% ../nbs/04_attention.ipynb #d9c92aba
-import weakref
-from .chunking import ChunkPlan, plan_chunks, shared_keys
-
 def _cpu_fwd(q, k, v, bias):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)
 
@@ -224,7 +224,6 @@ def _sdpa(budget_bytes=None, kernel: str = 'auto', chunk_cost: int = 2**19) -> _
     return attend
 
 # %% ../nbs/04_attention.ipynb #70b0323f
-import torch._dynamo
 _flex_compiled = None
 
 def _flex():

@@ -4,17 +4,18 @@
 
 # %% ../nbs/00b_files.ipynb #f11e0003
 from __future__ import annotations
-import errno, hashlib, importlib.resources, importlib.util, json, os, re, shutil, stat, struct, tempfile
+import csv, errno, hashlib, importlib.resources, importlib.util, io, json, os, re, shutil, stat, struct, tempfile
 from pathlib import Path
 from typing import Callable
 from .options import unreadable
 
 # %% auto #0
 __all__ = ['SAFETENSORS_HEADER_MAX', 'fsync_path', 'disk_error', 'temp_beside', 'write_atomic', 'temp_dir_beside',
-           'remove_temporaries', 'write_json', 'hf_hub_cache', 'resolve_local', 'read_problem', 'json_problem',
-           'safetensors_problem', 'model_dir_problems', 'file_sha256', 'is_gguf', 'gguf_problem', 'pretrained',
-           'target_problems', 'target_config_dict', 'config_vocab_size', 'config_max_positions', 'causal_lm_problem',
-           'make_dir', 'dir_write_problem', 'dir_kind', 'out_problems', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
+           'remove_temporaries', 'write_json', 'write_csv', 'hf_hub_cache', 'resolve_local', 'read_problem',
+           'json_problem', 'safetensors_problem', 'model_dir_problems', 'file_sha256', 'is_gguf', 'gguf_problem',
+           'pretrained', 'target_problems', 'target_config_dict', 'config_vocab_size', 'config_max_positions',
+           'causal_lm_problem', 'make_dir', 'dir_write_problem', 'dir_kind', 'out_problems', 'assets_dir',
+           'toy_target_dir', 'toy_data_dir']
 
 # %% ../nbs/00b_files.ipynb #99b1472b
 def fsync_path(path):
@@ -99,6 +100,15 @@ def remove_temporaries(directory, names) -> list[str]:
     return sorted(gone)
 
 def write_json(path, obj): write_atomic(path, json.dumps(obj, indent=1) + '\n')
+
+def write_csv(path, rows: list[dict], fields: list[str] | None = None):
+    "`rows` as a CSV file with a header, written whole (`write_atomic`); `fields`: the columns (default: every key)."
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fields or list(dict.fromkeys(k for r in rows for k in r)), restval='',
+                       extrasaction='ignore', lineterminator='\n')
+    w.writeheader()
+    w.writerows(rows)
+    write_atomic(path, buf.getvalue())
 
 # %% ../nbs/00b_files.ipynb #857aeacb
 def hf_hub_cache() -> Path:

@@ -4,7 +4,7 @@
 
 # %% ../nbs/12a_gpu.ipynb #503000eb
 from __future__ import annotations
-import contextlib, csv, json, math, os, subprocess, sys, tempfile, time
+import contextlib, json, math, os, subprocess, sys, tempfile, time
 from dataclasses import dataclass
 from pathlib import Path
 import torch
@@ -21,6 +21,7 @@ from .drafter import DFlashDrafter
 from .recompute import set_checkpointing
 from .objective import dflash_objective
 from .planner import budgets, recommend_policy, plan_layout
+from .files import write_atomic, write_csv
 from .harness import METHODS, bench_many, launch_train, last_error, logged_steps
 
 # %% auto #0
@@ -319,19 +320,6 @@ def _acceptance(results: dict) -> dict:
                 same([r for r in multi if 'FSDP' not in r['variant']]) if multi else None,
             'FSDP2 (accelerate plugin): the losses of 1 process (1e-4)': same(fsdp) if fsdp else None}
 
-def _write(path: Path, text: str):
-    tmp = path.with_suffix(path.suffix + '.partial')
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-def _write_csv(path: Path, rows: list[dict]):
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path.with_suffix('.partial'), 'w', newline='') as f:
-        w = csv.DictWriter(f, keys)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(path.with_suffix('.partial'), path)
-
 # %% ../nbs/12a_gpu.ipynb #98a46cd3
 def _machine() -> dict:
     "What the run ran on."
@@ -378,13 +366,13 @@ def run_gpu(args) -> dict:
             except Exception as e: res = dict(status='failed', error=f"{type(e).__name__}: {e}")
             res['seconds'] = time.perf_counter() - t0
             if n: torch.cuda.empty_cache()
-            if res.get('rows'): _write_csv(out / f'gpu_{s.name}.csv', res['rows'])
+            if res.get('rows'): write_csv(out / f'gpu_{s.name}.csv', res['rows'])
         res.update(what=s.what, budget_s=s.budget_s)
         print(f"{s.name}: {res['status']}" + (f" in {res['seconds']:.0f} s" if 'seconds' in res else '')
               + (f": {res.get('reason') or res.get('error')}" if res['status'] != 'ran' else ''), flush=True)
         report['sections'][s.name] = res
         report['acceptance'] = _acceptance(report['sections'])
         report['seconds'] = time.perf_counter() - t_start
-        _write(out / 'gpu.json', json.dumps(report, indent=1, default=str))
+        write_atomic(out / 'gpu.json', json.dumps(report, indent=1, default=str))
     for k, v in report['acceptance'].items(): print(f"{k}: {'not run' if v is None else 'met' if v else 'NOT met'}")
     return report

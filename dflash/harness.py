@@ -6,6 +6,7 @@
 from __future__ import annotations
 import contextlib, csv, dataclasses, os, re, socket, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
+from tqdm import tqdm
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -14,8 +15,8 @@ from .memory import measure
 from .attention import get_backend
 
 # %% auto #0
-__all__ = ['METHODS', 'pinned_threads', 'sync_device', 'bench_many', 'physical_floor', 'launch_commands', 'launch_train',
-           'last_error', 'logged_steps', 'throughput']
+__all__ = ['METHODS', 'progress', 'pinned_threads', 'sync_device', 'bench_many', 'physical_floor', 'launch_commands',
+           'launch_train', 'last_error', 'logged_steps', 'throughput']
 
 # %% ../nbs/12_harness.ipynb #e0bdccab
 def _dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window=None) -> Tensor:
@@ -48,6 +49,11 @@ def _gather_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sli
 METHODS = {'dense': lambda **o: _dense_attention, 'gather': lambda **o: _gather_attention,
            'sdpa': lambda **o: get_backend('sdpa', **o), 'flex': lambda **o: get_backend('flex', **o),
            'eager': lambda **o: get_backend('eager')}
+
+# %% ../nbs/12_harness.ipynb #8aa8f751
+def progress(cases=None, desc: str = '', total: int | None = None):
+    "A progress bar over a subcommand's cases, on stderr, shown only in a terminal (not in logs or notebooks)."
+    return tqdm(cases, desc=desc, total=total, file=sys.stderr, disable=None, leave=False)
 
 # %% ../nbs/12_harness.ipynb #c39b82eb
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _WeakRefInfo
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch._subclasses.fake_tensor import FakeTensorMode
+import textwrap
 
 # %% auto #0
 __all__ = ['MemoryTracker', 'fmt_bytes', 'measure', 'saved_bytes', 'plot_peaks', 'policy_peaks']
@@ -163,7 +164,6 @@ def saved_bytes(fn: Callable, *args, mode: str = 'real', **kwargs) -> int:
     with fake: return _saved(fn, args, kwargs)
 
 # %% ../nbs/02_memory.ipynb #b02508a2
-import textwrap
 def _unit(values) -> tuple[float, str]:
     top = max(values, default=0)
     return (2**30, 'GiB') if top >= 2**30 else (2**20, 'MiB') if top >= 2**20 else (2**10, 'KiB')

@@ -11,13 +11,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from .errors import InputError
 from .schema import PlanOptions
+from .files import (assets_dir, causal_lm_problem, config_vocab_size, is_gguf, json_problem, pretrained,
+                          resolve_local, target_config_dict, write_atomic)
 from .config import DrafterConfig, mlp_width
 from .layout import BlockLayout
 from .drafter import DFlashDrafter
-from .recompute import set_checkpointing, parse_policy
+from .recompute import checkpointed_layers, parse_policy, set_checkpointing
 from .objective import dflash_objective, objective_bytes_per_row, Objective
 from .memory import MemoryTracker, fmt_bytes
-from .files import assets_dir, is_gguf, pretrained, resolve_local, write_atomic
 
 # %% auto #0
 __all__ = ['DTYPES', 'parse_memory', 'plan_layout', 'budgets', 'step_memory', 'recommend_policy', 'online_target_bytes',
@@ -304,9 +305,6 @@ def _write_fits_table(path, table: str):
     write_atomic(path, text[:start + len(_FITS_MARKERS[0])] + '\n' + table + '\n' + text[end:])
 
 # %% ../nbs/07a_planner.ipynb #dbcad539
-from .files import causal_lm_problem, config_vocab_size, json_problem, target_config_dict
-from .recompute import checkpointed_layers
-
 def _target_problems(o: PlanOptions) -> list[str]:
     """What keeps the plan from the target of a readable `--target-config`: transformers cannot read it, its language
     model is no decoder-only causal LM, it reads fewer positions than `--seq-len` (the plan would hold tensors that

@@ -4,15 +4,18 @@
 
 # %% ../nbs/00f_schema.ipynb #6162bf49
 from __future__ import annotations
-import importlib.resources
+import importlib.resources, os
 from dataclasses import dataclass
+from pathlib import Path
 import yaml
 from .options import SEED_MAX, TEMPERATURE_MIN, option
 from .threads import threads_option
 from .files import assets_dir
 
 # %% auto #0
-__all__ = ['TRACKERS', 'LOSSES', 'ATTENTIONS', 'TrainConfig', 'PlanOptions', 'toy_profile', 'SpeculateOptions']
+__all__ = ['TRACKERS', 'LOSSES', 'ATTENTIONS', 'LAYOUTS', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'QUALITY_RECIPES', 'QUALITY_FILES',
+           'TrainConfig', 'PlanOptions', 'toy_profile', 'SpeculateOptions', 'AttentionBench', 'ScalingBench',
+           'StepBench', 'TrainBench', 'RegenerateBench', 'DataBench', 'GpuBench', 'QualityBench', 'quality_found']
 
 # %% ../nbs/00f_schema.ipynb #f7177c9a
 TRACKERS = {'tensorboard': 'tensorboard', 'none': None, 'all': None, 'wandb': 'wandb', 'mlflow': 'mlflow',
@@ -165,3 +168,158 @@ class SpeculateOptions:
     progress: bool = option(True, 'print a running total after every prompt: tau, tokens/s and speedups so far '
                                   '(--no-progress: none)')
     threads: int | None = threads_option()
+
+# %% ../nbs/00f_schema.ipynb #be0c0002
+LAYOUTS = {'uniform': None, 'half': 0.5, 'quarter': 0.75}   # chat-like: supervision starts at this share of the row
+
+STEP_CONFIGS = {   # drafter sizes of the `step` benchmark; head_dim = hidden // heads
+    'small':  dict(hidden=256, heads=4, kv_heads=2, layers=2, intermediate=768, vocab=8192, seq_len=1024, anchors=512),
+    'medium': dict(hidden=512, heads=8, kv_heads=2, layers=2, intermediate=1536, vocab=8192, seq_len=2048, anchors=512),
+}
+
+TRAIN_TARGETS = {   # targets of the `train` benchmark: None is the shipped toy; else sizes for `toy_config`
+    'toy': None,
+    'medium': dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                   intermediate_size=1536),
+}
+
+# %% ../nbs/00f_schema.ipynb #be0c0003
+@dataclass
+class AttentionBench:
+    """Block attention backends against the naive baselines, forward+backward, on one scenario: time and peak memory
+    as ratios to the dense mask's, measured in one run."""
+    device: str = option('cpu', 'torch device')
+    dtype: str = option('float32', 'dtype of q, k and v', choices=['float32', 'bfloat16', 'float16'])
+    seq_len: int = option(4096, 'sequence length S', ge=1)
+    anchors: int = option(256, 'anchors (blocks) per row', ge=1)
+    block_size: int = option(16, 'block size B', ge=1)
+    batch: int = option(1, 'rows N', ge=1)
+    heads: int = option(8, 'query heads', ge=1)
+    kv_heads: int = option(2, 'key/value heads', ge=1)
+    head_dim: int = option(64, 'head dim D', ge=1)
+    sliding_window: int | None = option(None, 'sliding window of a local-attention layer (default: full attention)',
+                                        ge=1)
+    budget: float | None = option(None, "sdpa budget: bytes, or a fraction of free memory if <= 1 (default: the "
+                                        "backend's)", gt=0)
+    layouts: list[str] = option(tuple(LAYOUTS), 'uniform anchors, or chat-like: supervision in the last half / '
+                                                'quarter', choices=list(LAYOUTS))
+    methods: list[str] = option(('dense', 'gather', 'sdpa', 'flex'), 'methods measured',
+                                choices=['dense', 'eager', 'flex', 'gather', 'sdpa'])
+    repeats: int = option(3, 'interleaved rounds after the warm-up; the median is reported', ge=1)
+    threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
+    seed: int = option(0, 'seed of the layouts and inputs', ge=0)
+    out: str = option('bench_out', "directory for attention.csv and attention.png ('' for none)")
+
+@dataclass
+class ScalingBench:
+    """Growth of the sdpa backend's time and peak memory in sequence length (at --anchors) and in anchors (at
+    --seq-len): forward+backward per point and the fitted exponents."""
+    seq_lens: list[int] = option((1024, 2048, 4096, 8192, 16384), 'sequence lengths of the first sweep', ge=1)
+    anchors: int = option(256, 'anchors of the sequence-length sweep', ge=1)
+    anchor_counts: list[int] = option((64, 128, 256, 512, 1024), 'anchor counts of the second sweep', ge=1)
+    seq_len: int = option(8192, 'sequence length of the anchor sweep', ge=1)
+    layout: str = option('half', 'layout of every point', choices=list(LAYOUTS))
+    heads: int = option(8, 'query heads', ge=1)
+    kv_heads: int = option(2, 'key/value heads', ge=1)
+    head_dim: int = option(64, 'head dim D', ge=1)
+    dtype: str = option('float32', 'dtype of q, k and v', choices=['float32', 'bfloat16'])
+    repeats: int = option(1, 'interleaved rounds per point after the warm-up', ge=1)
+    threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
+    seed: int = option(0, 'seed of the layouts and inputs', ge=0)
+
+@dataclass
+class StepBench:
+    """A drafter training step against the field's reference step, per checkpointing policy, config and layout:
+    time and peak memory as ratios to the reference's, losses asserted equal."""
+    configs: list[str] = option(('medium',), 'drafter sizes', choices=list(STEP_CONFIGS))
+    layouts: list[str] = option(tuple(LAYOUTS), 'uniform anchors, or chat-like', choices=list(LAYOUTS))
+    policies: list[str] = option(('none', 'all'), 'checkpointing policies: none, all, k (every k-th layer) or a '
+                                                  'list of layers like [0,2]')
+    seq_len: int | None = option(None, "sequence length of every config (default: each config's)", ge=1)
+    anchors: int | None = option(None, "anchors of every config (default: each config's)", ge=1)
+    block_size: int = option(16, 'block size B', ge=1)
+    device: str = option('cpu', 'torch device')
+    dtype: str = option('float32', 'dtype of the drafter and its inputs', choices=['float32', 'bfloat16', 'float16'])
+    repeats: int = option(3, 'interleaved rounds after the warm-up; the median is reported', ge=1)
+    threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
+    seed: int = option(0, 'seed of the models and layouts', ge=0)
+    out: str = option('bench_out', "directory for step.csv and step.png ('' for none)")
+
+@dataclass
+class TrainBench:
+    """Tokens/s and peak memory of real training runs through `accelerate launch`, per target config: on 1 and more
+    processes, and the most processes split over simulated machines on localhost."""
+    configs: list[str] = option(tuple(TRAIN_TARGETS), 'targets', choices=list(TRAIN_TARGETS))
+    processes: list[int] = option((1, 2), 'processes per run, on one machine', ge=1)
+    machines: int = option(2, 'also run the most processes split over this many machines on localhost, started '
+                              'together (1: no such run)', ge=1)
+    steps: int = option(6, 'optimizer steps per run', ge=1)
+    warmup_steps: int = option(2, 'first steps left out of tokens/s', ge=0)
+    batch_size: int = option(16, 'sequences per step, over all processes', ge=1)
+    micro_batch_size: int = option(4, 'sequences per forward of a process', ge=1)
+    num_layers: int = option(2, 'drafter layers', ge=1)
+    num_anchors: int = option(64, 'anchors per sequence', ge=1)
+    max_length: int = option(512, 'tokens per sequence at most', ge=1)
+    attention: str = option('sdpa', 'attention backend', choices=list(ATTENTIONS))
+    device: str = option('cpu', 'device of every process', choices=['cpu', 'cuda'])
+    threads: int = option(1, 'OMP_NUM_THREADS of every process', ge=1)
+    seed: int = option(0, 'seed of the targets and the runs', ge=0)
+    out: str = option('bench_out', "directory for train.csv ('' for none)")
+
+@dataclass
+class RegenerateBench:
+    "Tokens/s of greedy regeneration by the toy target of held-out toy conversations, batched against one at a time."
+    n: int = option(32, 'held-out toy conversations', ge=1)
+    batch_size: int = option(16, 'conversations generated together', ge=1)
+    max_new_tokens: int = option(64, 'tokens per assistant turn at most', ge=1)
+    repeats: int = option(2, 'interleaved rounds of both modes', ge=1)
+    device: str = option('cpu', 'device of the target', choices=['cpu', 'cuda'])
+    threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
+    out: str = option('bench_out', "directory for regenerate.csv ('' for none)")
+
+@dataclass
+class DataBench:
+    """Chat data tokenization by `load_chat_data` in fresh processes: conversations/s with 1 and 2 tokenizing
+    processes, a first launch (empty cache) and a second (the cache)."""
+    conversations: int = option(100_000, 'toy conversations', ge=1)
+    processes: list[int] = option((1, 2), 'tokenizing processes (num_proc)', ge=1)
+    seed: int = option(0, 'seed of the toy corpus', ge=0)
+    out: str = option('bench_out', "directory for data.csv ('' for none)")
+
+@dataclass
+class GpuBench:
+    """Every check that needs a CUDA device in one bounded run (one H200: at most 8 minutes), written as CSV and JSON
+    to --out; `dflash.gpu_bench` (12a_gpu) runs it."""
+    out: str = option('benchmarks/gpu', 'directory for gpu.json and the CSVs (commit it)')
+    dry_run: bool = option(False, 'print the sections, shapes and time budgets, run nothing')
+    sections: list[str] | None = option(None, 'run only these sections (default: all; --dry-run lists them)')
+
+_COSINE = ['--schedule', 'cosine']
+QUALITY_RECIPES = {'ce': ['--loss', 'ce', *_COSINE], 'dpace': ['--loss', 'dpace', *_COSINE],
+               'dpace+wsd': ['--loss', 'dpace', '--schedule', 'wsd'], 'kl': ['--loss', 'kl', *_COSINE],
+               'kl+ce': ['--loss', 'kl', '--kl-weight', '0.5', *_COSINE]}     # the recipes compared
+
+@dataclass
+class QualityBench:
+    """The drafter a user buys, per training objective: the shipped toy run (its data and steps) trained under each
+    objective (and schedule) and seed, then tau at each temperature in the real speculative loop on held-out prompts,
+    accuracy per block position, speedup against plain decoding, and training time per step as a ratio to ce."""
+    objectives: list[str] = option(tuple(QUALITY_RECIPES), 'objectives, with a cosine schedule: ce (with the decay), dpace, '
+                                                      'kl, kl+ce (half each); and dpace with warmup-stable-decay',
+                                   choices=list(QUALITY_RECIPES))
+    seeds: list[int] = option((0, 1), 'seeds of each objective', ge=0)
+    max_steps: int = option(0, "optimizer steps of every run (0: the toy run's own length)", ge=0)
+    prompts: int = option(100, 'held-out prompts of the speculative loop', ge=1)
+    new_tokens: int = option(128, 'new tokens per prompt at most', ge=1)
+    temperatures: list[float] = option((0., 1.), 'temperatures of the speculative loop (0: greedy)', ge=0)
+    threads: int = option(2, 'CPU threads of training and of both decoding arms', ge=1)
+    out: str = option('benchmarks/quality', "directory for quality.csv, quality.png and runs/")
+    overwrite: bool = option(False, "move the results of an earlier run in --out (quality.csv, quality.png, runs/) "
+                                    "aside, to OUT.replaced-TIME, and measure again")
+
+QUALITY_FILES = ('quality.csv', 'quality.png', 'runs')           # what `quality` writes into --out
+
+def quality_found(out) -> list[str]:
+    "The results of an earlier quality run in `out`, by name."
+    return [n for n in QUALITY_FILES if os.path.lexists(Path(out) / n)]
+

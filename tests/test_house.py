@@ -118,3 +118,15 @@ def test_notebooks_import_only_earlier_notebooks():
                 mod = m.group(1) or m.group(2)
                 if mod in order and order[mod] > nb.stem: later.append(f"{nb.stem} imports {mod} ({order[mod]})")
     assert not later, later
+
+
+def test_notebook_outputs_name_no_machine_paths():
+    "Committed outputs are read by everyone: no temporary directory, home or checkout of the machine that ran them."
+    import json
+    found = []
+    for nb in sorted((PKG.parent / 'nbs').glob('*.ipynb')):
+        for i, cell in enumerate(json.loads(nb.read_text())['cells']):
+            text = json.dumps(cell.get('outputs', []))
+            for prefix in ('/tmp/', '/var/folders/', '/home/', '/root/', '/Users/', str(PKG.parent) + '/'):
+                if prefix in text: found.append(f"{nb.name} cell {i}: {prefix}")
+    assert not found, found
