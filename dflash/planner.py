@@ -268,7 +268,6 @@ def _target_config(path):
     if 'model_type' not in d: raise InputError(f"--target-config {path}: no 'model_type', not a transformers config")
     return AutoConfig.for_model(**d).get_text_config()          # a multimodal target: its language model
 
-
 # %% ../nbs/07a_planner.ipynb #1cbf7548
 _FITS_MARKERS = ('<!-- fits-table: written by python -m dflash.plan --fits-table README.md -->', '<!-- /fits-table -->')
 
