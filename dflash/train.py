@@ -86,7 +86,9 @@ _SCHEDULE = ('max_steps', 'epochs', 'lr', 'warmup_ratio', 'schedule', 'decay_rat
 def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, stop: StopRequest | None = None) -> dict:
     t_start = time.perf_counter()
     import torch                                         # torch, transformers, accelerate: only now
-    from dflash.trainer import Trainer, TrackerError, timed, run_steps, steps_change
+    from dflash.trainer import Trainer
+    from dflash.metrics import TrackerError, timed
+    from dflash.schedule import run_steps, steps_change
     from dflash.threads import use_threads
     gpu = torch.cuda.is_available()
     threads, why = use_threads(cfg.threads) if not gpu else (torch.get_num_threads(), 'left as is on a GPU')
@@ -112,7 +114,7 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
         was = rec.get('total_steps') or run_steps(before, len(trainer.parts.train))
         if said := steps_change(before, was, cfg, trainer.total_steps, trainer.step): print(said)
     record['total_steps'] = trainer.total_steps
-    try: trainer.start_trackers()                        # a tracker that cannot start: the same, named
+    try: trainer.trackers.start(trainer.step)                        # a tracker that cannot start: the same, named
     except TrackerError as e: raise StartupFailed(str(e)) from e
     if is_main: write_json(out / 'run.json', record)     # the run has started
     seconds = {'start-up, target and data': time.perf_counter() - t_start}

@@ -621,7 +621,7 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path, capsys, finished, resume
 
 
 def test_no_intact_checkpoint_names_each(tmp_path, resumer, finished):
-    from dflash.trainer import CheckpointError
+    from dflash.checkpoints import CheckpointError
     run = _copy(finished, tmp_path / 'run')
     _corrupt(run / 'checkpoints' / 'step-0000004', 'truncated-model')
     _corrupt(run / 'checkpoints' / 'step-0000002', 'garbage-state')
@@ -682,7 +682,7 @@ def test_allowed_changes_on_resume_are_applied_and_logged(tmp_path, capsys, fini
 
 def test_non_finite_steps_keep_the_last_good_checkpoint(tmp_path, capsys, finished):
     "A resume at a huge learning rate goes non-finite; saves stop, rotation keeps the last good checkpoint, it aborts."
-    from dflash.trainer import verify_checkpoint, checkpoint_dirs
+    from dflash.checkpoints import verify_checkpoint, checkpoint_dirs
     run = _copy(finished, tmp_path / 'run')
     shutil.rmtree(run / 'checkpoints' / 'step-0000004')
     with pytest.raises(SystemExit) as e:
@@ -698,7 +698,7 @@ def test_non_finite_steps_keep_the_last_good_checkpoint(tmp_path, capsys, finish
 
 
 def test_rotation_never_deletes_the_last_good_checkpoint(tmp_path):
-    from dflash.trainer import rotate_checkpoints, checkpoint_dirs
+    from dflash.checkpoints import rotate_checkpoints, checkpoint_dirs
     for step, bad in [(2, 0), (4, 0), (6, 2), (8, 3)]:
         d = tmp_path / 'checkpoints' / f'step-{step:07d}'
         d.mkdir(parents=True)

@@ -10,7 +10,7 @@ from dflash.drafter import DFlashDrafter
 from dflash.features import TargetFeatures, check_target_dir, target_identity
 from dflash.files import target_problems
 from dflash.harness import launch_train
-from dflash.trainer import _frozen_head_weights
+from dflash.assembly import frozen_head_weights
 
 TINY = ['--num-layers', '1', '--num-anchors', '8', '--max-length', '128', '--batch-size', '2', '--max-steps', '1',
         '--spec-eval-prompts', '0', '--progress-bar', 'false', '--report-to', 'none']
@@ -38,7 +38,7 @@ def test_a_gguf_target_is_the_model_its_directory_holds(smollm2, gguf_features):
     ids = torch.tensor([[1, 9690, 198, 28120, 905, 2]])
     from_dir = TargetFeatures(smollm2, layer_ids=[9, 19], device='cpu')
     assert torch.equal(gguf_features(ids), from_dir(ids))                  # the same weights, dequantized alike
-    embed, head = _frozen_head_weights(smollm2_gguf())                        # read from the file, no model loaded
+    embed, head = frozen_head_weights(smollm2_gguf())                        # read from the file, no model loaded
     assert torch.equal(embed, from_dir.embed_weight) and head is embed        # tied: one matrix
     assert gguf_features.lm_head_weight.data_ptr() == gguf_features.embed_weight.data_ptr()
     assert target_identity(smollm2_gguf()) == target_identity(smollm2_gguf()) != target_identity(smollm2)
