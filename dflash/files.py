@@ -4,18 +4,17 @@
 
 # %% ../nbs/00b_files.ipynb #f11e0003
 from __future__ import annotations
-import csv, errno, hashlib, importlib.resources, importlib.util, io, json, os, re, shutil, stat, struct, tempfile
+import csv, errno, hashlib, importlib.resources, importlib.util, io, json, os, re, shutil, stat, tempfile
 from pathlib import Path
 from typing import Callable
 from .options import unreadable
 
 # %% auto #0
-__all__ = ['SAFETENSORS_HEADER_MAX', 'fsync_path', 'disk_error', 'temp_beside', 'write_atomic', 'temp_dir_beside',
-           'remove_temporaries', 'write_json', 'write_csv', 'hf_hub_cache', 'resolve_local', 'read_problem',
-           'json_problem', 'safetensors_problem', 'model_dir_problems', 'file_sha256', 'is_gguf', 'gguf_problem',
-           'pretrained', 'target_problems', 'target_config_dict', 'config_vocab_size', 'config_max_positions',
-           'causal_lm_problem', 'make_dir', 'dir_write_problem', 'dir_kind', 'out_problems', 'assets_dir',
-           'toy_target_dir', 'toy_data_dir']
+__all__ = ['fsync_path', 'disk_error', 'temp_beside', 'write_atomic', 'temp_dir_beside', 'remove_temporaries', 'write_json',
+           'write_csv', 'hf_hub_cache', 'resolve_local', 'read_problem', 'json_problem', 'safetensors_problem',
+           'model_dir_problems', 'file_sha256', 'is_gguf', 'gguf_problem', 'pretrained', 'target_problems',
+           'target_config_dict', 'config_vocab_size', 'config_max_positions', 'causal_lm_problem', 'make_dir',
+           'dir_write_problem', 'dir_kind', 'out_problems', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
 
 # %% ../nbs/00b_files.ipynb #99b1472b
 def fsync_path(path):
@@ -134,10 +133,12 @@ def resolve_local(name, kind: str = 'model') -> Path:
     if not _HUB_ID.match(repo):
         raise FileNotFoundError(f"{kind} {str(name)!r}: {where}; pass a local path, or a hub id (owner/name) held in "
                                 f"the local Hugging Face cache")
-    d = hf_hub_cache() / f"{kind}s--{repo.replace('/', '--')}"
-    ref = d / 'refs' / (rev or 'main')
-    snap = d / 'snapshots' / (ref.read_text().strip() if ref.is_file() else rev or 'main')
-    if snap.is_dir(): return snap
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    try: return Path(snapshot_download(repo, repo_type=kind, revision=rev or None, cache_dir=hf_hub_cache(),
+                                       local_files_only=True))    # reads the cache only: refs, then the snapshot
+    except LocalEntryNotFoundError: pass
+    snap = hf_hub_cache() / f"{kind}s--{repo.replace('/', '--')}" / 'snapshots' / (rev or 'main')
     how = (f"hf download {repo}{' --repo-type dataset' if kind == 'dataset' else ''}"
            f"{f' --revision {rev}' if rev else ''}")
     raise FileNotFoundError(f"{kind} {str(name)!r}: {where}, and hub id {repo!r} is not in the local Hugging Face "
@@ -161,46 +162,15 @@ def json_problem(path, what: str = 'file') -> tuple[dict | None, str | None]:
     if not isinstance(d, dict): return None, f"{path}: expected a JSON object, got {type(d).__name__}"
     return d, None
 
-SAFETENSORS_HEADER_MAX = 16 * 2**20     # bytes; the safetensors library reads up to 100 MB, a model's header a few KB
-
-def _sizes(v, n: int | None = None) -> bool:
-    "Whether `v` is a list (of `n` items) of integers >= 0."
-    return isinstance(v, list) and (n is None or len(v) == n) and all(type(x) is int and x >= 0 for x in v)
-
-def _entry_problem(name: str, t) -> str | None:
-    "What is wrong with the header entry of tensor `name` (a mapping of dtype, shape and [begin, end]), or None."
-    if name == '__metadata__':
-        ok = isinstance(t, dict) and all(isinstance(v, str) for v in t.values())
-        return None if ok else "__metadata__ is not a mapping of strings"
-    if not isinstance(t, dict): return f"tensor {name!r}: its entry is a {type(t).__name__}, not a mapping"
-    if not isinstance(t.get('dtype'), str): return f"tensor {name!r}: no dtype name"
-    if not _sizes(t.get('shape')): return f"tensor {name!r}: its shape is not a list of sizes"
-    if not _sizes(t.get('data_offsets'), 2) or t['data_offsets'][0] > t['data_offsets'][1]:
-        return f"tensor {name!r}: its data_offsets are not [begin, end]"
-    return None
-
 def safetensors_problem(path) -> str | None:
-    """What is wrong with a safetensors file's header or size (truncated, garbage, a header over
-    `SAFETENSORS_HEADER_MAX` or nested past what Python parses, an entry that is no tensor's), or None."""
-    path = Path(path)
+    """What is wrong with a safetensors file (garbage, truncated, a hostile header), found by the safetensors library
+    reading its header and checking every tensor's offsets against the file, without reading the tensors; or None."""
+    from safetensors import SafetensorError, safe_open
     if bad := read_problem(path): return bad
-    size = path.stat().st_size
-    with open(path, 'rb') as f:
-        if size < 8: return f"{path}: not a safetensors file ({size} bytes)"
-        n = struct.unpack('<Q', f.read(8))[0]
-        if n > SAFETENSORS_HEADER_MAX:
-            return (f"{path}: not a safetensors file (its header claims {n} bytes, over the "
-                    f"{SAFETENSORS_HEADER_MAX >> 20} MiB a model's header stays under; not read)")
-        if n > size - 8: return f"{path}: not a safetensors file or truncated (header of {n} bytes, file of {size})"
-        try: header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError): return f"{path}: not a safetensors file (header is not JSON)"
-        except RecursionError: return f"{path}: not a safetensors file (its header is nested too deep to parse)"
-    if not isinstance(header, dict): return f"{path}: not a safetensors file (header is not a mapping)"
-    if bad := next((b for k, t in header.items() if (b := _entry_problem(k, t))), None):
-        return f"{path}: not a safetensors file ({bad})"
-    need = 8 + n + max((t['data_offsets'][1] for k, t in header.items() if k != '__metadata__'), default=0)
-    if need > size: return f"{path}: truncated ({size} bytes, its header needs {need})"
-    return None
+    try:
+        with safe_open(path, framework='numpy'): return None
+    except SafetensorError as e:
+        return f"{path}: not a safetensors file or truncated ({str(e).removeprefix('Error while deserializing header: ')})"
 
 def model_dir_problems(path, name: str) -> list[str]:
     """What is wrong with a transformers model named by option `name` (a local directory or a hub id in the local
