@@ -30,7 +30,7 @@ from .schema import TrainConfig
 from .runs import launch_problems
 
 # %% auto #0
-__all__ = ['run_accelerator', 'frozen_head_weights', 'RunParts', 'load_parts', 'fsdp_settings', 'Drafting', 'build_drafter']
+__all__ = ['run_accelerator', 'frozen_head_weights', 'load_parts', 'Drafting', 'build_drafter']
 
 # %% ../nbs/09g_assembly.ipynb #abf38fb4
 def run_accelerator(cfg: TrainConfig, accelerator: Accelerator | None = None) -> Accelerator:
@@ -70,7 +70,7 @@ def frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
     return found['embed_tokens'], found.get('lm_head', found['embed_tokens'])   # tied embeddings: one matrix
 
 @dataclass
-class RunParts:
+class _RunParts:
     "Everything a process needs to train: tokenizer, target features or cache, datasets, drafter config."
     tokenizer: object
     features: TargetFeatures | None      # None in offline mode without --eval-data
@@ -165,7 +165,7 @@ def _cut_cache(cache: CacheDataset, max_length: int):
     return _Cut(cache, max_length, keep)
 
 # %% ../nbs/09g_assembly.ipynb #00cbab50
-def _cache_parts(cfg: TrainConfig, target: Path, tok, tc, V: int, eval_data, device, dkw: dict) -> RunParts:
+def _cache_parts(cfg: TrainConfig, target: Path, tok, tc, V: int, eval_data, device, dkw: dict) -> _RunParts:
     "The parts of an offline run: the cache's features, the target's head weights, the held-out set's target."
     embed, lm_head = frozen_head_weights(target)
     train = CacheDataset(cfg.cache, target)
@@ -183,10 +183,10 @@ def _cache_parts(cfg: TrainConfig, target: Path, tok, tc, V: int, eval_data, dev
     if ev is not None:                              # held-out hidden states: the target runs for evaluations only
         features = TargetFeatures(target, layer_ids=ids, num_draft_layers=cfg.num_layers, device=device,
                                   tokenizer=tok)
-    return RunParts(tok, features, embed.to(device), lm_head.to(device), _cut_cache(train, cfg.max_length), ev,
+    return _RunParts(tok, features, embed.to(device), lm_head.to(device), _cut_cache(train, cfg.max_length), ev,
                     DrafterConfig.from_target(tc, target_layer_ids=ids, **dkw), draft_ids)
 
-def _online_parts(cfg: TrainConfig, target: Path, tok, data, eval_data, V: int, device, dkw: dict) -> RunParts:
+def _online_parts(cfg: TrainConfig, target: Path, tok, data, eval_data, V: int, device, dkw: dict) -> _RunParts:
     "The parts of an online run: the chat data tokenized (once, cached), the target loaded to compute features."
     from dflash.chat import load_chat_data
     train = load_chat_data(data, tok, max_length=cfg.max_length, report=True)   # tokenized once, cached; counted
@@ -194,10 +194,10 @@ def _online_parts(cfg: TrainConfig, target: Path, tok, data, eval_data, V: int, 
     dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, train, ev, cfg.mask_token_id)
     features = TargetFeatures(target, layer_ids=cfg.target_layer_ids, num_draft_layers=cfg.num_layers,
                               device=device, tokenizer=tok)
-    return RunParts(tok, features, features.embed_weight, features.lm_head_weight, train, ev,
+    return _RunParts(tok, features, features.embed_weight, features.lm_head_weight, train, ev,
                     features.drafter_config(**dkw), draft_ids)
 
-def _load_parts(cfg: TrainConfig, device) -> RunParts:
+def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     "Resolve the target and data of `cfg` (defaults: the toy) and build the datasets."
     toy, target = cfg.target is None, _run_target(cfg)
     data = cfg.data or (toy_data_dir() / 'train.jsonl' if toy else None)
@@ -253,8 +253,8 @@ def _refuse_online_misfit(cfg: TrainConfig, acc: Accelerator):
     if not fits: raise NoFit(f"online training does not fit on {acc.device}: {why}")
 
 # %% ../nbs/09g_assembly.ipynb #fabd60c7
-def load_parts(cfg: TrainConfig, acc: Accelerator) -> RunParts:
-    "Check run `cfg` against `acc`'s processes and device, then load what it trains on (see `RunParts`)."
+def load_parts(cfg: TrainConfig, acc: Accelerator) -> _RunParts:
+    "Check run `cfg` against `acc`'s processes and device, then load what it trains on (see `_RunParts`)."
     gpu = acc.device.type == 'cuda'
     if cfg.batch_size % acc.num_processes:
         raise InputError(f"batch_size {cfg.batch_size} must be a multiple of the number of processes "
@@ -270,7 +270,7 @@ def load_parts(cfg: TrainConfig, acc: Accelerator) -> RunParts:
     return _load_parts(cfg, acc.device)
 
 # %% ../nbs/09g_assembly.ipynb #b8455dec
-def fsdp_settings(acc: Accelerator) -> dict | None:
+def _fsdp_settings(acc: Accelerator) -> dict | None:
     "`fully_shard`'s arguments from the user's FSDP settings (accelerate config or launch flags); None: no FSDP."
     if acc.distributed_type.value != 'FSDP' and not parse_flag_from_env('ACCELERATE_USE_FSDP'): return None
     if not torch.distributed.is_initialized(): return None        # one process, no process group: nothing to shard
@@ -278,7 +278,7 @@ def fsdp_settings(acc: Accelerator) -> dict | None:
     if parse_flag_from_env('FSDP_OFFLOAD_PARAMS'): kw['offload_policy'] = CPUOffloadPolicy()
     return kw
 
-def _target_layers(cfg: TrainConfig, parts: RunParts):
+def _target_layers(cfg: TrainConfig, parts: _RunParts):
     "The target's decoder layers: those of the online target, else (a cache run) the target loaded on the CPU."
     if parts.features is not None: return parts.features.model.base_model.layers
     return load_target(_run_target(cfg), torch.float32).base_model.layers
@@ -292,7 +292,7 @@ class Drafting:
     objective_budget: int                # bytes for the objective's chunks
     fsdp: dict | None                    # `fully_shard`'s settings; None: no FSDP
 
-def build_drafter(cfg: TrainConfig, parts: RunParts, acc: Accelerator, teacher: bool) -> Drafting:
+def build_drafter(cfg: TrainConfig, parts: _RunParts, acc: Accelerator, teacher: bool) -> Drafting:
     "The drafter of run `cfg` on `acc` (the same on every process: seeded), planned in this device's budget."
     budget, dtype = int(free_bytes(acc.device) * cfg.memory_fraction), _PLAN_DTYPE.get(acc.mixed_precision, 'fp32')
     attention_budget, objective_budget = budgets(parts.drafter_config, cfg.max_length, budget, dtype,
@@ -311,7 +311,7 @@ def build_drafter(cfg: TrainConfig, parts: RunParts, acc: Accelerator, teacher: 
         copied = drafter.init_from_target(_target_layers(cfg, parts))
         if acc.is_main_process: print(f"drafter layers start from the target's top layers: {len(copied)} weights")
     set_checkpointing(drafter, policy, budget_bytes=attention_budget)
-    fsdp = fsdp_settings(acc)
+    fsdp = _fsdp_settings(acc)
     if fsdp is not None:
         for layer in drafter.layers: fully_shard(layer, **fsdp)        # each decoder layer its own unit,
         drafter = fully_shard(drafter, **fsdp)                         # then the rest (fc, norms) at the root

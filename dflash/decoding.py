@@ -25,8 +25,8 @@ from .features import load_target, target_features
 from .threads import use_threads
 
 # %% auto #0
-__all__ = ['check_speculate', 'warp', 'sample_tokens', 'verify_block', 'speculative_generate', 'greedy_generate',
-           'sample_generate', 'lookup_generate', 'eval_prompts', 'acceptance_eval', 'plot_acceptance', 'speculate']
+__all__ = ['check_speculate', 'speculative_generate', 'greedy_generate', 'sample_generate', 'lookup_generate', 'eval_prompts',
+           'acceptance_eval', 'plot_acceptance', 'speculate']
 
 # %% ../nbs/09a_decoding.ipynb #bfab8dcc
 def check_speculate(o: SpeculateOptions) -> list[str]:
@@ -92,7 +92,7 @@ def _check_compatible(drafter_config: DrafterConfig, target_config, block_size: 
     if problems: raise InputError(f"{name} does not fit the target: " + '; '.join(problems))
 
 # %% ../nbs/09a_decoding.ipynb #161c1162
-def warp(logits: Tensor, temperature: float, top_p: float = 1.) -> Tensor:
+def _warp(logits: Tensor, temperature: float, top_p: float = 1.) -> Tensor:
     """Sampling probabilities (..., V) from logits (..., V): softmax(logits / T), cut to its top-p nucleus and
     renormalised. T = 0: one-hot on the argmax, the limit."""
     if temperature == 0: return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
@@ -103,12 +103,12 @@ def warp(logits: Tensor, temperature: float, top_p: float = 1.) -> Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, ranked / ranked.sum(-1, keepdim=True))
 
 # %% ../nbs/09a_decoding.ipynb #155ed480
-def sample_tokens(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def _sample_tokens(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     "One token from each distribution: probs (..., V) -> token ids (...), drawn with `generator`."
     return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
 
 # %% ../nbs/09a_decoding.ipynb #ff1169f1
-def verify_block(p: Tensor, q: Tensor, draft: Tensor,
+def _verify_block(p: Tensor, q: Tensor, draft: Tensor,
                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
     """Speculative sampling's verdict on N drafted blocks: (drafts accepted n (N,), the token that follows them (N,)).
     p: (N, K+1, V) the target's distributions at the K draft positions and after the last; q: (N, K, V) the drafter's,
@@ -122,7 +122,7 @@ def verify_block(p: Tensor, q: Tensor, draft: Tensor,
     pn, qn = p[rows, n], F.pad(q, (0, 0, 0, 1))[rows, n]                        # (N, V): q is 0 after the last draft
     residual = (pn - qn).clamp_min(0)                                           # (N, V) max(0, p - q), or p: the bonus
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, pn)   # p = q: rejection has probability 0
-    return n, sample_tokens(residual, generator)
+    return n, _sample_tokens(residual, generator)
 
 # %% ../nbs/09a_decoding.ipynb #7499721f
 @dataclass
@@ -175,7 +175,7 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
     out = _forward(target, input_ids, cache)
     feats = target_features(out.hidden_states, cfg.target_layer_ids)          # (1, P, L·H): positions < L
     last = F.linear(out.last_hidden_state[:, -1], lm_head)                   # (1, V): the prompt's last row only
-    nxt = last.argmax(-1) if greedy else sample_tokens(warp(last, temperature, top_p), generator)   # (1,) x_L
+    nxt = last.argmax(-1) if greedy else _sample_tokens(_warp(last, temperature, top_p), generator)   # (1,) x_L
     res = _SpecResult(tokens=[int(nxt)])
     while len(res.tokens) < max_new_tokens and res.tokens[-1] not in stop:
         t0 = time.perf_counter()
@@ -184,15 +184,15 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
         logits = drafter.draft_logits(h[:, 1:].to(lm_head.dtype), lm_head)  # (1, B-1, V)
         if greedy: draft = logits.argmax(-1)                                 # (1, B-1)
         else:
-            q = warp(logits, temperature, top_p)                             # (1, B-1, V)
-            draft = sample_tokens(q, generator)                              # (1, B-1)
+            q = _warp(logits, temperature, top_p)                             # (1, B-1, V)
+            draft = _sample_tokens(q, generator)                              # (1, B-1)
         _sync(dev)
         t1 = time.perf_counter()
         out = _forward(target, torch.cat([nxt[:, None], draft], 1), cache)
         if greedy: n, nxt = _greedy_verdict(out.last_hidden_state, lm_head, draft)
         else:
             logits = F.linear(out.last_hidden_state, lm_head)               # (1, B, V)
-            accepted, nxt = verify_block(warp(logits, temperature, top_p), q, draft, generator)
+            accepted, nxt = _verify_block(_warp(logits, temperature, top_p), q, draft, generator)
             n = int(accepted[0])
         _sync(dev)
         res.draft_s += t1 - t0

@@ -20,8 +20,7 @@ from .attention import get_backend
 from .files import resolve_local, safetensors_problem, write_atomic
 
 # %% auto #0
-__all__ = ['compute_dtype', 'RMSNorm', 'DFlashAttention', 'DFlashDecoderLayer', 'ContextCache', 'DFlashDrafter',
-           'check_semantics']
+__all__ = ['compute_dtype', 'RMSNorm', 'DFlashDecoderLayer', 'ContextCache', 'DFlashDrafter', 'check_semantics']
 
 # %% ../nbs/05_drafter.ipynb #edb55883
 def _qwen3_config(cfg: DrafterConfig) -> Qwen3Config:
@@ -82,7 +81,7 @@ class RMSNorm(nn.Module):
             return _RMSNormFn.apply(x, self.weight, self.variance_epsilon)
 
 # %% ../nbs/05_drafter.ipynb #c6db1718
-class DFlashAttention(nn.Module):
+class _DFlashAttention(nn.Module):
     "Qwen3 attention with q/k norms; queries from the block, keys/values from context and block."
     def __init__(self, cfg: DrafterConfig, layer_idx: int):
         super().__init__()
@@ -117,7 +116,7 @@ class DFlashDecoderLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.self_attn = DFlashAttention(cfg, layer_idx)
+        self.self_attn = _DFlashAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = Qwen3MLP(_qwen3_config(cfg))
 

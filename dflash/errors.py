@@ -7,13 +7,12 @@ from __future__ import annotations
 import errno, os, sys, traceback
 
 # %% auto #0
-__all__ = ['EXIT_BUG', 'EXIT_INPUT', 'EXIT_NO_FIT', 'EXIT_PREEMPTED', 'DISK_REFUSED', 'InputError', 'NoFit', 'disk_refused',
-           'verdict', 'run_command']
+__all__ = ['EXIT_INPUT', 'EXIT_PREEMPTED', 'InputError', 'NoFit', 'verdict', 'run_command']
 
 # %% ../nbs/00_errors.ipynb #62b450f5
-EXIT_BUG = 1            # a bug: the traceback is shown
+_EXIT_BUG = 1            # a bug: the traceback is shown
 EXIT_INPUT = 2          # input the command cannot use (argparse's status for a bad option)
-EXIT_NO_FIT = 3         # the step does not fit the memory
+_EXIT_NO_FIT = 3         # the step does not fit the memory
 EXIT_PREEMPTED = 75     # sysexits' EX_TEMPFAIL: stopped on request at a boundary; run again to continue
 
 class InputError(ValueError):
@@ -22,15 +21,15 @@ class InputError(ValueError):
 
 class NoFit(MemoryError):
     "The training step and what it needs beside it do not fit the memory; the message gives the figures."
-    exit_status = EXIT_NO_FIT
+    exit_status = _EXIT_NO_FIT
 
 # %% ../nbs/00_errors.ipynb #32c1da62
-DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+_DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
-def disk_refused(e: BaseException, then: str = ", then run the command again") -> str | None:
+def _disk_refused(e: BaseException, then: str = ", then run the command again") -> str | None:
     """What a write the disk refused (full, over quota, read-only, not permitted) tells the user, naming the file and
     the cause, then `then`; None for any other error."""
-    if not isinstance(e, OSError) or e.errno not in DISK_REFUSED: return None
+    if not isinstance(e, OSError) or e.errno not in _DISK_REFUSED: return None
     return f"{e.filename}: {e.strerror} ({errno.errorcode[e.errno]}): make room or make it writable{then}"
 
 # %% ../nbs/00_errors.ipynb #a50e1594
@@ -41,8 +40,8 @@ def verdict(e: BaseException, then: str = ", then run the command again") -> tup
     if status == EXIT_PREEMPTED: return status, str(e), False
     if status is not None: return status, f"error: {e}", False
     if isinstance(e, FileNotFoundError): return EXIT_INPUT, f"error: {e}", False
-    if said := disk_refused(e, then): return EXIT_INPUT, f"error: {said}", False
-    return EXIT_BUG, (f"error: this is a bug in dflash, not a problem with what you gave ({type(e).__name__}); the "
+    if said := _disk_refused(e, then): return EXIT_INPUT, f"error: {said}", False
+    return _EXIT_BUG, (f"error: this is a bug in dflash, not a problem with what you gave ({type(e).__name__}); the "
                       f"traceback above shows where: please report it with the command line"), True
 
 # %% ../nbs/00_errors.ipynb #6e3b9cbb

@@ -11,10 +11,10 @@ from .options import unreadable
 
 # %% auto #0
 __all__ = ['fsync_path', 'disk_error', 'temp_beside', 'write_atomic', 'temp_dir_beside', 'remove_temporaries', 'write_json',
-           'write_csv', 'hf_hub_cache', 'resolve_local', 'read_problem', 'json_problem', 'safetensors_problem',
-           'model_dir_problems', 'file_sha256', 'is_gguf', 'gguf_problem', 'pretrained', 'target_problems',
-           'target_config_dict', 'config_vocab_size', 'config_max_positions', 'causal_lm_problem', 'make_dir',
-           'dir_write_problem', 'dir_kind', 'out_problems', 'assets_dir', 'toy_target_dir', 'toy_data_dir']
+           'write_csv', 'hf_hub_cache', 'resolve_local', 'json_problem', 'safetensors_problem', 'file_sha256',
+           'is_gguf', 'gguf_problem', 'pretrained', 'target_problems', 'target_config_dict', 'config_vocab_size',
+           'config_max_positions', 'causal_lm_problem', 'make_dir', 'dir_write_problem', 'out_problems', 'assets_dir',
+           'toy_target_dir', 'toy_data_dir']
 
 # %% ../nbs/00b_files.ipynb #99b1472b
 def fsync_path(path):
@@ -146,7 +146,7 @@ def resolve_local(name, kind: str = 'model') -> Path:
                             f"({how}), or set HF_HUB_CACHE (or HF_HOME) to the cache that holds it")
 
 # %% ../nbs/00b_files.ipynb #3656bb5a
-def read_problem(path) -> str | None:
+def _read_problem(path) -> str | None:
     "What keeps this process from reading `path`, a file or a directory (its permissions), naming it; or None."
     return f"{path}: {why}" if (why := unreadable(path)) else None
 
@@ -166,20 +166,20 @@ def safetensors_problem(path) -> str | None:
     """What is wrong with a safetensors file (garbage, truncated, a hostile header), found by the safetensors library
     reading its header and checking every tensor's offsets against the file, without reading the tensors; or None."""
     from safetensors import SafetensorError, safe_open
-    if bad := read_problem(path): return bad
+    if bad := _read_problem(path): return bad
     try:
         with safe_open(path, framework='numpy'): return None
     except SafetensorError as e:
         return f"{path}: not a safetensors file or truncated ({str(e).removeprefix('Error while deserializing header: ')})"
 
-def model_dir_problems(path, name: str) -> list[str]:
+def _model_dir_problems(path, name: str) -> list[str]:
     """What is wrong with a transformers model named by option `name` (a local directory or a hub id in the local
     cache, `resolve_local`), read without loading it: config.json and safetensors headers."""
     try: p = resolve_local(path)
     except FileNotFoundError as e: return [f"{name}: {e}"]
     if not p.is_dir(): return [f"{name} = {str(path)!r}: not a directory"]
-    if bad := read_problem(p): return [f"{name}: {bad}"]
-    if locked := [b for f in sorted(p.iterdir()) if (b := read_problem(f))]: return [f"{name}: {b}" for b in locked]
+    if bad := _read_problem(p): return [f"{name}: {bad}"]
+    if locked := [b for f in sorted(p.iterdir()) if (b := _read_problem(f))]: return [f"{name}: {b}" for b in locked]
     d, bad = json_problem(p / 'config.json', 'config.json')
     probs = [f"{name}: {bad}"] if bad else []
     if d is not None and 'model_type' not in d: probs.append(f"{name}: {p / 'config.json'}: no 'model_type' field")
@@ -204,7 +204,7 @@ def gguf_problem(path) -> str | None:
     "What keeps the `.gguf` file `path` from loading as a target (missing, unreadable, not GGUF, no `gguf`), or None."
     p = Path(path)
     if not p.is_file(): return f"{p}: no such file"
-    if bad := read_problem(p): return bad
+    if bad := _read_problem(p): return bad
     with open(p, 'rb') as f: magic = f.read(4)
     if magic != b'GGUF': return f"{p}: not a GGUF file (it starts with {magic!r}, not b'GGUF')"
     if importlib.util.find_spec('gguf') is None:
@@ -220,12 +220,12 @@ def pretrained(cls, target, **kw):
     return cls.from_pretrained(p, **kw)
 
 def target_problems(target, name: str = '--target') -> list[str]:
-    "What is wrong with target `target` (option `name`): a GGUF file, else `model_dir_problems`."
+    "What is wrong with target `target` (option `name`): a GGUF file, else `_model_dir_problems`."
     p = Path(target).expanduser()
     if p.is_file() and not is_gguf(p):
         return [f"{name} = {str(target)!r}: a file, not a model directory or a .gguf file"]
     if is_gguf(p) and p.exists(): return [f"{name}: {bad}"] if (bad := gguf_problem(p)) else []
-    return model_dir_problems(target, name)
+    return _model_dir_problems(target, name)
 
 def target_config_dict(target) -> tuple[dict | None, str | None]:
     """(the config of model `target`, None) or (None, what is wrong with it): a directory's `config.json`, or the
@@ -286,7 +286,7 @@ _KINDS = (('run', 'a training run', ('run.json', '.lock', 'checkpoints', 'metric
           ('cache', 'a hidden-state cache', ('manifest.json',)),
           ('model', 'a model', ('config.json',)))
 
-def dir_kind(path) -> tuple[str, str] | None:
+def _dir_kind(path) -> tuple[str, str] | None:
     """(kind, the file that shows it) of directory `path` when a command made it or reads it: 'run', 'cache', 'model'
     or 'regeneration' (a regenerated corpus: `FILE.index` beside it); None for any other directory."""
     p = Path(path)
@@ -307,7 +307,7 @@ def _local(name) -> Path | None:
 
 def out_problems(out, name: str, own: str | None, inputs: dict) -> list[str]:
     """What keeps a command from writing into directory `out` (option `name`): it is, holds or lies inside one of
-    `inputs` ({option: a path or hub id} the command reads), it is another command's directory (`dir_kind`, unless of kind
+    `inputs` ({option: a path or hub id} the command reads), it is another command's directory (`_dir_kind`, unless of kind
     `own`), or every user may write to it. One line each."""
     if out is None: return []
     o, probs = Path(out).expanduser().resolve(), []
@@ -316,7 +316,7 @@ def out_problems(out, name: str, own: str | None, inputs: dict) -> list[str]:
         what = ("is" if o == p else "holds" if _inside(p, o) else "lies inside" if _inside(o, p) else None)
         if what: probs.append(f"{name} = {str(out)!r}: {what} {k} ({p}), which the command reads; choose another "
                               f"directory")
-    if (found := dir_kind(o)) and found[0] != own and not probs:
+    if (found := _dir_kind(o)) and found[0] != own and not probs:
         words = dict((k, w) for k, w, _ in _KINDS) | {'regeneration': 'a regenerated corpus'}
         probs.append(f"{name} = {str(out)!r}: holds {words[found[0]]} ({found[1]}), which this command does not "
                      f"write; choose another directory")

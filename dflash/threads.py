@@ -9,7 +9,7 @@ from pathlib import Path
 from .options import option
 
 # %% auto #0
-__all__ = ['user_omp_threads', 'cores_available', 'choose_threads', 'use_threads', 'threads_option']
+__all__ = ['cores_available', 'use_threads', 'threads_option']
 
 # %% ../nbs/00c_threads.ipynb #b7e40006
 def _parent_launch(pid: int | None = None) -> tuple[dict, list[str]] | None:
@@ -21,7 +21,7 @@ def _parent_launch(pid: int | None = None) -> tuple[dict, list[str]] | None:
     return {k.decode(errors='replace'): v.decode(errors='replace') for k, _, v in pairs}, \
         [a.decode(errors='replace') for a in cmd.split(b'\0') if a]
 
-def user_omp_threads(env=None, parent: tuple[dict, list[str]] | None | bool = True) -> int | None:
+def _user_omp_threads(env=None, parent: tuple[dict, list[str]] | None | bool = True) -> int | None:
     """The `OMP_NUM_THREADS` the user chose, or None: unset, not a count, or only `accelerate launch`'s default.
     `parent`: the launcher's (environment, command line); True reads it from /proc."""
     env = os.environ if env is None else env
@@ -41,25 +41,25 @@ def cores_available() -> int:
     try: return len(os.sched_getaffinity(0))
     except AttributeError: return os.cpu_count() or 1
 
-def choose_threads(requested: int | None = None, local_processes: int | None = None, *, env=None,
+def _choose_threads(requested: int | None = None, local_processes: int | None = None, *, env=None,
                    parent: tuple[dict, list[str]] | None | bool = True, cores: int | None = None) -> tuple[int, str]:
     "(CPU threads for this process, why): `requested`, else the user's OMP_NUM_THREADS, else its share of the cores."
     env = os.environ if env is None else env
     if requested is not None: return requested, '--threads'
-    if (n := user_omp_threads(env, parent)) is not None: return n, 'OMP_NUM_THREADS'
+    if (n := _user_omp_threads(env, parent)) is not None: return n, 'OMP_NUM_THREADS'
     local = local_processes or int(env.get('LOCAL_WORLD_SIZE', '1') or 1)
     cores = cores or cores_available()
     return max(1, cores // max(local, 1)), f"{cores} cores / {local} process{'es' if local > 1 else ''}"
 
 def use_threads(requested: int | None = None, local_processes: int | None = None) -> tuple[int, str]:
-    "Set torch's CPU threads by `choose_threads`; returns (threads, why)."
+    "Set torch's CPU threads by `_choose_threads`; returns (threads, why)."
     import torch
-    n, why = choose_threads(requested, local_processes)
+    n, why = _choose_threads(requested, local_processes)
     torch.set_num_threads(n)
     return n, why
 
 # %% ../nbs/00c_threads.ipynb #b7e4000e
 def threads_option():
-    "The `--threads` option of a command that runs torch on the CPU: unset, `choose_threads` decides."
+    "The `--threads` option of a command that runs torch on the CPU: unset, `_choose_threads` decides."
     return option(None, "CPU threads per process on a machine without a GPU (default: OMP_NUM_THREADS if you set it, "
                         "else the cores available split over this machine's processes)", ge=1)
