@@ -5,54 +5,29 @@
 # %% ../nbs/08b_regenerate.ipynb #99d95e82
 from __future__ import annotations
 import hashlib, importlib.util, json, os, time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from .errors import InputError, run_command
-from .options import SEED_MAX, TEMPERATURE_MIN, Command, option, build_options, parse_options
+from .options import Command, build_options, parse_options
 from .files import (disk_error, file_sha256, pretrained, resolve_local, target_problems,
                           toy_target_dir, write_atomic)
-from .threads import threads_option, use_threads
+from .threads import use_threads
 from .locks import take_lock, start_heartbeat, release_lock, writer_locks, writer_problem
 from .stops import Preempted, StopRequest, any_stop
+from .schema import RegenConfig
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.chat (which loads torch) load inside the
     import torch          # functions that use them, so `--help` answers at once
     from dflash.chat import DataStats
 
 # %% auto #0
-__all__ = ['ENGINES', 'DTYPES', 'REGENERATE', 'RegenConfig', 'target_dir', 'vllm_unavailable', 'target_engine_problems',
-           'load_conversations', 'template_kwargs', 'special_after', 'end_of_turn_ids', 'prompt_ids', 'cut_at_stop',
-           'TransformersEngine', 'VLLMEngine', 'round_seed', 'reply_round', 'regenerate_batch', 'run_header',
-           'index_path', 'read_index', 'repair_output', 'append_batch', 'make_engine', 'process_state', 'regenerate',
-           'greedy_agreement', 'run_locked', 'main']
+__all__ = ['REGENERATE', 'target_dir', 'vllm_unavailable', 'target_engine_problems', 'load_conversations', 'template_kwargs',
+           'special_after', 'end_of_turn_ids', 'prompt_ids', 'cut_at_stop', 'TransformersEngine', 'VLLMEngine',
+           'round_seed', 'reply_round', 'regenerate_batch', 'run_header', 'index_path', 'read_index', 'repair_output',
+           'append_batch', 'make_engine', 'process_state', 'regenerate', 'greedy_agreement', 'run_locked', 'main']
 
 # %% ../nbs/08b_regenerate.ipynb #924b1aed
-ENGINES = ('transformers', 'vllm')
-DTYPES = ('float32', 'float64', 'bfloat16', 'float16')
 _PROG = 'python -m dflash.regenerate'
-
-@dataclass
-class RegenConfig:
-    """Regenerate every assistant turn of chat data with the target itself (resumable; under `accelerate launch`
-    across processes)."""
-    data: str | None = option(None, 'chat data to regenerate: JSONL, JSON, parquet, a directory of them, or a hub '
-                                    'dataset id (local cache only); required')
-    out: str | None = option(None, 'output JSONL, append-only, resumed when rerun (`OUT.index` beside it); required')
-    target: str | None = option(None, 'target model directory or hub id (local Hugging Face cache only) '
-                                      '(default: the shipped toy target)')
-    engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(ENGINES))
-    batch_size: int = option(32, 'conversations generated together (left-padded)', ge=1)
-    max_new_tokens: int = option(512, 'tokens per assistant turn at most', ge=1)
-    temperature: float = option(0.0, '0: greedy; > 0: sampling', zero_or_ge=TEMPERATURE_MIN)
-    top_p: float = option(1.0, 'nucleus sampling mass (with temperature > 0)', gt=0, le=1)
-    seed: int = option(0, 'sampling seed (each batch and turn draws its own: reruns sample the same)', ge=0,
-                       le=SEED_MAX)
-    thinking: str | None = option(None, "for templates with `enable_thinking` (default: the template's)",
-                                  choices=['on', 'off'])
-    dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(DTYPES))
-    skip_bad_lines: bool = option(False, 'skip and count malformed lines instead of stopping')
-    progress: bool = option(True, 'show a progress bar (--no-progress: none)')
-    threads: int | None = threads_option()
 
 def target_dir(cfg: RegenConfig) -> Path:
     if cfg.target is not None: return resolve_local(cfg.target)                # a hub id: the local cache only

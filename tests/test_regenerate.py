@@ -2,8 +2,9 @@
 prompts without replies answered, replies cut at the token limit marked (and their false end of turn unsupervised)."""
 import json, os, signal, socket, subprocess, sys, time
 import pytest, torch
-from dflash.regenerate import (RegenConfig, TransformersEngine, cut_at_stop, end_of_turn_ids, index_path,
-                               load_conversations, prompt_ids, regenerate, regenerate_batch, vllm_unavailable)
+from dflash.regenerate import (TransformersEngine, cut_at_stop, end_of_turn_ids, index_path, load_conversations,
+                               prompt_ids, regenerate, regenerate_batch, vllm_unavailable)
+from dflash.schema import RegenConfig
 from dflash.toy import load_toy_target
 from dflash.files import toy_data_dir
 
