@@ -13,7 +13,7 @@ from .locks import release_lock, start_heartbeat, take_lock, writer_locks, write
 from .regenerate import REGENERATE
 from .synthesize import SYNTHESIZE
 from .stops import StopRequest
-from .schema import CacheOptions, DataOptions
+from .schema import DTYPES, CacheOptions, DataOptions
 
 
 # %% auto #0
@@ -118,7 +118,7 @@ def _write_cache(o: CacheOptions, state, stop_release=None):
     V = pretrained(AutoConfig, resolve_local(o.target)).get_text_config().vocab_size
     used = set(token_counts([ds], V)[0].nonzero().flatten().tolist())
     mask = data_mask_token(tok, V, used, o.mask_token_id, say=state.is_main_process)    # before the target loads
-    dtype = None if o.dtype == 'auto' else getattr(torch, o.dtype)
+    dtype = None if o.dtype == 'auto' else getattr(torch, DTYPES[o.dtype])
     device = o.device or (state.device if state.device.type != 'mps' else 'cpu')
     feats = TargetFeatures(o.target, layer_ids=_layer_ids(o.layers) if o.layers else None,
                            num_draft_layers=o.num_draft_layers, dtype=dtype, device=device, tokenizer=tok)

@@ -14,7 +14,7 @@ from .files import (disk_error, file_sha256, pretrained, resolve_local, target_p
 from .threads import use_threads
 from .locks import take_lock, start_heartbeat, release_lock, writer_locks, writer_problem
 from .stops import Preempted, StopRequest, any_stop
-from .schema import RegenConfig
+from .schema import DTYPES, RegenConfig
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.chat (which loads torch) load inside the
     import torch          # functions that use them, so `--help` answers at once
@@ -266,7 +266,8 @@ def run_header(cfg: RegenConfig) -> dict:
     "What the output is a regeneration of: the first line of the index."
     from dflash.features import target_identity
     opts = {k: getattr(cfg, k) for k in ('engine', 'batch_size', 'max_new_tokens', 'temperature', 'top_p', 'seed',
-                                         'thinking', 'dtype')}
+                                         'thinking')}
+    opts['dtype'] = DTYPES.get(cfg.dtype)                                 # bf16 and bfloat16 alike
     return {'format': _INDEX_FORMAT, 'data': _sha256_file(cfg.data), 'target': target_identity(target_dir(cfg)),
             'options': opts}
 
@@ -335,7 +336,7 @@ def append_batch(out, entry: dict, records: list[dict]):
 # %% ../nbs/08b_regenerate.ipynb #6cbbe86e
 def _dtype(cfg: RegenConfig, device) -> torch.dtype:
     import torch
-    if cfg.dtype: return getattr(torch, cfg.dtype)
+    if cfg.dtype: return getattr(torch, DTYPES[cfg.dtype])
     return torch.bfloat16 if device.type == 'cuda' else torch.float32
 
 def make_engine(cfg: RegenConfig, tokenizer, device):
@@ -348,7 +349,7 @@ def make_engine(cfg: RegenConfig, tokenizer, device):
     stops = end_of_turn_ids(tokenizer, gen_cfg)
     if cfg.engine == 'vllm':
         return VLLMEngine(target, stops, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                          top_p=cfg.top_p, dtype=cfg.dtype)
+                          top_p=cfg.top_p, dtype=DTYPES.get(cfg.dtype))
     model = load_target(target, _dtype(cfg, device)).to(device).eval()       # its weights and config.json agree
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     return TransformersEngine(model, stops, pad, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,

@@ -11,7 +11,7 @@ from .errors import InputError
 from .options import Command, build_options
 from .files import pretrained, target_config_dict
 from .stops import Preempted, StopRequest
-from .schema import SynthConfig
+from .schema import DTYPES, SynthConfig
 from .regenerate import (
     append_batch, make_engine, process_state, read_index, repair_output, reply_round, round_seed,
     run_locked, special_after, target_dir, target_engine_problems, template_kwargs)
@@ -131,9 +131,9 @@ def _synth_header(cfg: SynthConfig) -> dict:
     records; not `num`, so that a larger `--num` continues the file)."""
     from dflash.features import target_identity
     keep = ('system', 'turns', 'max_prompt_tokens', 'max_new_tokens', 'prompt_temperature', 'prompt_top_p', 'temperature',
-            'top_p', 'seed', 'batch_size', 'engine', 'thinking', 'dtype')
+            'top_p', 'seed', 'batch_size', 'engine', 'thinking')
     return {'format': _SYNTH_FORMAT, 'target': target_identity(target_dir(cfg)),
-            'options': {k: getattr(cfg, k) for k in keep}}
+            'options': {**{k: getattr(cfg, k) for k in keep}, 'dtype': DTYPES.get(cfg.dtype)}}   # bf16 as bfloat16
 
 def _first_user(rec: dict) -> str: return next(m['content'] for m in rec['messages'] if m['role'] == 'user')
 
