@@ -14,6 +14,7 @@ from .regenerate import REGENERATE
 from .synthesize import SYNTHESIZE
 from .stops import StopRequest
 from .schema import DTYPES, CacheOptions, DataOptions
+from .templates import load_tokenizer
 
 
 # %% auto #0
@@ -81,7 +82,7 @@ def _parse_command(argv: list[str], prog: str = _PROG) -> tuple[str, object]:
 # %% ../nbs/08d_data.ipynb #1c4a5830
 def _tokenize_command(o: DataOptions):
     "`python -m dflash.data tokenize`: the counts table, and the tokenized data cached for later commands."
-    from dflash.chat import load_tokenizer, load_chat_data      # torch: only once the options are checked
+    from dflash.chat import load_chat_data                      # torch: only once the options are checked
     tok = load_tokenizer(o.target, o.tokenizer, o.chat_template)
     ds = load_chat_data(o.data, tok, max_length=o.max_length, skip_bad_lines=o.skip_bad_lines, num_proc=o.num_proc,
                         report=True)
@@ -107,7 +108,7 @@ def _write_cache(o: CacheOptions, state, stop_release=None):
     import torch
     from transformers import AutoConfig
     from dflash.threads import use_threads
-    from dflash.chat import load_tokenizer, load_chat_data
+    from dflash.chat import load_chat_data
     from dflash.features import TargetFeatures, data_mask_token, token_counts, write_cache
     if state.device.type == 'cpu':
         threads, why = use_threads(o.threads)

@@ -15,16 +15,17 @@ from .threads import use_threads
 from .locks import take_lock, start_heartbeat, release_lock, writer_locks, writer_problem
 from .stops import Preempted, StopRequest, any_stop
 from .schema import DTYPES, RegenConfig
+from .templates import end_of_turn_ids, prompt_ids, template_kwargs, tokenize_chat
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.chat (which loads torch) load inside the
     import torch          # functions that use them, so `--help` answers at once
     from dflash.chat import DataStats
 
 # %% auto #0
-__all__ = ['REGENERATE', 'target_dir', 'vllm_unavailable', 'target_engine_problems', 'load_conversations', 'template_kwargs',
-           'special_after', 'end_of_turn_ids', 'prompt_ids', 'cut_at_stop', 'TransformersEngine', 'VLLMEngine',
-           'round_seed', 'reply_round', 'regenerate_batch', 'run_header', 'index_path', 'read_index', 'repair_output',
-           'append_batch', 'make_engine', 'process_state', 'regenerate', 'greedy_agreement', 'run_locked', 'main']
+__all__ = ['REGENERATE', 'target_dir', 'vllm_unavailable', 'target_engine_problems', 'load_conversations', 'cut_at_stop',
+           'TransformersEngine', 'VLLMEngine', 'round_seed', 'reply_round', 'regenerate_batch', 'run_header',
+           'index_path', 'read_index', 'repair_output', 'append_batch', 'make_engine', 'process_state', 'regenerate',
+           'greedy_agreement', 'run_locked', 'main']
 
 # %% ../nbs/08b_regenerate.ipynb #924b1aed
 _PROG = 'python -m dflash.regenerate'
@@ -90,44 +91,6 @@ def load_conversations(path, skip_bad_lines: bool = False) -> tuple[list[tuple[d
 def _output_record(rec: dict, messages: list[dict]) -> dict:
     "The record with its turns replaced by `messages` (other keys kept; ShareGPT records become `messages` records)."
     return {**{k: v for k, v in rec.items() if k not in ('messages', 'conversations')}, 'messages': messages}
-
-# %% ../nbs/08b_regenerate.ipynb #2afd0fcf
-def _template_text(tokenizer) -> str:
-    t = tokenizer.chat_template
-    return (t.get('default', '') if isinstance(t, dict) else t) or ''
-
-def template_kwargs(tokenizer, thinking: str | None, name: str = 'target') -> dict:
-    "The chat-template keyword arguments for `thinking` (on, off or None)."
-    if thinking is None: return {}
-    if 'enable_thinking' not in _template_text(tokenizer):
-        raise InputError(f"thinking {thinking!r}: the chat template of {name} has no enable_thinking switch; "
-                         "leave --thinking unset")
-    return {'enable_thinking': thinking == 'on'}
-
-_PROBE = 'dflash probe answer'
-
-def special_after(tokenizer, messages: list[dict]) -> int | None:
-    """The special token the chat template writes right after the last message's text, if it writes one: found after a
-    probe text that stands in for that message's content."""
-    text = tokenizer.apply_chat_template([*messages[:-1], {**messages[-1], 'content': _PROBE}], tokenize=False)
-    tail = tokenizer(text[text.rindex(_PROBE) + len(_PROBE):], add_special_tokens=False)['input_ids']
-    special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
-    return tail[0] if tail and tail[0] in special else None
-
-def end_of_turn_ids(tokenizer, generation_config=None) -> list[int]:
-    "Token ids that end an assistant turn: the template's end-of-turn token, the tokenizer's and the model's eos."
-    ids = set()
-    for e in (tokenizer.eos_token_id, getattr(generation_config, 'eos_token_id', None)):
-        ids.update(e if isinstance(e, (list, tuple)) else [] if e is None else [e])
-    eot = special_after(tokenizer, [{'role': 'user', 'content': 'Q'}, {'role': 'assistant', 'content': ''}])
-    return sorted(ids | ({eot} - {None}))
-
-def prompt_ids(tokenizer, messages: list[dict], template_kw: dict) -> list[int]:
-    "Token ids of `messages` rendered with the generation prompt: what the target sees before its turn."
-    from dflash.chat import template_messages
-    enc = tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True, tokenize=True,
-                                        return_dict=True, **template_kw)
-    return list(enc['input_ids'])
 
 # %% ../nbs/08b_regenerate.ipynb #5a56abee
 def cut_at_stop(tokens: list[int], stop_ids) -> tuple[list[int], bool]:
@@ -432,7 +395,6 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
 def greedy_agreement(model, tokenizer, path, n: int | None = None, template_kw: dict | None = None) -> dict:
     "Share of assistant tokens (first `n` conversations of `path`) where the target's greedy next token is right."
     import torch
-    from dflash.chat import tokenize_chat
     with torch.no_grad():
         dev, hit, total, turns_all, turns_hit = next(model.parameters()).device, 0, 0, 0, 0
         for i, (_, msgs) in enumerate(load_conversations(path)[0][:n]):

@@ -12,9 +12,10 @@ from .options import Command, build_options
 from .files import pretrained, target_config_dict
 from .stops import Preempted, StopRequest
 from .schema import DTYPES, SynthConfig
+from .templates import special_after, template_kwargs, template_messages
 from .regenerate import (
     append_batch, make_engine, process_state, read_index, repair_output, reply_round, round_seed,
-    run_locked, special_after, target_dir, target_engine_problems, template_kwargs)
+    run_locked, target_dir, target_engine_problems)
 
 # %% auto #0
 __all__ = ['SYNTHESIZE', 'synthesize']
@@ -26,7 +27,6 @@ def _open_user_turn(tokenizer, history: list[dict], template_kw: dict | None = N
     """Token ids of `history` followed by an opened user turn, as the chat template renders them: a conversation
     ending in a user message `_SENTINEL` is rendered, and cut where that text begins (any system prompt the template
     adds comes with it)."""
-    from dflash.chat import template_messages
     text = tokenizer.apply_chat_template(template_messages(history) + [{'role': 'user', 'content': _SENTINEL}],
                                          tokenize=False, **(template_kw or {}))
     if text.count(_SENTINEL) != 1:

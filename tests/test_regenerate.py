@@ -2,9 +2,10 @@
 prompts without replies answered, replies cut at the token limit marked (and their false end of turn unsupervised)."""
 import json, os, signal, socket, subprocess, sys, time
 import pytest, torch
-from dflash.regenerate import (TransformersEngine, cut_at_stop, end_of_turn_ids, index_path, load_conversations,
-                               prompt_ids, regenerate, regenerate_batch, vllm_unavailable)
+from dflash.regenerate import (TransformersEngine, cut_at_stop, index_path, load_conversations, regenerate,
+                               regenerate_batch, vllm_unavailable)
 from dflash.schema import RegenConfig
+from dflash.templates import end_of_turn_ids, prompt_ids
 from dflash.toy import load_toy_target
 from dflash.files import toy_data_dir
 
@@ -280,7 +281,8 @@ def test_regenerate_answers_prompt_only_records(regenerated):
 
 def test_truncated_reply_end_of_turn_is_not_in_the_loss_mask(regenerated, smollm2):
     "A truncated reply's tokens are supervised and the <|im_end|> the template appends after it is not; a finished one's is."
-    from dflash.chat import load_tokenizer, to_messages, tokenize_chat
+    from dflash.chat import to_messages
+    from dflash.templates import load_tokenizer, tokenize_chat
     tok = load_tokenizer(smollm2)
     eot = tok.convert_tokens_to_ids('<|im_end|>')
     _, recs = regenerated
