@@ -22,10 +22,9 @@ if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.chat
     from dflash.chat import DataStats
 
 # %% auto #0
-__all__ = ['REGENERATE', 'target_dir', 'vllm_unavailable', 'target_engine_problems', 'load_conversations', 'cut_at_stop',
-           'TransformersEngine', 'VLLMEngine', 'round_seed', 'reply_round', 'regenerate_batch', 'run_header',
-           'index_path', 'read_index', 'repair_output', 'append_batch', 'make_engine', 'process_state', 'regenerate',
-           'greedy_agreement', 'run_locked', 'main']
+__all__ = ['REGENERATE', 'target_dir', 'vllm_unavailable', 'target_engine_problems', 'load_conversations', 'TransformersEngine',
+           'round_seed', 'reply_round', 'regenerate_batch', 'run_header', 'index_path', 'read_index', 'repair_output',
+           'append_batch', 'make_engine', 'process_state', 'regenerate', 'greedy_agreement', 'run_locked', 'main']
 
 # %% ../nbs/08b_regenerate.ipynb #924b1aed
 _PROG = 'python -m dflash.regenerate'
@@ -93,7 +92,7 @@ def _output_record(rec: dict, messages: list[dict]) -> dict:
     return {**{k: v for k, v in rec.items() if k not in ('messages', 'conversations')}, 'messages': messages}
 
 # %% ../nbs/08b_regenerate.ipynb #5a56abee
-def cut_at_stop(tokens: list[int], stop_ids) -> tuple[list[int], bool]:
+def _cut_at_stop(tokens: list[int], stop_ids) -> tuple[list[int], bool]:
     "Tokens before the first stop id, and whether there was one."
     for i, t in enumerate(tokens):
         if t in stop_ids: return tokens[:i], True
@@ -158,7 +157,7 @@ class TransformersEngine:
             return list(zip(out, stopped))
 
 # %% ../nbs/08b_regenerate.ipynb #3a74bfe9
-class VLLMEngine:
+class _VLLMEngine:
     "Generation with vLLM (GPU): same interface as `TransformersEngine`; prompts go in as token ids."
     def __init__(self, target, stop_ids, *, max_new_tokens: int = 512, temperature: float = 0., top_p: float = 1.,
                  dtype: str | None = None):
@@ -172,7 +171,7 @@ class VLLMEngine:
                             top_p=self.top_p if self.temperature > 0 else 1., stop_token_ids=self.stop_ids,
                             detokenize=False)
         outs = self.llm.generate([{'prompt_token_ids': p} for p in prompts], sp, use_tqdm=False)
-        res = [(cut_at_stop(list(o.outputs[0].token_ids), self.stop_ids), o.outputs[0].finish_reason) for o in outs]
+        res = [(_cut_at_stop(list(o.outputs[0].token_ids), self.stop_ids), o.outputs[0].finish_reason) for o in outs]
         return [(toks, stopped or why == 'stop') for (toks, stopped), why in res]
 
 # %% ../nbs/08b_regenerate.ipynb #3c5486dd
@@ -311,7 +310,7 @@ def make_engine(cfg: RegenConfig, tokenizer, device):
     except (OSError, ValueError): gen_cfg = None            # none saved: the tokenizer's end of turn
     stops = end_of_turn_ids(tokenizer, gen_cfg)
     if cfg.engine == 'vllm':
-        return VLLMEngine(target, stops, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+        return _VLLMEngine(target, stops, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                           top_p=cfg.top_p, dtype=DTYPES.get(cfg.dtype))
     model = load_target(target, _dtype(cfg, device)).to(device).eval()       # its weights and config.json agree
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]

@@ -14,15 +14,15 @@ from .files import assets_dir
 
 # %% auto #0
 __all__ = ['DTYPES', 'TRACKERS', 'LOSSES', 'ATTENTIONS', 'ENGINES', 'LAYOUTS', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'QUALITY_RECIPES',
-           'QUALITY_FILES', 'dtype_choices', 'TrainConfig', 'PlanOptions', 'toy_profile', 'DataOptions', 'CacheOptions',
-           'RegenConfig', 'SynthConfig', 'ToyOptions', 'SpeculateOptions', 'AttentionBench', 'ScalingBench',
-           'StepBench', 'TrainBench', 'RegenerateBench', 'DataBench', 'GpuBench', 'QualityBench', 'quality_found']
+           'QUALITY_FILES', 'TrainConfig', 'PlanOptions', 'toy_profile', 'DataOptions', 'CacheOptions', 'RegenConfig',
+           'SynthConfig', 'ToyOptions', 'SpeculateOptions', 'AttentionBench', 'ScalingBench', 'StepBench', 'TrainBench',
+           'RegenerateBench', 'DataBench', 'GpuBench', 'QualityBench', 'quality_found']
 
 # %% ../nbs/00f_schema.ipynb #a512e147
 _SHORT = {'float32': 'fp32', 'bfloat16': 'bf16', 'float16': 'fp16', 'float64': 'fp64'}   # torch's name -> the short one
 DTYPES = {s: t for t, short in _SHORT.items() for s in (t, short)}        # `--dtype`: every spelling -> torch's name
 
-def dtype_choices(*names: str) -> list[str]:
+def _dtype_choices(*names: str) -> list[str]:
     "The `--dtype` choices of the dtypes `names` (torch's names), each followed by its short name."
     return [s for s, t in DTYPES.items() if t in names]
 
@@ -131,7 +131,7 @@ class PlanOptions:
     mask_token_id: int | None = option(None, "mask token id of the planned blocks, as `dflash.train` takes it (the "
                                              "memory does not depend on which; default: the last vocabulary row)", ge=0)
     dtype: str = option('bf16', 'autocast dtype over fp32 master weights (fp32: none)',
-                        choices=dtype_choices('float32', 'bfloat16', 'float16'))
+                        choices=_dtype_choices('float32', 'bfloat16', 'float16'))
     attention: str = option(TrainConfig.attention, 'attention backend', choices=['sdpa', 'eager'])
     micro_batch_size: int = option(TrainConfig.micro_batch_size, 'sequences per forward', ge=1)
     optimizer: str = option('fused', 'AdamW implementation', choices=['fused', 'foreach'])
@@ -178,7 +178,7 @@ class CacheOptions(DataOptions):
     batch_tokens: int = option(8192, 'tokens per target forward: samples of equal length share a forward, unpadded',
                                ge=1)
     dtype: str = option('auto', 'feature dtype (auto: bfloat16 on GPU, float32 on CPU)',
-                        choices=['auto', *dtype_choices('float32', 'bfloat16', 'float16')])
+                        choices=['auto', *_dtype_choices('float32', 'bfloat16', 'float16')])
     device: str | None = option(None, "device (default: this process's accelerator, else cpu)")
     final_hidden: bool = option(False, "also store the target's final hidden state (after its final norm), the "
                                        'teacher of `dflash.train --loss kl`: hidden_size values more per token')
@@ -262,7 +262,7 @@ class SpeculateOptions:
     block_size: int | None = option(None, "block size (default: the drafter's)", ge=2)
     num_prompts: int = option(32, 'prompts to evaluate', ge=1)
     dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, float32 on CPU)',
-                               choices=dtype_choices('float32', 'bfloat16', 'float16'))
+                               choices=_dtype_choices('float32', 'bfloat16', 'float16'))
     out: str | None = option(None, 'directory for acceptance.json, acceptance.png and prompts.csv (a row per prompt '
                                    'and temperature, rewritten after each; default: none)')
     temperature: list[float] = option((0.0, 1.0), 'sampling temperatures, each evaluated and reported in turn '
@@ -296,7 +296,7 @@ class AttentionBench:
     """Block attention backends against the naive baselines, forward+backward, on one scenario: time and peak memory
     as ratios to the dense mask's, measured in one run."""
     device: str = option('cpu', 'torch device')
-    dtype: str = option('float32', 'dtype of q, k and v', choices=dtype_choices('float32', 'bfloat16', 'float16'))
+    dtype: str = option('float32', 'dtype of q, k and v', choices=_dtype_choices('float32', 'bfloat16', 'float16'))
     seq_len: int = option(4096, 'sequence length S', ge=1)
     anchors: int = option(256, 'anchors (blocks) per row', ge=1)
     block_size: int = option(16, 'block size B', ge=1)
@@ -329,7 +329,7 @@ class ScalingBench:
     heads: int = option(8, 'query heads', ge=1)
     kv_heads: int = option(2, 'key/value heads', ge=1)
     head_dim: int = option(64, 'head dim D', ge=1)
-    dtype: str = option('float32', 'dtype of q, k and v', choices=dtype_choices('float32', 'bfloat16'))
+    dtype: str = option('float32', 'dtype of q, k and v', choices=_dtype_choices('float32', 'bfloat16'))
     repeats: int = option(1, 'interleaved rounds per point after the warm-up', ge=1)
     threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
     seed: int = option(0, 'seed of the layouts and inputs', ge=0)
@@ -347,7 +347,7 @@ class StepBench:
     block_size: int = option(16, 'block size B', ge=1)
     device: str = option('cpu', 'torch device')
     dtype: str = option('float32', 'dtype of the drafter and its inputs',
-                        choices=dtype_choices('float32', 'bfloat16', 'float16'))
+                        choices=_dtype_choices('float32', 'bfloat16', 'float16'))
     repeats: int = option(3, 'interleaved rounds after the warm-up; the median is reported', ge=1)
     threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
     seed: int = option(0, 'seed of the models and layouts', ge=0)

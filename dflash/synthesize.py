@@ -18,7 +18,7 @@ from .regenerate import (
     run_locked, target_dir, target_engine_problems)
 
 # %% auto #0
-__all__ = ['SYNTHESIZE', 'synthesize']
+__all__ = ['SYNTHESIZE']
 
 # %% ../nbs/08c_synthesize.ipynb #089e45ab
 _SENTINEL = 'dflash-sentinel-user-message-7c1e'
@@ -139,7 +139,7 @@ def _first_user(rec: dict) -> str: return next(m['content'] for m in rec['messag
 
 _SUMMED = ('records', 'prompts', *_FILTERS, 'truncated', 'looping_replies', 'prompt_tokens', 'tokens')
 
-def synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
+def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
     """Write `cfg.num` records into `cfg.out` with the target alone (continuing what is there); returns the counts of
     the whole file and this run's speed. When `stop` is set, it ends after the batch in progress and `Preempted` says
     how far the file is: the same call again continues."""
@@ -209,7 +209,7 @@ def _synth_table(r: dict, out: str = 'out') -> str:
 
 # %% ../nbs/08c_synthesize.ipynb #edc3d5b8
 def _run_synthesize(cfg: SynthConfig) -> dict:
-    return run_locked(cfg, synthesize, lambda r: _synth_table(r, cfg.out) + '\nsynthesized: ' + json.dumps(r))
+    return run_locked(cfg, _synthesize, lambda r: _synth_table(r, cfg.out) + '\nsynthesized: ' + json.dumps(r))
 
 SYNTHESIZE = Command(SynthConfig, _run_synthesize, 'write chat data with the target alone: its own prompts and replies',
                      _check_synth)

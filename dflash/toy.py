@@ -15,7 +15,7 @@ if TYPE_CHECKING:         # for annotations: torch, tokenizers and transformers 
     from transformers import PreTrainedTokenizerFast, Qwen3Config     # them, so `--help` answers at once
 
 # %% auto #0
-__all__ = ['make_corpus', 'toy_config', 'load_toy_target', 'build', 'regenerate_corpus', 'main']
+__all__ = ['make_corpus', 'toy_config', 'load_toy_target', 'main']
 
 # %% ../nbs/09_toy.ipynb #94365d82
 _WORDS = ('apple banana cherry grape lemon mango melon peach pear plum berry bread butter cheese honey pepper salt '
@@ -333,17 +333,17 @@ def load_toy_target(path=None, dtype='float32'):
     return model, AutoTokenizer.from_pretrained(path)
 
 # %% ../nbs/09_toy.ipynb #dfbe6226
-def build(out=None, *, steps: int = 1000, batch_size: int = 32, lr: float = 3e-3, n_train: int = 7000,
+def _build(out=None, *, steps: int = 1000, batch_size: int = 32, lr: float = 3e-3, n_train: int = 7000,
           n_eval: int = 500, vocab_size: int = 1000, seed: int = 0, model_kw: dict | None = None,
           threads: int = 1, verbose: bool = True) -> dict:
     "Generate the corpus, train the tokenizer and the target, save all under `out`; returns the training log."
     import torch
     t0, out, old_threads = time.time(), Path(out) if out is not None else assets_dir(), torch.get_num_threads()
     torch.set_num_threads(threads)
-    try: return _build(out, steps, batch_size, lr, n_train, n_eval, vocab_size, seed, model_kw, verbose, t0)
+    try: return _build_all(out, steps, batch_size, lr, n_train, n_eval, vocab_size, seed, model_kw, verbose, t0)
     finally: torch.set_num_threads(old_threads)
 
-def _build(out, steps, batch_size, lr, n_train, n_eval, vocab_size, seed, model_kw, verbose, t0):
+def _build_all(out, steps, batch_size, lr, n_train, n_eval, vocab_size, seed, model_kw, verbose, t0):
     import torch
     from transformers import GenerationConfig, Qwen3ForCausalLM
     target_convs, train, held_out = _toy_splits(steps * batch_size, n_train, n_eval, seed)
@@ -368,7 +368,7 @@ def _build(out, steps, batch_size, lr, n_train, n_eval, vocab_size, seed, model_
     return log
 
 # %% ../nbs/09_toy.ipynb #11c67828
-def regenerate_corpus(out=None, batch_size: int = 256, max_new_tokens: int = 128, progress: bool = True) -> dict:
+def _regenerate_corpus(out=None, batch_size: int = 256, max_new_tokens: int = 128, progress: bool = True) -> dict:
     "Regenerate `toy-data/{train,eval}.jsonl` under `out` (default: the package's assets) with the toy target there."
     from dflash.regenerate import regenerate
     out, res = Path(out) if out is not None else assets_dir(), {}
@@ -380,13 +380,13 @@ def regenerate_corpus(out=None, batch_size: int = 256, max_new_tokens: int = 128
     return res
 
 # %% ../nbs/09_toy.ipynb #0d5af628
-def _build_command(o: ToyOptions) -> dict: return build(o.out, steps=o.steps, seed=o.seed, threads=o.threads)
+def _build_command(o: ToyOptions) -> dict: return _build(o.out, steps=o.steps, seed=o.seed, threads=o.threads)
 
 def _regenerate_command(o: ToyOptions) -> dict:
     import torch
     old = torch.get_num_threads()
     torch.set_num_threads(o.threads)
-    try: return regenerate_corpus(o.out)
+    try: return _regenerate_corpus(o.out)
     finally: torch.set_num_threads(old)
 
 def _check_build(o: ToyOptions) -> list[str]:

@@ -2,8 +2,8 @@
 prompts without replies answered, replies cut at the token limit marked (and their false end of turn unsupervised)."""
 import json, os, signal, socket, subprocess, sys, time
 import pytest, torch
-from dflash.regenerate import (TransformersEngine, cut_at_stop, index_path, load_conversations, regenerate,
-                               regenerate_batch, vllm_unavailable)
+from dflash.regenerate import (TransformersEngine, index_path, load_conversations, regenerate, regenerate_batch,
+                               vllm_unavailable)
 from dflash.schema import RegenConfig
 from dflash.templates import end_of_turn_ids, prompt_ids
 from dflash.toy import load_toy_target
@@ -57,7 +57,9 @@ def test_batched_equals_unbatched_greedy(small_data):
             ids = torch.tensor([prompt_ids(tok, msgs[:i], {})])           # earlier turns: the regenerated ones
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
                                  eos_token_id=stops, pad_token_id=tok.pad_token_id)
-            toks, stopped = cut_at_stop(out[0, ids.shape[1]:].tolist(), stops)
+            new = out[0, ids.shape[1]:].tolist()
+            end = next((k for k, t in enumerate(new) if t in stops), None)      # cut before the first stop
+            toks, stopped = new[:end], end is not None
             m['content'] = tok.decode(toks, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             if not stopped: m['truncated'] = True                           # cut at the limit: marked
             ref.append(toks)
