@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_chat.ipynb #c4a70003
 from __future__ import annotations
-import hashlib, json, os, re, shutil, sys, tempfile
+import hashlib, json, os, shutil, sys, tempfile
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 import numpy as np
@@ -13,11 +13,12 @@ from torch.utils.data import Dataset
 from torch import Tensor
 from .layout import valid_anchors
 from .errors import InputError
-from .files import disk_error, file_sha256, hf_hub_cache, pretrained, resolve_local
+from .files import disk_error, file_sha256, hf_hub_cache, resolve_local
+from .templates import ChatTemplateError, template_text, tokenize_chat
 
 # %% auto #0
-__all__ = ['DataError', 'DataStats', 'read_jsonl', 'to_messages', 'template_messages', 'tokenize_chat', 'tokenize_conversation',
-           'load_tokenizer', 'ChatDataset', 'read_records', 'load_chat_data']
+__all__ = ['DataError', 'DataStats', 'read_jsonl', 'to_messages', 'tokenize_conversation', 'ChatDataset', 'read_records',
+           'load_chat_data']
 
 # %% ../nbs/08_chat.ipynb #e33fbecc
 class DataError(InputError):
@@ -131,12 +132,6 @@ def to_messages(rec: dict, where: str = 'record') -> list[dict]:
     if 'conversations' in rec: return list(_turns(rec, 'conversations', 'from', 'value', where))
     raise DataError(f"{where}: no 'messages' or 'conversations' key (found keys {sorted(rec)})")
 
-_MARKS = ('truncated',)    # dflash's own message keys: read here, never shown to a template
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    "The messages as a chat template takes them: without dflash's own marks (`truncated`)."
-    return [{k: v for k, v in m.items() if k not in _MARKS} for m in messages]
-
 def _record_tools(rec: dict, where: str = 'record') -> list | None:
     "The record's `tools` (function schemas the template shows the model), or None."
     tools = rec.get('tools')
@@ -147,143 +142,8 @@ def _record_tools(rec: dict, where: str = 'record') -> list | None:
     if not isinstance(tools, list): raise DataError(f"{where}: 'tools' must be a list of function schemas")
     return tools or None
 
-# %% ../nbs/08_chat.ipynb #b439bccc
-class _TemplateError(ValueError):
-    "The chat template cannot be read for assistant spans."
-
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_PROBE = ('dflash-probe-user-1', 'dflash-probe-reply-1', 'dflash-probe-user-2', 'dflash-probe-reply-2')
-
-def _template_text(tokenizer) -> str:
-    t = tokenizer.chat_template
-    if isinstance(t, dict): t = t.get('default', '')     # named templates
-    if not t: raise _TemplateError("the tokenizer has no chat template: add the model's (a chat_template.jinja next to "
-                                  "tokenizer_config.json), or pass --chat-template FILE to `python -m dflash.data`")
-    return t
-
-def _render(tokenizer, messages, gen=False, **template_kw) -> str:
-    return tokenizer.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=gen, **template_kw)
-
-_MARKERS = {}
-
-def _turn_markers(tokenizer, **template_kw) -> tuple[str, str, re.Pattern]:
-    """`(head, rest, end)` of the template's assistant turns, read from a probe conversation: `head` opens every
-    assistant turn, `rest` follows it in a new turn only (e.g. Qwen3's empty think block with thinking off; not
-    supervised), `end` matches the special tokens, the first of which after a reply's content closes it."""
-    special = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special} |
-                     set(tokenizer.all_special_tokens), key=len, reverse=True)
-    key = (_template_text(tokenizer), repr(sorted(template_kw.items())), tuple(special))
-    if key not in _MARKERS:
-        u1, a1, u2, a2 = _PROBE
-        one = [{'role': 'user', 'content': u1}]
-        base, gen = _render(tokenizer, one, **template_kw), _render(tokenizer, one, gen=True, **template_kw)
-        G = gen[len(base):] if gen.startswith(base) else ''
-        four = one + [{'role': 'assistant', 'content': a1}, {'role': 'user', 'content': u2},
-                      {'role': 'assistant', 'content': a2}]
-        text = _render(tokenizer, four, **template_kw)
-        sep = text[text.find(u1) + len(u1):text.find(a1)]               # between a user's words and a reply's
-        head = next((G[:k] for k in range(len(G), 0, -1) if G[:k] in sep), '')
-        if not head:                      # no generation prompt (Mistral): the special token that ends the user turn
-            head = next((s for s in special if sep.rstrip().endswith(s)), '')
-        rest = G[len(head):] if G.startswith(head) else ''
-        _MARKERS[key] = (head, rest, re.compile('|'.join(map(re.escape, special))))
-    return _MARKERS[key]
-
-def _visible(content) -> str:
-    "What of a reply's content a template shows: stripped, and after the reasoning when it is inline."
-    c = content or ''
-    return c.split('</think>')[-1].strip() if '</think>' in c else c.strip()
-
-def _assistant_spans(tokenizer, messages: list[dict], where: str = 'conversation', tools=None, **template_kw):
-    """The conversation rendered once by the chat template, and the character spans `(start, end)` of its assistant
-    replies there: from the end of the turn's header to the end of its end-of-turn token (of a `truncated` reply: to
-    the end of its content)."""
-    _template_text(tokenizer)
-    try: text = _render(tokenizer, messages, tools=tools, **template_kw)
-    except Exception as e: raise _TemplateError(f"{where}: the chat template rejects this conversation ({e})") from None
-    head, rest, end = _turn_markers(tokenizer, **template_kw)
-    spans, cur = [], 0
-    for i, m in enumerate(messages):
-        if m['role'] != 'assistant': continue
-        s = None
-        if head:
-            h = text.find(head, cur)
-            if h < 0:
-                raise _TemplateError(f"{where}: turn {i} (assistant) not found: no {head!r} after character {cur} "
-                                     "of the rendered conversation")
-            s = h + len(head)
-            if rest and text.startswith(rest, s): s += len(rest)
-        body = _visible(m.get('content'))
-        c = text.find(body, cur if s is None else s) if body else -1
-        if s is None:
-            if c < 0: raise _TemplateError(f"{where}: turn {i} (assistant): its content is not in the rendering")
-            s = c
-        stop = c + len(body) if c >= 0 else s                               # where the reply's content ends
-        eot = end.search(text, stop)
-        if eot is None: raise _TemplateError(f"{where}: turn {i} (assistant): no end-of-turn token after it")
-        if m.get('truncated'):                       # cut at the token limit: its end of turn is the template's alone
-            raw = m.get('content') or ''
-            whole = text.find(raw, s) if raw.strip() else -1                # shown unstripped: its whitespace too
-            spans.append((s, whole + len(raw) if 0 <= whole <= c and whole + len(raw) <= eot.start() else stop))
-        else: spans.append((s, eot.end()))
-        cur = eot.end()
-    return text, spans
-
 # %% ../nbs/08_chat.ipynb #4f389f13
 _WHOLE_BELOW = 32    # characters per kept token under which a conversation is rendered whole (its cut counted exactly)
-
-def _unmask_false_ends(tokenizer, ids: Tensor, mask: Tensor, messages: list[dict], where: str) -> Tensor:
-    """`mask` (from `{% generation %}` blocks, one run per assistant turn) without the end of each `truncated` reply's
-    block: its closing special tokens (and whitespace after them), which the template wrote and the target did not."""
-    cut = [m.get('truncated', False) for m in messages if m['role'] == 'assistant']
-    if not any(cut): return mask
-    m = mask.numpy().copy()
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], m.astype(np.int8), [0]])))
-    runs = list(zip(edges[::2], edges[1::2]))                          # (start, end) of each supervised run
-    if len(runs) != len(cut):
-        raise _TemplateError(f"{where}: {len(runs)} generation blocks for {len(cut)} assistant turns: the end of a "
-                             "truncated reply cannot be told")
-    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    for (s, e), c in zip(runs, cut):
-        if not c: continue
-        k = e
-        while k > s and int(ids[k - 1]) not in special and not tokenizer.decode([int(ids[k - 1])]).strip(): k -= 1
-        if k > s and int(ids[k - 1]) in special:                 # whitespace after the end of turn, then the end
-            while k > s and int(ids[k - 1]) in special: k -= 1
-            m[k:e] = False
-    return torch.from_numpy(m)
-
-def _check_tool_calls(tokenizer, messages: list[dict], where: str, tools=None, **template_kw):
-    """A `_TemplateError` when the chat template rejects a conversation with tool calls, or writes it the same without
-    them: a template that does not show tool calls would train the drafter on replies with the calls cut out."""
-    try: text = _render(tokenizer, messages, tools=tools, **template_kw)
-    except Exception as e: raise _TemplateError(f"{where}: the chat template rejects this conversation ({e})") from None
-    bare = [{k: v for k, v in m.items() if k != 'tool_calls'} for m in messages]
-    try: same = text == _render(tokenizer, bare, tools=tools, **template_kw)
-    except Exception: same = False                        # a template that fails without them uses them
-    if same:
-        raise _TemplateError(f"{where}: the chat template does not write tool calls (the conversation renders the same "
-                             "without them); pass --chat-template with a template that does")
-
-def tokenize_chat(tokenizer, messages: list[dict], where: str = 'conversation', tools=None,
-                  **template_kw) -> tuple[Tensor, Tensor]:
-    "Token ids (S,) long and assistant loss mask (S,) bool of a conversation rendered once by the chat template."
-    if any(m.get('tool_calls') for m in messages): _check_tool_calls(tokenizer, messages, where, tools, **template_kw)
-    if _GENERATION_TAG.search(_template_text(tokenizer)):
-        try: enc = tokenizer.apply_chat_template(template_messages(messages), tools=tools, tokenize=True,
-                                                 return_dict=True, return_assistant_tokens_mask=True, **template_kw)
-        except Exception as e:
-            raise _TemplateError(f"{where}: the chat template rejects this conversation ({e})") from None
-        ids, mask = torch.tensor(enc['input_ids'], dtype=torch.long), torch.tensor(enc['assistant_masks'], dtype=torch.bool)
-        return ids, _unmask_false_ends(tokenizer, ids, mask, messages, where)
-    if not tokenizer.is_fast:
-        raise _TemplateError(f"{where}: finding assistant tokens needs a fast tokenizer (offsets)")
-    text, spans = _assistant_spans(tokenizer, messages, where, tools, **template_kw)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    off = np.array(enc['offset_mapping'], dtype=np.int64).reshape(-1, 2)
-    mask = np.zeros(len(off), dtype=bool)
-    for s, e in spans: mask |= (off[:, 0] < e) & (off[:, 1] > s)       # tokens overlapping the reply
-    return torch.tensor(enc['input_ids'], dtype=torch.long), torch.from_numpy(mask)
 
 def _agree(a: tuple, b: tuple) -> bool: return all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -298,7 +158,7 @@ def _tokenize_kept(tokenizer, messages: list[dict], max_length: int, where: str 
     k = 2
     while k < len(messages):
         try: ids, mask = tokenize_chat(tokenizer, messages[:k], where, tools, **template_kw)
-        except _TemplateError: ids = None                   # a prefix the template rejects (a call without its result)
+        except ChatTemplateError: ids = None                # a prefix the template rejects (a call without its result)
         if ids is not None and len(ids) > max_length:
             head = (ids[:max_length], mask[:max_length])
             if seen is not None and _agree(seen, head): return ids, mask
@@ -314,7 +174,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], *, max_length: int = 
         stats.skip('no_supervised', f"{where}: no assistant turn to supervise")
         return None
     try: ids, mask = _tokenize_kept(tokenizer, messages, max_length, where, tools, **template_kw)
-    except _TemplateError as e:
+    except ChatTemplateError as e:
         stats.skip('template_rejected', str(e))
         return None
     if len(ids) > max_length:
@@ -328,29 +188,6 @@ def tokenize_conversation(tokenizer, messages: list[dict], *, max_length: int = 
     stats.tokens += len(ids)
     stats.supervised_tokens += int(mask.sum())
     return {'input_ids': ids, 'loss_mask': mask}
-
-# %% ../nbs/08_chat.ipynb #68c2cdaf
-def _set_chat_template(tokenizer, path):
-    "Use the chat template in file `path` (a `.jinja` text, or a JSON file with a `chat_template` key) for `tokenizer`."
-    path = Path(path)
-    if not path.is_file(): raise FileNotFoundError(f"--chat-template {path}: no such file")
-    text = path.read_text()
-    if path.suffix == '.json':
-        t = json.loads(text).get('chat_template')
-        if t is None: raise InputError(f"--chat-template {path}: a JSON file without a 'chat_template' key")
-        text = t if isinstance(t, str) else next((x['template'] for x in t if x.get('name') == 'default'), None)
-    if not text or '{%' not in text and '{{' not in text:
-        raise InputError(f"--chat-template {path}: not a Jinja template")
-    tokenizer.chat_template = text
-    return tokenizer
-
-def load_tokenizer(target, tokenizer=None, chat_template=None):
-    "The tokenizer of `target` (or of the `tokenizer` directory / hub id), with `chat_template` (a file) when given."
-    from transformers import AutoTokenizer
-    src = resolve_local(tokenizer or target)
-    tok = pretrained(AutoTokenizer, src)                 # a directory, or a GGUF file's tokenizer
-    if chat_template: _set_chat_template(tok, chat_template)
-    return tok
 
 # %% ../nbs/08_chat.ipynb #cbedde91
 class ChatDataset(Dataset):
@@ -368,7 +205,7 @@ class ChatDataset(Dataset):
     def from_jsonl(cls, path, tokenizer, max_length: int = 3072, skip_bad_lines: bool = False,
                    **template_kw) -> ChatDataset:
         "Read, render and tokenize a chat JSONL file (`messages` or ShareGPT `conversations` records)."
-        _template_text(tokenizer)                                         # no template: one error, not one per line
+        template_text(tokenizer)                                         # no template: one error, not one per line
         stats, samples = DataStats(), []
         for where, rec in read_jsonl(path, skip_bad_lines, stats):
             try: msgs, tools = to_messages(rec, where), _record_tools(rec, where)
@@ -453,7 +290,7 @@ _TOKENIZE_VERSION = 3   # bump when tokenization changes, so older caches are no
 def _tokenizer_fingerprint(tokenizer) -> str:
     "A hash of what tokenization depends on: the vocabulary and merges, special tokens, and the chat template."
     h = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
-    h.update(json.dumps([_template_text(tokenizer), tokenizer.all_special_tokens], sort_keys=True).encode())
+    h.update(json.dumps([template_text(tokenizer), tokenizer.all_special_tokens], sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 def _source_fingerprint(path: Path) -> str:
@@ -499,7 +336,7 @@ def load_chat_data(path, tokenizer, *, max_length: int = 3072, skip_bad_lines: b
     the main process of each machine tokenizes while the others wait. `report` prints the counts table there."""
     import datasets
     from accelerate import PartialState
-    _template_text(tokenizer)
+    template_text(tokenizer)
     src = resolve_local(path, 'dataset')
     key = json.dumps([_TOKENIZE_VERSION, _source_fingerprint(src), _tokenizer_fingerprint(tokenizer), max_length,
                       skip_bad_lines, sorted(template_kw.items())], default=str)

@@ -4,55 +4,21 @@
 
 # %% ../nbs/08d_data.ipynb #233c65cd
 from __future__ import annotations
-from dataclasses import dataclass
 from pathlib import Path
 from .errors import InputError, run_command
 from .files import (config_max_positions, config_vocab_size, out_problems, pretrained, resolve_local,
                           target_config_dict, target_problems)
-from .options import Command, option, parse_subcommand, usage_text
+from .options import Command, parse_subcommand, usage_text
 from .locks import release_lock, start_heartbeat, take_lock, writer_locks, writer_problem
 from .regenerate import REGENERATE
 from .synthesize import SYNTHESIZE
 from .stops import StopRequest
-from .threads import threads_option
+from .schema import DTYPES, CacheOptions, DataOptions
+from .templates import load_tokenizer
 
 
 # %% auto #0
-__all__ = ['COMMANDS', 'DataOptions', 'CacheOptions', 'main']
-
-# %% ../nbs/08d_data.ipynb #762db414
-@dataclass
-class DataOptions:
-    "The options every data subcommand shares: target, tokenizer, chat template, data, length, bad lines."
-    target: str | None = option(None, 'transformers causal LM: local directory, hub id (local cache only) or .gguf '
-                                      'file; required')
-    data: str | None = option(None, 'chat data: JSONL, JSON, parquet, a directory of them, a saved `datasets` dataset, '
-                                    'or a hub dataset id (local cache only); required')
-    tokenizer: str | None = option(None, 'tokenizer directory or hub id (default: the target)')
-    chat_template: str | None = option(None, "Jinja chat template file replacing the tokenizer's", path='file')
-    max_length: int = option(3072, 'truncate samples to this many tokens', ge=1)
-    num_proc: int = option(1, 'processes tokenizing the data; the result is cached', ge=1)
-    skip_bad_lines: bool = option(False, 'skip and count malformed records instead of stopping')
-
-@dataclass
-class CacheOptions(DataOptions):
-    "`DataOptions` plus where the cache goes, which target layers it holds and how it is written."
-    out: str | None = option(None, 'cache directory; required')
-    layers: str | None = option(None, 'target layer ids, comma separated, like 1,9,17 '
-                                      '(default: the DFlash choice for --num-draft-layers)')
-    num_draft_layers: int = option(5, 'drafter layers, for the default --layers', ge=1)
-    mask_token_id: int | None = option(None, "the drafter's mask token, checked against the data and recorded for "
-                                             "`dflash.train` (default: chosen as `dflash.train` chooses it)", ge=0)
-    shard_size: int = option(64, 'samples per shard', ge=1)
-    batch_tokens: int = option(8192, 'tokens per target forward: samples of equal length share a forward, unpadded',
-                               ge=1)
-    dtype: str = option('auto', 'feature dtype (auto: bfloat16 on GPU, float32 on CPU)',
-                        choices=['auto', 'float32', 'bfloat16', 'float16'])
-    device: str | None = option(None, "device (default: this process's accelerator, else cpu)")
-    final_hidden: bool = option(False, "also store the target's final hidden state (after its final norm), the "
-                                       'teacher of `dflash.train --loss kl`: hidden_size values more per token')
-    progress: bool = option(True, 'show a progress bar (--no-progress: none)')
-    threads: int | None = threads_option()
+__all__ = ['COMMANDS', 'main']
 
 # %% ../nbs/08d_data.ipynb #27f8d72a
 _DATA_SUFFIXES = ('.jsonl', '.json', '.parquet')
@@ -116,7 +82,7 @@ def _parse_command(argv: list[str], prog: str = _PROG) -> tuple[str, object]:
 # %% ../nbs/08d_data.ipynb #1c4a5830
 def _tokenize_command(o: DataOptions):
     "`python -m dflash.data tokenize`: the counts table, and the tokenized data cached for later commands."
-    from dflash.chat import load_tokenizer, load_chat_data      # torch: only once the options are checked
+    from dflash.chat import load_chat_data                      # torch: only once the options are checked
     tok = load_tokenizer(o.target, o.tokenizer, o.chat_template)
     ds = load_chat_data(o.data, tok, max_length=o.max_length, skip_bad_lines=o.skip_bad_lines, num_proc=o.num_proc,
                         report=True)
@@ -142,7 +108,7 @@ def _write_cache(o: CacheOptions, state, stop_release=None):
     import torch
     from transformers import AutoConfig
     from dflash.threads import use_threads
-    from dflash.chat import load_tokenizer, load_chat_data
+    from dflash.chat import load_chat_data
     from dflash.features import TargetFeatures, data_mask_token, token_counts, write_cache
     if state.device.type == 'cpu':
         threads, why = use_threads(o.threads)
@@ -153,7 +119,7 @@ def _write_cache(o: CacheOptions, state, stop_release=None):
     V = pretrained(AutoConfig, resolve_local(o.target)).get_text_config().vocab_size
     used = set(token_counts([ds], V)[0].nonzero().flatten().tolist())
     mask = data_mask_token(tok, V, used, o.mask_token_id, say=state.is_main_process)    # before the target loads
-    dtype = None if o.dtype == 'auto' else getattr(torch, o.dtype)
+    dtype = None if o.dtype == 'auto' else getattr(torch, DTYPES[o.dtype])
     device = o.device or (state.device if state.device.type != 'mps' else 'cpu')
     feats = TargetFeatures(o.target, layer_ids=_layer_ids(o.layers) if o.layers else None,
                            num_draft_layers=o.num_draft_layers, dtype=dtype, device=device, tokenizer=tok)

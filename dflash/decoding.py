@@ -14,7 +14,7 @@ from transformers import DynamicCache, GenerationConfig
 from .errors import InputError
 from .config import DrafterConfig
 from .options import OptionsError
-from .schema import SpeculateOptions
+from .schema import DTYPES, SpeculateOptions
 from .stops import Preempted, StopRequest
 from .locks import writer_problem
 from .files import (json_problem, is_gguf, pretrained, target_problems, resolve_local, safetensors_problem, dir_write_problem,
@@ -368,7 +368,7 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
     dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     threads, why = use_threads(a.threads, 1) if dev.type == 'cpu' else (torch.get_num_threads(), 'left as is on a GPU')
     print(f"CPU threads: {threads} ({why})")
-    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev.type == 'cuda' else torch.float32)
+    dtype = getattr(torch, DTYPES[a.dtype]) if a.dtype else (torch.bfloat16 if dev.type == 'cuda' else torch.float32)
     tdir, ddir = resolve_local(a.target), resolve_local(a.drafter)     # hub ids: their snapshots in the local cache
     if not is_gguf(tdir) and not (tdir / 'config.json').is_file():
         raise FileNotFoundError(f"{a.target}: no config.json, not a model")

@@ -20,7 +20,7 @@ from .recompute import set_checkpointing, parse_policy
 from .objective import dflash_objective
 from .files import write_csv
 from .harness import METHODS, bench_many, physical_floor, pinned_threads, progress, sync_device
-from .schema import LAYOUTS, STEP_CONFIGS, AttentionBench, ScalingBench, StepBench
+from .schema import DTYPES, LAYOUTS, STEP_CONFIGS, AttentionBench, ScalingBench, StepBench
 
 # %% auto #0
 __all__ = ['run_attention', 'run_scaling', 'run_step']
@@ -46,7 +46,7 @@ def _bench_layout(kind: str, N: int, S: int, n_anchors: int, *, B: int = 16, see
 def run_attention(args: AttentionBench) -> list[dict]:
     """Measure each method of `args.methods` on each layout of `args.layouts`; print a table; write CSV and plot under
     `args.out`."""
-    dtype, rows = getattr(torch, args.dtype), []
+    dtype, rows = getattr(torch, DTYPES[args.dtype]), []
     cpu = torch.device(args.device).type == 'cpu'
     budget = int(args.budget) if args.budget and args.budget > 1 else args.budget           # bytes, or a fraction
     fns = {name: METHODS[name](**({'budget_bytes': budget} if name == 'sdpa' and budget else {}))
@@ -127,7 +127,7 @@ def _fit_exponent(xs, ys) -> float:
 def run_scaling(args: ScalingBench) -> dict:
     """sdpa fwd+bwd time and peak over sequence lengths (at `--anchors`) and anchor counts (at `--seq-len`); fitted
     exponents."""
-    fn, dtype, out = get_backend('sdpa'), getattr(torch, args.dtype), {}
+    fn, dtype, out = get_backend('sdpa'), getattr(torch, DTYPES[args.dtype]), {}
     for axis, values in (('seq_len', args.seq_lens), ('anchors', args.anchor_counts)):
         pts = []
         for v in values:
@@ -249,7 +249,7 @@ def _bench_steps(case: _StepCase, policies: list, kind: str = 'uniform', repeats
 # %% ../nbs/12c_kernel_bench.ipynb #5530c012
 def run_step(args: StepBench) -> list[dict]:
     "Measure the reference step and dflash's step per checkpointing policy, per config and layout; table, CSV, plot."
-    dtype, rows, headers = getattr(torch, args.dtype), [], []
+    dtype, rows, headers = getattr(torch, DTYPES[args.dtype]), [], []
     with pinned_threads(args.threads):
         threads = torch.get_num_threads()
         bar = progress(total=len(args.configs) * len(args.layouts), desc='step cases')

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from .errors import InputError
-from .schema import PlanOptions
+from .schema import DTYPES as DTYPE_NAMES, PlanOptions
 from .files import (assets_dir, causal_lm_problem, config_vocab_size, is_gguf, json_problem, pretrained,
                           resolve_local, target_config_dict, write_atomic)
 from .config import DrafterConfig, mlp_width
@@ -38,7 +38,7 @@ def _parse_memory(s) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 # %% ../nbs/07a_planner.ipynb #e57ac828
-DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}
+DTYPES = {s: getattr(torch, t) for s, t in DTYPE_NAMES.items() if t != 'float64'}   # bf16 and bfloat16 alike
 _FAKE_CHUNK_COST = 2**30          # query·key pairs one chunk costs in the fake run's plan: few, large chunks
 
 @dataclass

@@ -5,54 +5,29 @@
 # %% ../nbs/08b_regenerate.ipynb #99d95e82
 from __future__ import annotations
 import hashlib, importlib.util, json, os, time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from .errors import InputError, run_command
-from .options import SEED_MAX, TEMPERATURE_MIN, Command, option, build_options, parse_options
+from .options import Command, build_options, parse_options
 from .files import (disk_error, file_sha256, pretrained, resolve_local, target_problems,
                           toy_target_dir, write_atomic)
-from .threads import threads_option, use_threads
+from .threads import use_threads
 from .locks import take_lock, start_heartbeat, release_lock, writer_locks, writer_problem
 from .stops import Preempted, StopRequest, any_stop
+from .schema import DTYPES, RegenConfig
+from .templates import end_of_turn_ids, prompt_ids, template_kwargs, tokenize_chat
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.chat (which loads torch) load inside the
     import torch          # functions that use them, so `--help` answers at once
     from dflash.chat import DataStats
 
 # %% auto #0
-__all__ = ['ENGINES', 'DTYPES', 'REGENERATE', 'RegenConfig', 'target_dir', 'vllm_unavailable', 'target_engine_problems',
-           'load_conversations', 'template_kwargs', 'special_after', 'end_of_turn_ids', 'prompt_ids', 'cut_at_stop',
-           'TransformersEngine', 'VLLMEngine', 'round_seed', 'reply_round', 'regenerate_batch', 'run_header',
-           'index_path', 'read_index', 'repair_output', 'append_batch', 'make_engine', 'process_state', 'regenerate',
-           'greedy_agreement', 'run_locked', 'main']
+__all__ = ['REGENERATE', 'target_dir', 'vllm_unavailable', 'target_engine_problems', 'load_conversations', 'TransformersEngine',
+           'round_seed', 'reply_round', 'regenerate_batch', 'run_header', 'index_path', 'read_index', 'repair_output',
+           'append_batch', 'make_engine', 'process_state', 'regenerate', 'greedy_agreement', 'run_locked', 'main']
 
 # %% ../nbs/08b_regenerate.ipynb #924b1aed
-ENGINES = ('transformers', 'vllm')
-DTYPES = ('float32', 'float64', 'bfloat16', 'float16')
 _PROG = 'python -m dflash.regenerate'
-
-@dataclass
-class RegenConfig:
-    """Regenerate every assistant turn of chat data with the target itself (resumable; under `accelerate launch`
-    across processes)."""
-    data: str | None = option(None, 'chat data to regenerate: JSONL, JSON, parquet, a directory of them, or a hub '
-                                    'dataset id (local cache only); required')
-    out: str | None = option(None, 'output JSONL, append-only, resumed when rerun (`OUT.index` beside it); required')
-    target: str | None = option(None, 'target model directory or hub id (local Hugging Face cache only) '
-                                      '(default: the shipped toy target)')
-    engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(ENGINES))
-    batch_size: int = option(32, 'conversations generated together (left-padded)', ge=1)
-    max_new_tokens: int = option(512, 'tokens per assistant turn at most', ge=1)
-    temperature: float = option(0.0, '0: greedy; > 0: sampling', zero_or_ge=TEMPERATURE_MIN)
-    top_p: float = option(1.0, 'nucleus sampling mass (with temperature > 0)', gt=0, le=1)
-    seed: int = option(0, 'sampling seed (each batch and turn draws its own: reruns sample the same)', ge=0,
-                       le=SEED_MAX)
-    thinking: str | None = option(None, "for templates with `enable_thinking` (default: the template's)",
-                                  choices=['on', 'off'])
-    dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(DTYPES))
-    skip_bad_lines: bool = option(False, 'skip and count malformed lines instead of stopping')
-    progress: bool = option(True, 'show a progress bar (--no-progress: none)')
-    threads: int | None = threads_option()
 
 def target_dir(cfg: RegenConfig) -> Path:
     if cfg.target is not None: return resolve_local(cfg.target)                # a hub id: the local cache only
@@ -116,46 +91,8 @@ def _output_record(rec: dict, messages: list[dict]) -> dict:
     "The record with its turns replaced by `messages` (other keys kept; ShareGPT records become `messages` records)."
     return {**{k: v for k, v in rec.items() if k not in ('messages', 'conversations')}, 'messages': messages}
 
-# %% ../nbs/08b_regenerate.ipynb #2afd0fcf
-def _template_text(tokenizer) -> str:
-    t = tokenizer.chat_template
-    return (t.get('default', '') if isinstance(t, dict) else t) or ''
-
-def template_kwargs(tokenizer, thinking: str | None, name: str = 'target') -> dict:
-    "The chat-template keyword arguments for `thinking` (on, off or None)."
-    if thinking is None: return {}
-    if 'enable_thinking' not in _template_text(tokenizer):
-        raise InputError(f"thinking {thinking!r}: the chat template of {name} has no enable_thinking switch; "
-                         "leave --thinking unset")
-    return {'enable_thinking': thinking == 'on'}
-
-_PROBE = 'dflash probe answer'
-
-def special_after(tokenizer, messages: list[dict]) -> int | None:
-    """The special token the chat template writes right after the last message's text, if it writes one: found after a
-    probe text that stands in for that message's content."""
-    text = tokenizer.apply_chat_template([*messages[:-1], {**messages[-1], 'content': _PROBE}], tokenize=False)
-    tail = tokenizer(text[text.rindex(_PROBE) + len(_PROBE):], add_special_tokens=False)['input_ids']
-    special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
-    return tail[0] if tail and tail[0] in special else None
-
-def end_of_turn_ids(tokenizer, generation_config=None) -> list[int]:
-    "Token ids that end an assistant turn: the template's end-of-turn token, the tokenizer's and the model's eos."
-    ids = set()
-    for e in (tokenizer.eos_token_id, getattr(generation_config, 'eos_token_id', None)):
-        ids.update(e if isinstance(e, (list, tuple)) else [] if e is None else [e])
-    eot = special_after(tokenizer, [{'role': 'user', 'content': 'Q'}, {'role': 'assistant', 'content': ''}])
-    return sorted(ids | ({eot} - {None}))
-
-def prompt_ids(tokenizer, messages: list[dict], template_kw: dict) -> list[int]:
-    "Token ids of `messages` rendered with the generation prompt: what the target sees before its turn."
-    from dflash.chat import template_messages
-    enc = tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True, tokenize=True,
-                                        return_dict=True, **template_kw)
-    return list(enc['input_ids'])
-
 # %% ../nbs/08b_regenerate.ipynb #5a56abee
-def cut_at_stop(tokens: list[int], stop_ids) -> tuple[list[int], bool]:
+def _cut_at_stop(tokens: list[int], stop_ids) -> tuple[list[int], bool]:
     "Tokens before the first stop id, and whether there was one."
     for i, t in enumerate(tokens):
         if t in stop_ids: return tokens[:i], True
@@ -220,7 +157,7 @@ class TransformersEngine:
             return list(zip(out, stopped))
 
 # %% ../nbs/08b_regenerate.ipynb #3a74bfe9
-class VLLMEngine:
+class _VLLMEngine:
     "Generation with vLLM (GPU): same interface as `TransformersEngine`; prompts go in as token ids."
     def __init__(self, target, stop_ids, *, max_new_tokens: int = 512, temperature: float = 0., top_p: float = 1.,
                  dtype: str | None = None):
@@ -234,7 +171,7 @@ class VLLMEngine:
                             top_p=self.top_p if self.temperature > 0 else 1., stop_token_ids=self.stop_ids,
                             detokenize=False)
         outs = self.llm.generate([{'prompt_token_ids': p} for p in prompts], sp, use_tqdm=False)
-        res = [(cut_at_stop(list(o.outputs[0].token_ids), self.stop_ids), o.outputs[0].finish_reason) for o in outs]
+        res = [(_cut_at_stop(list(o.outputs[0].token_ids), self.stop_ids), o.outputs[0].finish_reason) for o in outs]
         return [(toks, stopped or why == 'stop') for (toks, stopped), why in res]
 
 # %% ../nbs/08b_regenerate.ipynb #3c5486dd
@@ -291,7 +228,8 @@ def run_header(cfg: RegenConfig) -> dict:
     "What the output is a regeneration of: the first line of the index."
     from dflash.features import target_identity
     opts = {k: getattr(cfg, k) for k in ('engine', 'batch_size', 'max_new_tokens', 'temperature', 'top_p', 'seed',
-                                         'thinking', 'dtype')}
+                                         'thinking')}
+    opts['dtype'] = DTYPES.get(cfg.dtype)                                 # bf16 and bfloat16 alike
     return {'format': _INDEX_FORMAT, 'data': _sha256_file(cfg.data), 'target': target_identity(target_dir(cfg)),
             'options': opts}
 
@@ -360,7 +298,7 @@ def append_batch(out, entry: dict, records: list[dict]):
 # %% ../nbs/08b_regenerate.ipynb #6cbbe86e
 def _dtype(cfg: RegenConfig, device) -> torch.dtype:
     import torch
-    if cfg.dtype: return getattr(torch, cfg.dtype)
+    if cfg.dtype: return getattr(torch, DTYPES[cfg.dtype])
     return torch.bfloat16 if device.type == 'cuda' else torch.float32
 
 def make_engine(cfg: RegenConfig, tokenizer, device):
@@ -372,8 +310,8 @@ def make_engine(cfg: RegenConfig, tokenizer, device):
     except (OSError, ValueError): gen_cfg = None            # none saved: the tokenizer's end of turn
     stops = end_of_turn_ids(tokenizer, gen_cfg)
     if cfg.engine == 'vllm':
-        return VLLMEngine(target, stops, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                          top_p=cfg.top_p, dtype=cfg.dtype)
+        return _VLLMEngine(target, stops, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                          top_p=cfg.top_p, dtype=DTYPES.get(cfg.dtype))
     model = load_target(target, _dtype(cfg, device)).to(device).eval()       # its weights and config.json agree
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     return TransformersEngine(model, stops, pad, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
@@ -456,7 +394,6 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
 def greedy_agreement(model, tokenizer, path, n: int | None = None, template_kw: dict | None = None) -> dict:
     "Share of assistant tokens (first `n` conversations of `path`) where the target's greedy next token is right."
     import torch
-    from dflash.chat import tokenize_chat
     with torch.no_grad():
         dev, hit, total, turns_all, turns_hit = next(model.parameters()).device, 0, 0, 0, 0
         for i, (_, msgs) in enumerate(load_conversations(path)[0][:n]):

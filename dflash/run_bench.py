@@ -12,7 +12,8 @@ from transformers.utils import logging as hf_logging
 from .toy import toy_config, load_toy_target, make_corpus
 from .files import toy_target_dir, toy_data_dir, write_csv
 from .harness import launch_train, last_error, logged_steps, progress, sync_device, throughput
-from .regenerate import TransformersEngine, end_of_turn_ids, load_conversations, regenerate_batch
+from .regenerate import TransformersEngine, load_conversations, regenerate_batch
+from .templates import end_of_turn_ids
 from .schema import QUALITY_RECIPES, TRAIN_TARGETS, DataBench, QualityBench, RegenerateBench, TrainBench, quality_found
 
 # %% auto #0

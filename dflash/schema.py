@@ -13,9 +13,18 @@ from .threads import threads_option
 from .files import assets_dir
 
 # %% auto #0
-__all__ = ['TRACKERS', 'LOSSES', 'ATTENTIONS', 'LAYOUTS', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'QUALITY_RECIPES', 'QUALITY_FILES',
-           'TrainConfig', 'PlanOptions', 'toy_profile', 'SpeculateOptions', 'AttentionBench', 'ScalingBench',
-           'StepBench', 'TrainBench', 'RegenerateBench', 'DataBench', 'GpuBench', 'QualityBench', 'quality_found']
+__all__ = ['DTYPES', 'TRACKERS', 'LOSSES', 'ATTENTIONS', 'ENGINES', 'LAYOUTS', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'QUALITY_RECIPES',
+           'QUALITY_FILES', 'TrainConfig', 'PlanOptions', 'toy_profile', 'DataOptions', 'CacheOptions', 'RegenConfig',
+           'SynthConfig', 'ToyOptions', 'SpeculateOptions', 'AttentionBench', 'ScalingBench', 'StepBench', 'TrainBench',
+           'RegenerateBench', 'DataBench', 'GpuBench', 'QualityBench', 'quality_found']
+
+# %% ../nbs/00f_schema.ipynb #a512e147
+_SHORT = {'float32': 'fp32', 'bfloat16': 'bf16', 'float16': 'fp16', 'float64': 'fp64'}   # torch's name -> the short one
+DTYPES = {s: t for t, short in _SHORT.items() for s in (t, short)}        # `--dtype`: every spelling -> torch's name
+
+def _dtype_choices(*names: str) -> list[str]:
+    "The `--dtype` choices of the dtypes `names` (torch's names), each followed by its short name."
+    return [s for s, t in DTYPES.items() if t in names]
 
 # %% ../nbs/00f_schema.ipynb #f7177c9a
 TRACKERS = {'tensorboard': 'tensorboard', 'none': None, 'all': None, 'wandb': 'wandb', 'mlflow': 'mlflow',
@@ -122,7 +131,7 @@ class PlanOptions:
     mask_token_id: int | None = option(None, "mask token id of the planned blocks, as `dflash.train` takes it (the "
                                              "memory does not depend on which; default: the last vocabulary row)", ge=0)
     dtype: str = option('bf16', 'autocast dtype over fp32 master weights (fp32: none)',
-                        choices=['bf16', 'fp16', 'fp32'])
+                        choices=_dtype_choices('float32', 'bfloat16', 'float16'))
     attention: str = option(TrainConfig.attention, 'attention backend', choices=['sdpa', 'eager'])
     micro_batch_size: int = option(TrainConfig.micro_batch_size, 'sequences per forward', ge=1)
     optimizer: str = option('fused', 'AdamW implementation', choices=['fused', 'foreach'])
@@ -142,6 +151,104 @@ def toy_profile(resolve: bool = True) -> dict:
     return {**p, **{k: str(assets / p[k]) for k in ('data', 'eval_data') if p.get(k) and resolve}}
 
 
+# %% ../nbs/00f_schema.ipynb #658f8079
+@dataclass
+class DataOptions:
+    "The options every data subcommand shares: target, tokenizer, chat template, data, length, bad lines."
+    target: str | None = option(None, 'transformers causal LM: local directory, hub id (local cache only) or .gguf '
+                                      'file; required')
+    data: str | None = option(None, 'chat data: JSONL, JSON, parquet, a directory of them, a saved `datasets` dataset, '
+                                    'or a hub dataset id (local cache only); required')
+    tokenizer: str | None = option(None, 'tokenizer directory or hub id (default: the target)')
+    chat_template: str | None = option(None, "Jinja chat template file replacing the tokenizer's", path='file')
+    max_length: int = option(3072, 'truncate samples to this many tokens', ge=1)
+    num_proc: int = option(1, 'processes tokenizing the data; the result is cached', ge=1)
+    skip_bad_lines: bool = option(False, 'skip and count malformed records instead of stopping')
+
+@dataclass
+class CacheOptions(DataOptions):
+    "`DataOptions` plus where the cache goes, which target layers it holds and how it is written."
+    out: str | None = option(None, 'cache directory; required')
+    layers: str | None = option(None, 'target layer ids, comma separated, like 1,9,17 '
+                                      '(default: the DFlash choice for --num-draft-layers)')
+    num_draft_layers: int = option(5, 'drafter layers, for the default --layers', ge=1)
+    mask_token_id: int | None = option(None, "the drafter's mask token, checked against the data and recorded for "
+                                             "`dflash.train` (default: chosen as `dflash.train` chooses it)", ge=0)
+    shard_size: int = option(64, 'samples per shard', ge=1)
+    batch_tokens: int = option(8192, 'tokens per target forward: samples of equal length share a forward, unpadded',
+                               ge=1)
+    dtype: str = option('auto', 'feature dtype (auto: bfloat16 on GPU, float32 on CPU)',
+                        choices=['auto', *_dtype_choices('float32', 'bfloat16', 'float16')])
+    device: str | None = option(None, "device (default: this process's accelerator, else cpu)")
+    final_hidden: bool = option(False, "also store the target's final hidden state (after its final norm), the "
+                                       'teacher of `dflash.train --loss kl`: hidden_size values more per token')
+    progress: bool = option(True, 'show a progress bar (--no-progress: none)')
+    threads: int | None = threads_option()
+
+# %% ../nbs/00f_schema.ipynb #e0d54779
+ENGINES = ('transformers', 'vllm')
+
+@dataclass
+class RegenConfig:
+    """Regenerate every assistant turn of chat data with the target itself (resumable; under `accelerate launch`
+    across processes)."""
+    data: str | None = option(None, 'chat data to regenerate: JSONL, JSON, parquet, a directory of them, or a hub '
+                                    'dataset id (local cache only); required')
+    out: str | None = option(None, 'output JSONL, append-only, resumed when rerun (`OUT.index` beside it); required')
+    target: str | None = option(None, 'target model directory or hub id (local Hugging Face cache only) '
+                                      '(default: the shipped toy target)')
+    engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(ENGINES))
+    batch_size: int = option(32, 'conversations generated together (left-padded)', ge=1)
+    max_new_tokens: int = option(512, 'tokens per assistant turn at most', ge=1)
+    temperature: float = option(0.0, '0: greedy; > 0: sampling', zero_or_ge=TEMPERATURE_MIN)
+    top_p: float = option(1.0, 'nucleus sampling mass (with temperature > 0)', gt=0, le=1)
+    seed: int = option(0, 'sampling seed (each batch and turn draws its own: reruns sample the same)', ge=0,
+                       le=SEED_MAX)
+    thinking: str | None = option(None, "for templates with `enable_thinking` (default: the template's)",
+                                  choices=['on', 'off'])
+    dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(DTYPES))
+    skip_bad_lines: bool = option(False, 'skip and count malformed lines instead of stopping')
+    progress: bool = option(True, 'show a progress bar (--no-progress: none)')
+    threads: int | None = threads_option()
+
+@dataclass
+class SynthConfig:
+    """Write a chat training set with the target alone (Magpie-style): the target writes each user message after the
+    user turn its own template opens, then the reply, as `regenerate` writes replies (resumable; one process)."""
+    out: str | None = option(None, 'output JSONL of {"messages": [...]} records, append-only, resumed when rerun '
+                                   '(`OUT.index` beside it); required')
+    num: int | None = option(None, 'records to write (after the filters); required', ge=1)
+    target: str | None = option(None, 'target model directory or hub id (local Hugging Face cache only) '
+                                      '(default: the shipped toy target)')
+    system: str | None = option(None, 'system prompt opening every conversation: it steers what the target asks about '
+                                      '(e.g. "You are an expert Python programmer."; default: the template\'s own)')
+    turns: int = option(1, 'user turns per record, each answered (1: single turn)', ge=1)
+    max_prompt_tokens: int = option(256, 'tokens per user message at most (a message cut there is dropped)', ge=1)
+    max_new_tokens: int = option(512, 'tokens per reply at most (a reply cut there is kept, marked truncated)', ge=1)
+    prompt_temperature: float = option(1.0, 'sampling temperature of the user messages', ge=TEMPERATURE_MIN)
+    prompt_top_p: float = option(0.95, 'nucleus sampling mass of the user messages', gt=0, le=1)
+    temperature: float = option(0.0, 'of the replies: 0: greedy; > 0: sampling', zero_or_ge=TEMPERATURE_MIN)
+    top_p: float = option(1.0, 'of the replies: nucleus sampling mass (with temperature > 0)', gt=0, le=1)
+    seed: int = option(0, 'sampling seed (each batch and turn draws its own: the same command writes the same file)',
+                       ge=0, le=SEED_MAX)
+    batch_size: int = option(32, 'conversations sampled together (left-padded)', ge=1)
+    engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(ENGINES))
+    thinking: str | None = option(None, "for templates with `enable_thinking` (default: the template's)",
+                                  choices=['on', 'off'])
+    dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(DTYPES))
+    progress: bool = option(True, 'show a progress bar (--no-progress: none)')
+    threads: int | None = threads_option()
+
+# %% ../nbs/00f_schema.ipynb #f0290434
+@dataclass
+class ToyOptions:
+    "Where the toy's assets go and how the target is trained."
+    out: str = option('toy', "output folder; the package's own toy is rebuilt only where named (--out with the "
+                             "package's assets folder)")
+    steps: int = option(1000, 'training steps of the target', ge=1)
+    seed: int = option(0, 'seed of the corpus and the training', ge=0)
+    threads: int = option(1, 'torch threads (one is about as fast for a model this small, and never stalls)', ge=1)
+
 # %% ../nbs/00f_schema.ipynb #fd687bef
 @dataclass
 class SpeculateOptions:
@@ -155,7 +262,7 @@ class SpeculateOptions:
     block_size: int | None = option(None, "block size (default: the drafter's)", ge=2)
     num_prompts: int = option(32, 'prompts to evaluate', ge=1)
     dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, float32 on CPU)',
-                               choices=['float32', 'bfloat16', 'float16'])
+                               choices=_dtype_choices('float32', 'bfloat16', 'float16'))
     out: str | None = option(None, 'directory for acceptance.json, acceptance.png and prompts.csv (a row per prompt '
                                    'and temperature, rewritten after each; default: none)')
     temperature: list[float] = option((0.0, 1.0), 'sampling temperatures, each evaluated and reported in turn '
@@ -189,7 +296,7 @@ class AttentionBench:
     """Block attention backends against the naive baselines, forward+backward, on one scenario: time and peak memory
     as ratios to the dense mask's, measured in one run."""
     device: str = option('cpu', 'torch device')
-    dtype: str = option('float32', 'dtype of q, k and v', choices=['float32', 'bfloat16', 'float16'])
+    dtype: str = option('float32', 'dtype of q, k and v', choices=_dtype_choices('float32', 'bfloat16', 'float16'))
     seq_len: int = option(4096, 'sequence length S', ge=1)
     anchors: int = option(256, 'anchors (blocks) per row', ge=1)
     block_size: int = option(16, 'block size B', ge=1)
@@ -222,7 +329,7 @@ class ScalingBench:
     heads: int = option(8, 'query heads', ge=1)
     kv_heads: int = option(2, 'key/value heads', ge=1)
     head_dim: int = option(64, 'head dim D', ge=1)
-    dtype: str = option('float32', 'dtype of q, k and v', choices=['float32', 'bfloat16'])
+    dtype: str = option('float32', 'dtype of q, k and v', choices=_dtype_choices('float32', 'bfloat16'))
     repeats: int = option(1, 'interleaved rounds per point after the warm-up', ge=1)
     threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
     seed: int = option(0, 'seed of the layouts and inputs', ge=0)
@@ -239,7 +346,8 @@ class StepBench:
     anchors: int | None = option(None, "anchors of every config (default: each config's)", ge=1)
     block_size: int = option(16, 'block size B', ge=1)
     device: str = option('cpu', 'torch device')
-    dtype: str = option('float32', 'dtype of the drafter and its inputs', choices=['float32', 'bfloat16', 'float16'])
+    dtype: str = option('float32', 'dtype of the drafter and its inputs',
+                        choices=_dtype_choices('float32', 'bfloat16', 'float16'))
     repeats: int = option(3, 'interleaved rounds after the warm-up; the median is reported', ge=1)
     threads: int = option(1, 'torch threads during the run (0: leave as is)', ge=0)
     seed: int = option(0, 'seed of the models and layouts', ge=0)

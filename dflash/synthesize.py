@@ -5,19 +5,20 @@
 # %% ../nbs/08c_synthesize.ipynb #2c3ede10
 from __future__ import annotations
 import copy, json, time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from .errors import InputError
-from .options import SEED_MAX, TEMPERATURE_MIN, Command, option, build_options
+from .options import Command, build_options
 from .files import pretrained, target_config_dict
-from .threads import threads_option
 from .stops import Preempted, StopRequest
+from .schema import DTYPES, SynthConfig
+from .templates import special_after, template_kwargs, template_messages
 from .regenerate import (
-    DTYPES, ENGINES, append_batch, make_engine, process_state, read_index, repair_output, reply_round, round_seed,
-    run_locked, special_after, target_dir, target_engine_problems, template_kwargs)
+    append_batch, make_engine, process_state, read_index, repair_output, reply_round, round_seed,
+    run_locked, target_dir, target_engine_problems)
 
 # %% auto #0
-__all__ = ['SYNTHESIZE', 'SynthConfig', 'synthesize']
+__all__ = ['SYNTHESIZE']
 
 # %% ../nbs/08c_synthesize.ipynb #089e45ab
 _SENTINEL = 'dflash-sentinel-user-message-7c1e'
@@ -26,7 +27,6 @@ def _open_user_turn(tokenizer, history: list[dict], template_kw: dict | None = N
     """Token ids of `history` followed by an opened user turn, as the chat template renders them: a conversation
     ending in a user message `_SENTINEL` is rendered, and cut where that text begins (any system prompt the template
     adds comes with it)."""
-    from dflash.chat import template_messages
     text = tokenizer.apply_chat_template(template_messages(history) + [{'role': 'user', 'content': _SENTINEL}],
                                          tokenize=False, **(template_kw or {}))
     if text.count(_SENTINEL) != 1:
@@ -102,34 +102,6 @@ def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, ne
     return [{'messages': convs[i]} for i in live], info
 
 # %% ../nbs/08c_synthesize.ipynb #86620ee5
-@dataclass
-class SynthConfig:
-    """Write a chat training set with the target alone (Magpie-style): the target writes each user message after the
-    user turn its own template opens, then the reply, as `regenerate` writes replies (resumable; one process)."""
-    out: str | None = option(None, 'output JSONL of {"messages": [...]} records, append-only, resumed when rerun '
-                                   '(`OUT.index` beside it); required')
-    num: int | None = option(None, 'records to write (after the filters); required', ge=1)
-    target: str | None = option(None, 'target model directory or hub id (local Hugging Face cache only) '
-                                      '(default: the shipped toy target)')
-    system: str | None = option(None, 'system prompt opening every conversation: it steers what the target asks about '
-                                      '(e.g. "You are an expert Python programmer."; default: the template\'s own)')
-    turns: int = option(1, 'user turns per record, each answered (1: single turn)', ge=1)
-    max_prompt_tokens: int = option(256, 'tokens per user message at most (a message cut there is dropped)', ge=1)
-    max_new_tokens: int = option(512, 'tokens per reply at most (a reply cut there is kept, marked truncated)', ge=1)
-    prompt_temperature: float = option(1.0, 'sampling temperature of the user messages', ge=TEMPERATURE_MIN)
-    prompt_top_p: float = option(0.95, 'nucleus sampling mass of the user messages', gt=0, le=1)
-    temperature: float = option(0.0, 'of the replies: 0: greedy; > 0: sampling', zero_or_ge=TEMPERATURE_MIN)
-    top_p: float = option(1.0, 'of the replies: nucleus sampling mass (with temperature > 0)', gt=0, le=1)
-    seed: int = option(0, 'sampling seed (each batch and turn draws its own: the same command writes the same file)',
-                       ge=0, le=SEED_MAX)
-    batch_size: int = option(32, 'conversations sampled together (left-padded)', ge=1)
-    engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(ENGINES))
-    thinking: str | None = option(None, "for templates with `enable_thinking` (default: the template's)",
-                                  choices=['on', 'off'])
-    dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(DTYPES))
-    progress: bool = option(True, 'show a progress bar (--no-progress: none)')
-    threads: int | None = threads_option()
-
 def _positions(cfg) -> int | None:
     "The target's `max_position_embeddings` from its config (config.json, or a GGUF file's), when there is one to read."
     return (target_config_dict(target_dir(cfg))[0] or {}).get('max_position_embeddings')
@@ -159,15 +131,15 @@ def _synth_header(cfg: SynthConfig) -> dict:
     records; not `num`, so that a larger `--num` continues the file)."""
     from dflash.features import target_identity
     keep = ('system', 'turns', 'max_prompt_tokens', 'max_new_tokens', 'prompt_temperature', 'prompt_top_p', 'temperature',
-            'top_p', 'seed', 'batch_size', 'engine', 'thinking', 'dtype')
+            'top_p', 'seed', 'batch_size', 'engine', 'thinking')
     return {'format': _SYNTH_FORMAT, 'target': target_identity(target_dir(cfg)),
-            'options': {k: getattr(cfg, k) for k in keep}}
+            'options': {**{k: getattr(cfg, k) for k in keep}, 'dtype': DTYPES.get(cfg.dtype)}}   # bf16 as bfloat16
 
 def _first_user(rec: dict) -> str: return next(m['content'] for m in rec['messages'] if m['role'] == 'user')
 
 _SUMMED = ('records', 'prompts', *_FILTERS, 'truncated', 'looping_replies', 'prompt_tokens', 'tokens')
 
-def synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
+def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
     """Write `cfg.num` records into `cfg.out` with the target alone (continuing what is there); returns the counts of
     the whole file and this run's speed. When `stop` is set, it ends after the batch in progress and `Preempted` says
     how far the file is: the same call again continues."""
@@ -237,7 +209,7 @@ def _synth_table(r: dict, out: str = 'out') -> str:
 
 # %% ../nbs/08c_synthesize.ipynb #edc3d5b8
 def _run_synthesize(cfg: SynthConfig) -> dict:
-    return run_locked(cfg, synthesize, lambda r: _synth_table(r, cfg.out) + '\nsynthesized: ' + json.dumps(r))
+    return run_locked(cfg, _synthesize, lambda r: _synth_table(r, cfg.out) + '\nsynthesized: ' + json.dumps(r))
 
 SYNTHESIZE = Command(SynthConfig, _run_synthesize, 'write chat data with the target alone: its own prompts and replies',
                      _check_synth)

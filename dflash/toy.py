@@ -5,17 +5,17 @@
 # %% ../nbs/09_toy.ipynb #bcc3f0b5
 from __future__ import annotations
 import json, math, random, time
-from dataclasses import dataclass
 from pathlib import Path
 from .files import assets_dir, dir_write_problem, toy_target_dir
 from .errors import run_command
-from .options import Command, option, parse_subcommand, usage_text
+from .options import Command, parse_subcommand, usage_text
+from .schema import RegenConfig, ToyOptions
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:         # for annotations: torch, tokenizers and transformers load inside the functions that use
     from transformers import PreTrainedTokenizerFast, Qwen3Config     # them, so `--help` answers at once
 
 # %% auto #0
-__all__ = ['make_corpus', 'toy_config', 'load_toy_target', 'build', 'regenerate_corpus', 'main']
+__all__ = ['make_corpus', 'toy_config', 'load_toy_target', 'main']
 
 # %% ../nbs/09_toy.ipynb #94365d82
 _WORDS = ('apple banana cherry grape lemon mango melon peach pear plum berry bread butter cheese honey pepper salt '
@@ -333,17 +333,17 @@ def load_toy_target(path=None, dtype='float32'):
     return model, AutoTokenizer.from_pretrained(path)
 
 # %% ../nbs/09_toy.ipynb #dfbe6226
-def build(out=None, *, steps: int = 1000, batch_size: int = 32, lr: float = 3e-3, n_train: int = 7000,
+def _build(out=None, *, steps: int = 1000, batch_size: int = 32, lr: float = 3e-3, n_train: int = 7000,
           n_eval: int = 500, vocab_size: int = 1000, seed: int = 0, model_kw: dict | None = None,
           threads: int = 1, verbose: bool = True) -> dict:
     "Generate the corpus, train the tokenizer and the target, save all under `out`; returns the training log."
     import torch
     t0, out, old_threads = time.time(), Path(out) if out is not None else assets_dir(), torch.get_num_threads()
     torch.set_num_threads(threads)
-    try: return _build(out, steps, batch_size, lr, n_train, n_eval, vocab_size, seed, model_kw, verbose, t0)
+    try: return _build_all(out, steps, batch_size, lr, n_train, n_eval, vocab_size, seed, model_kw, verbose, t0)
     finally: torch.set_num_threads(old_threads)
 
-def _build(out, steps, batch_size, lr, n_train, n_eval, vocab_size, seed, model_kw, verbose, t0):
+def _build_all(out, steps, batch_size, lr, n_train, n_eval, vocab_size, seed, model_kw, verbose, t0):
     import torch
     from transformers import GenerationConfig, Qwen3ForCausalLM
     target_convs, train, held_out = _toy_splits(steps * batch_size, n_train, n_eval, seed)
@@ -368,9 +368,9 @@ def _build(out, steps, batch_size, lr, n_train, n_eval, vocab_size, seed, model_
     return log
 
 # %% ../nbs/09_toy.ipynb #11c67828
-def regenerate_corpus(out=None, batch_size: int = 256, max_new_tokens: int = 128, progress: bool = True) -> dict:
+def _regenerate_corpus(out=None, batch_size: int = 256, max_new_tokens: int = 128, progress: bool = True) -> dict:
     "Regenerate `toy-data/{train,eval}.jsonl` under `out` (default: the package's assets) with the toy target there."
-    from dflash.regenerate import RegenConfig, regenerate
+    from dflash.regenerate import regenerate
     out, res = Path(out) if out is not None else assets_dir(), {}
     for split in ('train', 'eval'):
         cfg = RegenConfig(data=str(out / 'toy-data' / f'{split}.jsonl'), target=str(out / 'toy-target'),
@@ -380,30 +380,21 @@ def regenerate_corpus(out=None, batch_size: int = 256, max_new_tokens: int = 128
     return res
 
 # %% ../nbs/09_toy.ipynb #0d5af628
-@dataclass
-class _ToyOptions:
-    "Where the toy's assets go and how the target is trained."
-    out: str = option('toy', "output folder; the package's own toy is rebuilt only where named (--out with the "
-                             "package's assets folder)")
-    steps: int = option(1000, 'training steps of the target', ge=1)
-    seed: int = option(0, 'seed of the corpus and the training', ge=0)
-    threads: int = option(1, 'torch threads (one is about as fast for a model this small, and never stalls)', ge=1)
+def _build_command(o: ToyOptions) -> dict: return _build(o.out, steps=o.steps, seed=o.seed, threads=o.threads)
 
-def _build_command(o: _ToyOptions) -> dict: return build(o.out, steps=o.steps, seed=o.seed, threads=o.threads)
-
-def _regenerate_command(o: _ToyOptions) -> dict:
+def _regenerate_command(o: ToyOptions) -> dict:
     import torch
     old = torch.get_num_threads()
     torch.set_num_threads(o.threads)
-    try: return regenerate_corpus(o.out)
+    try: return _regenerate_corpus(o.out)
     finally: torch.set_num_threads(old)
 
-def _check_build(o: _ToyOptions) -> list[str]:
+def _check_build(o: ToyOptions) -> list[str]:
     "A build's `--out`: a directory it can make and write into, found before the corpus is made."
     bad = dir_write_problem(o.out, '--out')
     return [bad] if bad else []
 
-def _check_regenerate(o: _ToyOptions) -> list[str]:
+def _check_regenerate(o: ToyOptions) -> list[str]:
     "A regeneration's `--out`: a toy built there (its target and corpus), and room beside the corpus for its rewrite."
     out = Path(o.out)
     built = [out / 'toy-target' / 'config.json', out / 'toy-data' / 'train.jsonl', out / 'toy-data' / 'eval.jsonl']
@@ -413,8 +404,8 @@ def _check_regenerate(o: _ToyOptions) -> list[str]:
     bad = dir_write_problem(out / 'toy-data', '--out')
     return [bad] if bad else []
 
-_COMMANDS = {'build': Command(_ToyOptions, _build_command, 'the corpus, the tokenizer and the target', _check_build),
-            'regenerate': Command(_ToyOptions, _regenerate_command, 'the corpus regenerated by the built target',
+_COMMANDS = {'build': Command(ToyOptions, _build_command, 'the corpus, the tokenizer and the target', _check_build),
+            'regenerate': Command(ToyOptions, _regenerate_command, 'the corpus regenerated by the built target',
                                   _check_regenerate)}
 _PROG = 'python -m dflash.toy'
 

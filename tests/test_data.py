@@ -5,7 +5,8 @@ import numpy as np
 import pytest, torch
 import dflash
 from conftest import END_OF_TURN, chat_sentence
-from dflash.chat import ChatDataset, DataError, DataStats, read_jsonl, to_messages, tokenize_chat, tokenize_conversation
+from dflash.chat import ChatDataset, DataError, DataStats, read_jsonl, to_messages, tokenize_conversation
+from dflash.templates import tokenize_chat
 from dflash.features import TargetFeatures, collate
 from dflash.layout import BlockLayout
 

@@ -167,7 +167,8 @@ def test_tool_calls_under_a_generation_template(tmp_path, capsys, monkeypatch, t
     argv = ['tokenize', '--target', str(toy_target_dir()), '--data', str(data), '--chat-template',
             str(tmp_path / 'chat.jinja')]
     if template == 'writes-tool-calls':
-        from dflash.chat import load_chat_data, load_tokenizer
+        from dflash.chat import load_chat_data
+        from dflash.templates import load_tokenizer
         tok = load_tokenizer(toy_target_dir(), chat_template=tmp_path / 'chat.jinja')
         s = load_chat_data(data, tok, cache_dir=tmp_path / 'hf')[0]
         assert tok.decode(s['input_ids'][s['loss_mask']]) == ('<tool_call>\n{"name": "get_weather", "arguments": '

@@ -1,6 +1,7 @@
 """Options that would be silently wrong or end in a traceback: an option the chosen loss or schedule does not read, a
 flag given twice, a temperature that overflows, a seed no generator takes. Each is one named error (exit 2) before
-any model loads, and nothing is written. The commands' `main` runs in-process."""
+any model loads, and nothing is written; and one dtype vocabulary, both spellings taken by every `--dtype`. The commands' `main` runs
+in-process."""
 from pathlib import Path
 import pytest
 from dflash.files import assets_dir, toy_data_dir, toy_target_dir
@@ -8,6 +9,9 @@ from dflash.data import main as data_main
 from dflash.regenerate import main as regenerate_main
 from dflash.speculate import main as speculate_main
 from dflash.train import main as train_main, parse_config
+from dflash.options import OptionParser, parse_options
+from dflash.schema import (DTYPES, AttentionBench, CacheOptions, PlanOptions, RegenConfig, ScalingBench, SpeculateOptions,
+                           StepBench, SynthConfig)
 from conftest import refused
 
 # were one of these accepted, the run it starts is short: a step, no evaluation, no tracker
@@ -89,3 +93,23 @@ def test_train_names_a_huge_seed(tmp_path, capsys):
     refused(capsys, train_main, ['--out', str(tmp_path / 'run'), *QUICK, '--seed', BIG],
             f"--seed = {BIG}: allowed >= 0 and <= 4294967295")
     assert not (tmp_path / 'run').exists()
+
+
+# --- 6. one dtype vocabulary: torch's names and the short ones, alike --------------------------------------------------
+WITH_DTYPE = [PlanOptions, SpeculateOptions, CacheOptions, RegenConfig, SynthConfig, AttentionBench, ScalingBench, StepBench]
+
+
+@pytest.mark.parametrize('cls', WITH_DTYPE, ids=lambda c: c.__name__)
+def test_every_dtype_option_takes_both_spellings(cls):
+    "`--dtype bf16` and `--dtype bfloat16` are the same dtype for every command, and `--help` lists both."
+    for short, name in (('fp32', 'float32'), ('bf16', 'bfloat16')):
+        given = [parse_options(cls, ['--dtype', s])[0].dtype for s in (short, name)]
+        assert [DTYPES[g] for g in given] == [name, name]
+    assert 'bfloat16, bf16' in ' '.join(OptionParser(cls).format_help().split())
+
+
+def test_a_regeneration_records_its_dtype_by_torchs_name(tmp_path):
+    "An index written with `--dtype bf16` is continued by `--dtype bfloat16`: the header says `bfloat16` for both."
+    from dflash.regenerate import run_header
+    h = [run_header(RegenConfig(data=EVAL, out=str(tmp_path / 'o.jsonl'), dtype=d)) for d in ('bf16', 'bfloat16')]
+    assert h[0] == h[1] and h[0]['options']['dtype'] == 'bfloat16'

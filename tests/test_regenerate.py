@@ -2,8 +2,10 @@
 prompts without replies answered, replies cut at the token limit marked (and their false end of turn unsupervised)."""
 import json, os, signal, socket, subprocess, sys, time
 import pytest, torch
-from dflash.regenerate import (RegenConfig, TransformersEngine, cut_at_stop, end_of_turn_ids, index_path,
-                               load_conversations, prompt_ids, regenerate, regenerate_batch, vllm_unavailable)
+from dflash.regenerate import (TransformersEngine, index_path, load_conversations, regenerate, regenerate_batch,
+                               vllm_unavailable)
+from dflash.schema import RegenConfig
+from dflash.templates import end_of_turn_ids, prompt_ids
 from dflash.toy import load_toy_target
 from dflash.files import toy_data_dir
 
@@ -55,7 +57,9 @@ def test_batched_equals_unbatched_greedy(small_data):
             ids = torch.tensor([prompt_ids(tok, msgs[:i], {})])           # earlier turns: the regenerated ones
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
                                  eos_token_id=stops, pad_token_id=tok.pad_token_id)
-            toks, stopped = cut_at_stop(out[0, ids.shape[1]:].tolist(), stops)
+            new = out[0, ids.shape[1]:].tolist()
+            end = next((k for k, t in enumerate(new) if t in stops), None)      # cut before the first stop
+            toks, stopped = new[:end], end is not None
             m['content'] = tok.decode(toks, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             if not stopped: m['truncated'] = True                           # cut at the limit: marked
             ref.append(toks)
@@ -279,7 +283,8 @@ def test_regenerate_answers_prompt_only_records(regenerated):
 
 def test_truncated_reply_end_of_turn_is_not_in_the_loss_mask(regenerated, smollm2):
     "A truncated reply's tokens are supervised and the <|im_end|> the template appends after it is not; a finished one's is."
-    from dflash.chat import load_tokenizer, to_messages, tokenize_chat
+    from dflash.chat import to_messages
+    from dflash.templates import load_tokenizer, tokenize_chat
     tok = load_tokenizer(smollm2)
     eot = tok.convert_tokens_to_ids('<|im_end|>')
     _, recs = regenerated
