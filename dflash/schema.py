@@ -5,7 +5,7 @@
 # %% ../nbs/00f_schema.ipynb #6162bf49
 from __future__ import annotations
 import importlib.resources, os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 import yaml
 from .options import SEED_MAX, TEMPERATURE_MIN, option
@@ -291,6 +291,10 @@ TRAIN_TARGETS = {   # targets of the `train` benchmark: None is the shipped toy;
 }
 
 # %% ../nbs/00f_schema.ipynb #be0c0003
+def _as_in_train(name: str, default):
+    "`TrainConfig`'s option `name`, its help and allowed values, with the default `default` (a benchmark's)."
+    return field(default=default, metadata=TrainConfig.__dataclass_fields__[name].metadata)
+
 @dataclass
 class AttentionBench:
     """Block attention backends against the naive baselines, forward+backward, on one scenario: time and peak memory
@@ -363,15 +367,15 @@ class TrainBench:
                               'together (1: no such run)', ge=1)
     steps: int = option(6, 'optimizer steps per run', ge=1)
     warmup_steps: int = option(2, 'first steps left out of tokens/s', ge=0)
-    batch_size: int = option(16, 'sequences per step, over all processes', ge=1)
-    micro_batch_size: int = option(4, 'sequences per forward of a process', ge=1)
-    num_layers: int = option(2, 'drafter layers', ge=1)
-    num_anchors: int = option(64, 'anchors per sequence', ge=1)
-    max_length: int = option(512, 'tokens per sequence at most', ge=1)
-    attention: str = option('sdpa', 'attention backend', choices=list(ATTENTIONS))
+    batch_size: int = _as_in_train('batch_size', 16)
+    micro_batch_size: int = _as_in_train('micro_batch_size', 4)
+    num_layers: int = _as_in_train('num_layers', 2)
+    num_anchors: int = _as_in_train('num_anchors', 64)
+    max_length: int = _as_in_train('max_length', 512)
+    attention: str = _as_in_train('attention', 'sdpa')
     device: str = option('cpu', 'device of every process', choices=['cpu', 'cuda'])
     threads: int = option(1, 'OMP_NUM_THREADS of every process', ge=1)
-    seed: int = option(0, 'seed of the targets and the runs', ge=0)
+    seed: int = _as_in_train('seed', 0)
     out: str = option('bench_out', "directory for train.csv ('' for none)")
 
 @dataclass
