@@ -169,8 +169,9 @@ def safetensors_problem(path) -> str | None:
     if bad := _read_problem(path): return bad
     try:
         with safe_open(path, framework='numpy'): return None
-    except SafetensorError as e:
-        return f"{path}: not a safetensors file or truncated ({str(e).removeprefix('Error while deserializing header: ')})"
+    except SafetensorError as e: why = str(e).removeprefix('Error while deserializing header: ')
+    if 'not fully covered' in why: return f"{path}: truncated: its tensors do not cover the file exactly (safetensors: {why})"
+    return f"{path}: not a safetensors file (safetensors: {why})"
 
 def _model_dir_problems(path, name: str) -> list[str]:
     """What is wrong with a transformers model named by option `name` (a local directory or a hub id in the local

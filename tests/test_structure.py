@@ -151,9 +151,9 @@ def hostile(f: Path, kind: str) -> Path:
     return f
 
 
-SAID = {'huge': "not a safetensors file or truncated (header too large)",
-        'deep': "not a safetensors file or truncated (invalid JSON in header: recursion limit exceeded",
-        'entry': 'not a safetensors file or truncated (invalid JSON in header: invalid type: string "0", expected usize'}
+SAID = {'huge': "not a safetensors file (safetensors: header too large)",
+        'deep': "not a safetensors file (safetensors: invalid JSON in header: recursion limit exceeded",
+        'entry': 'not a safetensors file (safetensors: invalid JSON in header: invalid type: string "0", expected usize'}
 
 
 @pytest.mark.parametrize('kind', ['huge', 'deep', 'entry'])
