@@ -166,8 +166,8 @@ def _step_once(drafter, opt, ctx, lay, embed, lm_head, objective_budget, dtype):
 def _real_step(device='cuda', cfg: DrafterConfig | None = None, *, seq_len: int = 8000, anchors: int = 512,
               memory_bytes: int | None = None, repeats: int = 3, dtype: str = 'bf16', seed: int = 0) -> dict:
     "One trainer-like step of a drafter of `cfg` (default Qwen3-8B's): measured peak against the plan, time, MFU."
-    from dflash.planner import DTYPES
-    device, dt = torch.device(device), DTYPES[dtype]
+    from dflash.schema import DTYPES
+    device, dt = torch.device(device), getattr(torch, DTYPES[dtype])
     cfg = cfg or _qwen3_8b_drafter()[1]
     cuda = device.type == 'cuda'
     if memory_bytes is None: memory_bytes = int(torch.cuda.mem_get_info(device)[0] * 0.9)

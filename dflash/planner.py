@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from .errors import InputError
-from .schema import DTYPES as DTYPE_NAMES, PlanOptions
+from .schema import DTYPES, PlanOptions
 from .files import (assets_dir, causal_lm_problem, config_vocab_size, is_gguf, json_problem, pretrained,
                           resolve_local, target_config_dict, write_atomic)
 from .config import DrafterConfig, mlp_width
@@ -21,8 +21,8 @@ from .objective import dflash_objective, objective_bytes_per_row, Objective
 from .memory import MemoryTracker, fmt_bytes
 
 # %% auto #0
-__all__ = ['DTYPES', 'plan_layout', 'budgets', 'step_memory', 'recommend_policy', 'online_target_bytes', 'online_advice',
-           'fits_table', 'check_plan', 'run_plan']
+__all__ = ['plan_layout', 'budgets', 'step_memory', 'recommend_policy', 'online_target_bytes', 'online_advice', 'fits_table',
+           'check_plan', 'run_plan']
 
 # %% ../nbs/07a_planner.ipynb #3b47ea57
 _UNITS = {'': 1, 'b': 1, 'kb': 10**3, 'mb': 10**6, 'gb': 10**9, 'tb': 10**12,
@@ -38,7 +38,7 @@ def _parse_memory(s) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 # %% ../nbs/07a_planner.ipynb #e57ac828
-DTYPES = {s: getattr(torch, t) for s, t in DTYPE_NAMES.items() if t != 'float64'}   # bf16 and bfloat16 alike
+_TORCH_DTYPES = {s: getattr(torch, t) for s, t in DTYPES.items() if t != 'float64'}   # bf16 and bfloat16 alike
 _FAKE_CHUNK_COST = 2**30          # query·key pairs one chunk costs in the fake run's plan: few, large chunks
 
 @dataclass
@@ -101,7 +101,7 @@ def budgets(cfg: DrafterConfig, seq_len: int, memory_bytes: int, dtype='bf16',
             micro_batch_size: int = 1, teacher: bool = False) -> tuple[int, int]:
     """(attention planner budget, objective budget): a quarter and a sixteenth of what
     weights, gradients, moments and frozen tensors leave."""
-    weights, frozen = _static_bytes(cfg, seq_len, micro_batch_size, DTYPES[dtype], teacher)
+    weights, frozen = _static_bytes(cfg, seq_len, micro_batch_size, _TORCH_DTYPES[dtype], teacher)
     spare = memory_bytes - 4 * weights - frozen
     if spare <= 0:
         raise ValueError(f"{fmt_bytes(memory_bytes)} does not even hold the weights, gradients and AdamW moments "
@@ -114,10 +114,10 @@ def step_memory(cfg: DrafterConfig, seq_len: int, num_anchors: int, *, policy='n
                 objective_budget: int | None = None, optimizer: str = 'fused',
                 memory_bytes: int | None = None, teacher: bool = False) -> _StepMemory:
     "Run one training step of a drafter of `cfg` on fake tensors and return its memory."
-    if dtype not in DTYPES: raise ValueError(f"dtype {dtype!r}: use one of {list(DTYPES)}")
+    if dtype not in _TORCH_DTYPES: raise ValueError(f"dtype {dtype!r}: use one of {list(_TORCH_DTYPES)}")
     if optimizer not in ('fused', 'foreach'): raise ValueError(f"optimizer {optimizer!r}: use 'fused' or 'foreach'")
     t0 = time.perf_counter()
-    dt = DTYPES[dtype]
+    dt = _TORCH_DTYPES[dtype]
     if attention_budget is None or objective_budget is None:
         a, o = budgets(cfg, seq_len, memory_bytes or 80 * 2**30, dtype, micro_batch_size, teacher)
         attention_budget, objective_budget = attention_budget or a, objective_budget or o
@@ -223,7 +223,7 @@ def online_target_bytes(target_config, seq_len: int, micro_batch_size: int = 1, 
     from transformers import AutoModelForCausalLM
     c = target_config.get_text_config()                 # a multimodal target: its language model
     with torch.device('meta'): model = AutoModelForCausalLM.from_config(c)
-    es = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    es = torch.empty((), dtype=_TORCH_DTYPES[dtype]).element_size()
     weights = sum(p.numel() for p in model.parameters()) * es
     shared = {id(m.weight): m.weight.numel() * es
               for m in (model.get_input_embeddings(), model.get_output_embeddings())}
@@ -374,7 +374,7 @@ def run_plan(a: PlanOptions) -> int:
     try: policy, table = recommend_policy(cfg, a.seq_len, a.anchors, budget, policies=a.policies, full_table=True, **opts)
     except ValueError as e:                      # not even the weights and moments fit: the steps at a budget that does
         print(f"does not fit: {e}")
-        weights, frozen = _static_bytes(cfg, a.seq_len, a.micro_batch_size, DTYPES[a.dtype], opts['teacher'])
+        weights, frozen = _static_bytes(cfg, a.seq_len, a.micro_batch_size, _TORCH_DTYPES[a.dtype], opts['teacher'])
         held = 4 * weights + frozen + budget            # those, and this GPU's memory beside them for the step
         table = [step_memory(cfg, a.seq_len, a.anchors, policy=p, memory_bytes=held, **opts) for p in a.policies]
         policy = min(table, key=lambda r: r.total).policy
