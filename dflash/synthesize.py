@@ -66,25 +66,27 @@ def _with_settings(engine, **kw):
 
 def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, needed: int | None = None, seen=(),
                       template_kw: dict | None = None, seed: int = 0, batch: int = 0,
-                      system: str | None = None) -> tuple[list[dict], dict]:
+                      system: str | None = None, user_prefix: str | None = None) -> tuple[list[dict], dict]:
     """`n` conversations written by the target alone, `turns` user turns each: `prompter` writes each user message after
     the opened user turn, `engine` the reply (`reply_round`). A conversation is dropped at its first user message that
     is empty, loops (`_loops`), is cut (too long) or, the first, repeats one in `seen` or earlier in the batch. A reply
     that loops is kept (counted): it is what the target writes, so what its drafter must draft. A `system` prompt
-    opens every conversation (it steers what the target asks about). The `{"messages": [...]}` records and the counts."""
+    opens every conversation and `user_prefix` begins every user message (both steer what the target asks). The
+    `{"messages": [...]}` records and the counts."""
     convs = [[{'role': 'system', 'content': system}] if system else [] for _ in range(n)]
     live, mine = list(range(n)), set()
+    pre = tokenizer(user_prefix, add_special_tokens=False)['input_ids'] if user_prefix else []
     info = {'prompts': n, **{k: 0 for k in _FILTERS}, 'prompt_tokens': 0, 'tokens': 0, 'truncated': 0,
             'looping_replies': 0}
     for t in range(turns):
         if not live: break
-        heads = [_open_user_turn(tokenizer, convs[i], template_kw) for i in live]
+        heads = [_open_user_turn(tokenizer, convs[i], template_kw) + pre for i in live]
         kept = []
         for i, (toks, stopped) in zip(live, prompter(heads, round_seed(seed, batch, f'user{t}'))):
             info['prompt_tokens'] += len(toks)
-            text = tokenizer.decode(toks, skip_special_tokens=False, clean_up_tokenization_spaces=False).strip()
+            text = tokenizer.decode(pre + toks, skip_special_tokens=False, clean_up_tokenization_spaces=False).strip()
             key = _normalized(text)
-            why = ('empty' if not text else 'repeated' if _loops(toks) else 'too_long' if not stopped else
+            why = ('empty' if not toks or not text else 'repeated' if _loops(toks) else 'too_long' if not stopped else
                    'duplicate' if t == 0 and (key in seen or key in mine) else None)
             if why:
                 info[why] += 1
@@ -132,8 +134,9 @@ def _synth_header(cfg: SynthConfig) -> dict:
     from dflash.features import target_identity
     keep = ('system', 'turns', 'max_prompt_tokens', 'max_new_tokens', 'prompt_temperature', 'prompt_top_p', 'temperature',
             'top_p', 'seed', 'batch_size', 'engine', 'thinking')
+    steer = {'user_prefix': cfg.user_prefix} if cfg.user_prefix else {}   # files written before it resume
     return {'format': _SYNTH_FORMAT, 'target': target_identity(target_dir(cfg)),
-            'options': {**{k: getattr(cfg, k) for k in keep}, 'dtype': DTYPES.get(cfg.dtype)}}   # bf16 as bfloat16
+            'options': {**{k: getattr(cfg, k) for k in keep}, **steer, 'dtype': DTYPES.get(cfg.dtype)}}   # bf16 as bfloat16
 
 def _first_user(rec: dict) -> str: return next(m['content'] for m in rec['messages'] if m['role'] == 'user')
 
@@ -179,7 +182,7 @@ def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
         k = len(entries)
         recs, info = _synthesize_batch(prompter, engine, tok, n=cfg.batch_size, turns=cfg.turns,
                                        needed=cfg.num - written, seen=seen, template_kw=tkw, seed=cfg.seed, batch=k,
-                                       system=cfg.system)
+                                       system=cfg.system, user_prefix=cfg.user_prefix)
         entry = {'batch': k, 'records': len(recs), **info}
         append_batch(cfg.out, entry, recs)
         entries.append(entry)
