@@ -127,3 +127,14 @@ def test_bad_synthesize_options_are_refused_before_the_model_loads(tmp_path):
     for bad in ('--out is required', '--num is required', '--max-new-tokens = 0'): assert bad in missing.stderr
     for x in (r, long, missing): assert 'Loading weights' not in x.stderr and 'Traceback' not in x.stderr
     assert not (tmp_path / 'o.jsonl').exists()
+
+
+def test_a_user_prefix_begins_every_user_message_and_the_target_writes_on(smollm2, tmp_path):
+    "`--user-prefix def`: every user message is a function stub the target wrote on from `def`; the index records it."
+    out = tmp_path / 's.jsonl'
+    r = data_cli('synthesize', '--target', smollm2, '--out', out, '--num', '2', '--batch-size', '8', '--user-prefix',
+                 'def', '--max-prompt-tokens', '128', '--max-new-tokens', '8')
+    assert r.returncode == 0, r.stderr[-3000:]
+    users = [json.loads(l)['messages'][0]['content'] for l in out.read_text().splitlines()]
+    assert len(users) == 2 and all(u.startswith('def ') and '(' in u for u in users), users
+    assert json.loads(index_path(out).read_text().splitlines()[0])['options']['user_prefix'] == 'def'
