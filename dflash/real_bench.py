@@ -61,6 +61,8 @@ class RealBench:
                                  'evaluation comes after', gt=0)
     synth_share: float = option(0.6, 'share of --minutes spent synthesizing data', gt=0, lt=1)
     system: str = option(_CODE_SYSTEM, 'system prompt of the synthesized conversations (it steers what the target asks)')
+    stubs: bool = option(True, "a second synthesis process writes user messages that begin with 'def': function stubs, "
+                               'the form of a coding prompt, which replies copy from (--no-stubs: --system alone)')
     num_layers: int = option(2, 'drafter layers', ge=1)
     num_anchors: int = option(128, 'anchors per training sequence', ge=1)
     draft_vocab_size: int = option(4096, 'pruned draft vocabulary (the most supervised target tokens)', ge=1)
@@ -129,19 +131,41 @@ def _run(cmd: list[str], log: Path, *, threads: int, deadline: float | None = No
 # %% ../nbs/12b_real.ipynb #b11274d2
 def _dtype(o: RealBench) -> str: return 'bfloat16' if o.bf16 else 'float32'
 
+_STUB_PREFIX = 'def'   # a user message that begins a function: the form of a coding prompt
+
+def _synth_cmd(o: RealBench, target: str, out: Path, threads: int, stubs: bool) -> list:
+    "The synthesis command writing `out`: the conversations --system steers, or with `stubs` function stubs too."
+    cmd = [sys.executable, '-m', 'dflash.data', 'synthesize', '--target', target, '--out', out, '--num', 1_000_000,
+           '--system', o.system, '--batch-size', 32, '--max-prompt-tokens', 192 if stubs else 128,
+           '--max-new-tokens', 256, '--dtype', _dtype(o), '--threads', threads, '--no-progress']
+    return cmd + ['--user-prefix', _STUB_PREFIX] if stubs else cmd
+
 def _synthesize(o: RealBench, target: str, work: Path, deadline: float) -> dict:
-    "Chat data written by the target until `deadline` (continuing what `work` holds): its counts and phase times."
-    data = work / 'data.jsonl'
-    cmd = [sys.executable, '-m', 'dflash.data', 'synthesize', '--target', target, '--out', data, '--num', 1_000_000,
-           '--system', o.system, '--batch-size', 32, '--max-prompt-tokens', 128, '--max-new-tokens', 256,
-           '--dtype', _dtype(o), '--threads', 2, '--no-progress']
-    r = _run(cmd, work / 'synthesize.log', threads=2, deadline=deadline)
-    index = work / 'data.jsonl.index'
-    batches = [json.loads(l) for l in index.read_text().splitlines()[1:]] if index.is_file() else []
-    if not batches: raise RuntimeError(f"no record synthesized in the budget ({60 * o.minutes * o.synth_share:.0f} s); "
-                                       "raise --minutes or --synth-share")
-    return {**r, 'records': sum(b['records'] for b in batches),
-            'tokens': sum(b['prompt_tokens'] + b['tokens'] for b in batches)}
+    """Chat data written by the target until `deadline` (continuing what `work` holds), then joined into data.jsonl:
+    with `o.stubs` two processes of one thread each, one of them writing function stubs as user messages. The counts of
+    each and the phase times."""
+    from concurrent.futures import ThreadPoolExecutor
+    kinds = ['chat', 'stub'] if o.stubs else ['chat']
+    threads = max(1, 2 // len(kinds))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    run = lambda k: _run(_synth_cmd(o, target, work / f'data-{k}.jsonl', threads, k == 'stub'),
+                         work / f'synthesize-{k}.log', threads=threads, deadline=deadline)
+    with ThreadPoolExecutor(len(kinds)) as pool: list(pool.map(run, kinds))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    index = lambda k: work / f'data-{k}.jsonl.index'
+    batches = {k: [json.loads(l) for l in index(k).read_text().splitlines()[1:]] if index(k).is_file() else []
+               for k in kinds}
+    if not any(batches.values()):
+        raise RuntimeError(f"no record synthesized in the budget ({60 * o.minutes * o.synth_share:.0f} s); "
+                           "raise --minutes or --synth-share")
+    write_atomic(work / 'data.jsonl', ''.join((work / f'data-{k}.jsonl').read_text(encoding='utf-8') for k in kinds
+                                              if batches[k]))
+    records = {k: sum(b['records'] for b in bs) for k, bs in batches.items()}
+    return {'wall_s': time.perf_counter() - t0,
+            'cpu_s': after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+            'records': sum(records.values()), 'stub_records': records.get('stub', 0),
+            'tokens': sum(b['prompt_tokens'] + b['tokens'] for bs in batches.values() for b in bs)}
 
 def _cache(o: RealBench, target: str, work: Path) -> dict:
     "The target's hidden states of the synthesized data, computed once (a fresh cache each run: the data grew)."
@@ -304,7 +328,7 @@ def _markdown(o: RealBench, phases: dict, table: list[dict], abl: list[dict], to
     x = lambda v: '-' if v is None else f"{v:.2f}x"
     minutes = lambda p: f"{phases[p]['wall_s'] / 60:.1f}"
     s = phases.get('synthesize')
-    made = (f"synthesize {minutes('synthesize')} ({s['records']} records, {s['tokens']:,} tokens), cache "
+    made = (f"synthesize {minutes('synthesize')} ({s['records']} records, {s.get('stub_records', 0)} of them stubs, {s['tokens']:,} tokens), cache "
             f"{minutes('cache')}, " if s else '')
     lines = [f"Phases (wall minutes): {made}train {minutes('train')} ({phases['train']['steps']} steps"
              f"{'' if s else ', the run of --run'}), measure {minutes('measure')}; total {total_s / 60:.1f}.", '',

@@ -24,6 +24,9 @@ def test_the_whole_path_writes_its_report_and_a_bf16_drafter_that_decodes_lossle
     report = json.loads((out / 'real.json').read_text())
     data = (work / 'data.jsonl').read_text().splitlines()
     assert report['phases']['synthesize']['records'] == len(data) > 0    # trained on what the target wrote
+    stubs = [json.loads(l)['messages'][1]['content'] for l in (work / 'data-stub.jsonl').read_text().splitlines()]
+    assert report['phases']['synthesize']['stub_records'] == len(stubs) > 0   # a second process wrote stubs
+    assert all(u.startswith('def') for u in stubs) and data[-len(stubs):] == (work / 'data-stub.jsonl').read_text().splitlines()
     assert report['phases']['train']['steps'] >= 1
     assert report['phases']['train']['dir'] == os.path.join('runs', 'base')   # under --work, not a machine's path
     assert '| T | prompts | τ |' in (out / 'real.md').read_text() and (out / 'real.png').stat().st_size > 0
