@@ -328,7 +328,8 @@ def _markdown(o: RealBench, phases: dict, table: list[dict], abl: list[dict], to
     x = lambda v: '-' if v is None else f"{v:.2f}x"
     minutes = lambda p: f"{phases[p]['wall_s'] / 60:.1f}"
     s = phases.get('synthesize')
-    made = (f"synthesize {minutes('synthesize')} ({s['records']} records, {s.get('stub_records', 0)} of them stubs, {s['tokens']:,} tokens), cache "
+    made = (f"synthesize {minutes('synthesize')} ({s['records']} records, {s.get('stub_records', 0)} of them stubs, "
+            f"{s['tokens']:,} tokens), cache "
             f"{minutes('cache')}, " if s else '')
     lines = [f"Phases (wall minutes): {made}train {minutes('train')} ({phases['train']['steps']} steps"
              f"{'' if s else ', the run of --run'}), measure {minutes('measure')}; total {total_s / 60:.1f}.", '',

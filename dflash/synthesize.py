@@ -113,6 +113,9 @@ def _check_synth(cfg: SynthConfig) -> list[str]:
     p = [f"--{k} is required" for k in ('out', 'num') if getattr(cfg, k) is None]
     if cfg.out is not None and Path(cfg.out).is_dir():
         p.append(f"--out = {cfg.out!r}: is a directory, expected a JSONL file path")
+    if cfg.user_prefix is not None and not cfg.user_prefix.strip():
+        p.append(f"--user-prefix = {cfg.user_prefix!r}: empty; give the text every user message begins with, or "
+                 "leave the option out")
     p += target_engine_problems(cfg)
     need = cfg.turns * (cfg.max_prompt_tokens + cfg.max_new_tokens)
     if not p and (n := _positions(cfg)) and need > n:
