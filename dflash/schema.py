@@ -13,10 +13,10 @@ from .threads import threads_option
 from .files import assets_dir
 
 # %% auto #0
-__all__ = ['DTYPES', 'TRACKERS', 'LOSSES', 'ATTENTIONS', 'ENGINES', 'LAYOUTS', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'QUALITY_RECIPES',
-           'QUALITY_FILES', 'TrainConfig', 'PlanOptions', 'toy_profile', 'DataOptions', 'CacheOptions', 'RegenConfig',
-           'SynthConfig', 'ToyOptions', 'SpeculateOptions', 'AttentionBench', 'ScalingBench', 'StepBench', 'TrainBench',
-           'RegenerateBench', 'DataBench', 'GpuBench', 'QualityBench', 'quality_found']
+__all__ = ['DTYPES', 'TRACKERS', 'LOSSES', 'LAYOUTS', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'QUALITY_RECIPES', 'TrainConfig',
+           'PlanOptions', 'toy_profile', 'DataOptions', 'CacheOptions', 'RegenConfig', 'SynthConfig', 'ToyOptions',
+           'SpeculateOptions', 'AttentionBench', 'ScalingBench', 'StepBench', 'TrainBench', 'RegenerateBench',
+           'DataBench', 'GpuBench', 'QualityBench', 'quality_found']
 
 # %% ../nbs/00f_schema.ipynb #a512e147
 _SHORT = {'float32': 'fp32', 'bfloat16': 'bf16', 'float16': 'fp16', 'float64': 'fp64'}   # torch's name -> the short one
@@ -31,7 +31,7 @@ TRACKERS = {'tensorboard': 'tensorboard', 'none': None, 'all': None, 'wandb': 'w
             'comet_ml': 'comet_ml', 'aim': 'aim', 'clearml': 'clearml', 'dvclive': 'dvclive', 'swanlab': 'swanlab',
             'trackio': 'trackio'}     # `--report-to` values and the package each needs (accelerate's trackers)
 LOSSES = ('ce', 'dpace', 'dpace-confidence', 'dpace-continuation', 'kl')   # `--loss`: dflash.objective's objectives
-ATTENTIONS = ('sdpa', 'flex', 'eager')                                    # `--attention`: dflash.attention's backends
+_ATTENTIONS = ('sdpa', 'flex', 'eager')                                    # `--attention`: dflash.attention's backends
 
 @dataclass
 class TrainConfig:
@@ -88,7 +88,7 @@ class TrainConfig:
     decay_ratio: float = option(0.2, "--schedule wsd: share of steps in the final decay", gt=0, le=1,
                                 read_with=('schedule', ('wsd',)))
     max_grad_norm: float = option(1.0, "gradient-norm clipping", gt=0)
-    attention: str = option('sdpa', "attention backend", choices=list(ATTENTIONS))
+    attention: str = option('sdpa', "attention backend", choices=list(_ATTENTIONS))
     checkpointing: str = option('auto', "layer checkpointing: auto (cheapest that fits), none, all, every k-th (k), "
                                         "or a list like [0,2]")
     memory_fraction: float = option(0.9, "share of free device memory the attention planner may use", gt=0, le=1)
@@ -186,7 +186,7 @@ class CacheOptions(DataOptions):
     threads: int | None = threads_option()
 
 # %% ../nbs/00f_schema.ipynb #e0d54779
-ENGINES = ('transformers', 'vllm')
+_ENGINES = ('transformers', 'vllm')
 
 @dataclass
 class RegenConfig:
@@ -197,7 +197,7 @@ class RegenConfig:
     out: str | None = option(None, 'output JSONL, append-only, resumed when rerun (`OUT.index` beside it); required')
     target: str | None = option(None, 'target model directory or hub id (local Hugging Face cache only) '
                                       '(default: the shipped toy target)')
-    engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(ENGINES))
+    engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(_ENGINES))
     batch_size: int = option(32, 'conversations generated together (left-padded)', ge=1)
     max_new_tokens: int = option(512, 'tokens per assistant turn at most', ge=1)
     temperature: float = option(0.0, '0: greedy; > 0: sampling', zero_or_ge=TEMPERATURE_MIN)
@@ -234,7 +234,7 @@ class SynthConfig:
     seed: int = option(0, 'sampling seed (each batch and turn draws its own: the same command writes the same file)',
                        ge=0, le=SEED_MAX)
     batch_size: int = option(32, 'conversations sampled together (left-padded)', ge=1)
-    engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(ENGINES))
+    engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(_ENGINES))
     thinking: str | None = option(None, "for templates with `enable_thinking` (default: the template's)",
                                   choices=['on', 'off'])
     dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(DTYPES))
@@ -431,9 +431,9 @@ class QualityBench:
     overwrite: bool = option(False, "move the results of an earlier run in --out (quality.csv, quality.png, runs/) "
                                     "aside, to OUT.replaced-TIME, and measure again")
 
-QUALITY_FILES = ('quality.csv', 'quality.png', 'runs')           # what `quality` writes into --out
+_QUALITY_FILES = ('quality.csv', 'quality.png', 'runs')           # what `quality` writes into --out
 
 def quality_found(out) -> list[str]:
     "The results of an earlier quality run in `out`, by name."
-    return [n for n in QUALITY_FILES if os.path.lexists(Path(out) / n)]
+    return [n for n in _QUALITY_FILES if os.path.lexists(Path(out) / n)]
 
