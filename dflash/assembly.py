@@ -30,7 +30,7 @@ from .schema import TrainConfig
 from .runs import launch_problems
 
 # %% auto #0
-__all__ = ['run_accelerator', 'frozen_head_weights', 'load_parts', 'Drafting', 'build_drafter']
+__all__ = ['Drafting', 'build_drafter']
 
 # %% ../nbs/09g_assembly.ipynb #abf38fb4
 def run_accelerator(cfg: TrainConfig, accelerator: Accelerator | None = None) -> Accelerator:

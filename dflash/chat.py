@@ -17,8 +17,7 @@ from .files import disk_error, file_sha256, hf_hub_cache, resolve_local
 from .templates import ChatTemplateError, template_text, tokenize_chat
 
 # %% auto #0
-__all__ = ['DataError', 'DataStats', 'read_jsonl', 'to_messages', 'tokenize_conversation', 'ChatDataset', 'read_records',
-           'load_chat_data']
+__all__ = ['DataError', 'DataStats', 'tokenize_conversation', 'ChatDataset', 'load_chat_data']
 
 # %% ../nbs/08_chat.ipynb #e33fbecc
 class DataError(InputError):

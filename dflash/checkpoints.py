@@ -17,8 +17,7 @@ from .files import (json_problem, file_sha256, write_json, fsync_path, make_dir,
 from .runs import RunDirError
 
 # %% auto #0
-__all__ = ['CheckpointError', 'checkpoint_dirs', 'verify_checkpoint', 'rotate_checkpoints', 'save_checkpoint', 'load_newest',
-           'gathered_weights', 'write_drafter']
+__all__ = []
 
 # %% ../nbs/09d_checkpoints.ipynb #04d5e059
 _CKPT = re.compile(r'^step-(\d+)$')

@@ -18,7 +18,7 @@ from .templates import load_tokenizer
 
 
 # %% auto #0
-__all__ = ['COMMANDS', 'main']
+__all__ = ['main']
 
 # %% ../nbs/08d_data.ipynb #27f8d72a
 _DATA_SUFFIXES = ('.jsonl', '.json', '.parquet')

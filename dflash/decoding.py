@@ -25,8 +25,8 @@ from .features import load_target, target_features
 from .threads import use_threads
 
 # %% auto #0
-__all__ = ['check_speculate', 'speculative_generate', 'greedy_generate', 'sample_generate', 'lookup_generate', 'eval_prompts',
-           'acceptance_eval', 'plot_acceptance', 'speculate']
+__all__ = ['speculative_generate', 'greedy_generate', 'sample_generate', 'lookup_generate', 'eval_prompts', 'acceptance_eval',
+           'plot_acceptance', 'speculate']
 
 # %% ../nbs/09a_decoding.ipynb #bfab8dcc
 def check_speculate(o: SpeculateOptions) -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno, os, sys, traceback
 
 # %% auto #0
-__all__ = ['EXIT_INPUT', 'EXIT_PREEMPTED', 'InputError', 'NoFit', 'verdict', 'run_command']
+__all__ = ['EXIT_INPUT', 'EXIT_PREEMPTED', 'InputError', 'NoFit']
 
 # %% ../nbs/00_errors.ipynb #62b450f5
 _EXIT_BUG = 1            # a bug: the traceback is shown

@@ -22,8 +22,7 @@ from .stops import Preempted, StopRequest, any_stop
 from .chat import DataStats
 
 # %% auto #0
-__all__ = ['check_target_dir', 'target_identity', 'target_features', 'load_target', 'TargetFeatures', 'cache_bytes_per_token',
-           'write_cache', 'CacheDataset', 'token_counts', 'data_mask_token', 'collate']
+__all__ = ['target_features', 'load_target', 'TargetFeatures', 'write_cache', 'CacheDataset']
 
 # %% ../nbs/08a_features.ipynb #3bfa4cc6
 _WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pt', '.pth')

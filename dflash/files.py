@@ -10,11 +10,7 @@ from typing import Callable
 from .options import unreadable
 
 # %% auto #0
-__all__ = ['fsync_path', 'disk_error', 'temp_beside', 'write_atomic', 'temp_dir_beside', 'remove_temporaries', 'write_json',
-           'write_csv', 'hf_hub_cache', 'resolve_local', 'json_problem', 'safetensors_problem', 'file_sha256',
-           'is_gguf', 'gguf_problem', 'pretrained', 'target_problems', 'target_config_dict', 'config_vocab_size',
-           'config_max_positions', 'causal_lm_problem', 'make_dir', 'dir_write_problem', 'out_problems', 'assets_dir',
-           'toy_target_dir', 'toy_data_dir']
+__all__ = []
 
 # %% ../nbs/00b_files.ipynb #99b1472b
 def fsync_path(path):

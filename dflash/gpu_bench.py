@@ -25,7 +25,7 @@ from .files import write_atomic, write_csv
 from .harness import METHODS, bench_many, launch_train, last_error, logged_steps
 
 # %% auto #0
-__all__ = ['SECTIONS', 'run_gpu']
+__all__ = ['run_gpu']
 
 # %% ../nbs/12a_gpu.ipynb #c36b4aa1
 def _rel(a: Tensor, b: Tensor) -> float:

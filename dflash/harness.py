@@ -15,8 +15,7 @@ from .memory import measure
 from .attention import get_backend
 
 # %% auto #0
-__all__ = ['METHODS', 'progress', 'pinned_threads', 'sync_device', 'bench_many', 'physical_floor', 'launch_commands',
-           'launch_train', 'last_error', 'logged_steps', 'throughput']
+__all__ = []
 
 # %% ../nbs/12_harness.ipynb #e0bdccab
 def _dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window=None) -> Tensor:

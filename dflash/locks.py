@@ -10,7 +10,7 @@ from .errors import EXIT_INPUT
 from .files import json_problem, temp_beside, write_json
 
 # %% auto #0
-__all__ = ['LockError', 'take_lock', 'start_heartbeat', 'release_lock', 'writer_locks', 'writer_problem']
+__all__ = []
 
 # %% ../nbs/00d_locks.ipynb #3f5672fb
 def _alive(pid: int) -> bool:

@@ -13,8 +13,7 @@ from .objective import ObjectiveSums
 from .runs import RunDirError
 
 # %% auto #0
-__all__ = ['peak_memory_mb', 'append_csv', 'sums_metrics', 'csv_steps', 'last_row', 'truncate_csv', 'TrackerError', 'Trackers',
-           'timed']
+__all__ = []
 
 # %% ../nbs/09e_metrics.ipynb #2a090d02
 def peak_memory_mb(device) -> float:

@@ -12,8 +12,7 @@ import yaml
 from fastcore.basics import patch_to
 
 # %% auto #0
-__all__ = ['SEED_MAX', 'TEMPERATURE_MIN', 'OptionsError', 'option', 'flag', 'unreadable', 'OptionParser', 'build_options',
-           'parse_options', 'Command', 'usage_text', 'parse_subcommand']
+__all__ = []
 
 # %% ../nbs/00a_options.ipynb #38d158e5
 class OptionsError(ValueError):

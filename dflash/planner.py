@@ -21,8 +21,7 @@ from .objective import dflash_objective, objective_bytes_per_row, Objective
 from .memory import MemoryTracker, fmt_bytes
 
 # %% auto #0
-__all__ = ['plan_layout', 'budgets', 'step_memory', 'recommend_policy', 'online_target_bytes', 'online_advice', 'fits_table',
-           'check_plan', 'run_plan']
+__all__ = ['plan_layout', 'budgets', 'step_memory', 'recommend_policy', 'fits_table']
 
 # %% ../nbs/07a_planner.ipynb #3b47ea57
 _UNITS = {'': 1, 'b': 1, 'kb': 10**3, 'mb': 10**6, 'gb': 10**9, 'tb': 10**12,

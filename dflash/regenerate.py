@@ -22,9 +22,7 @@ if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.chat
     from dflash.chat import DataStats
 
 # %% auto #0
-__all__ = ['REGENERATE', 'target_dir', 'vllm_unavailable', 'target_engine_problems', 'load_conversations', 'TransformersEngine',
-           'round_seed', 'reply_round', 'regenerate_batch', 'run_header', 'index_path', 'read_index', 'repair_output',
-           'append_batch', 'make_engine', 'process_state', 'regenerate', 'greedy_agreement', 'run_locked', 'main']
+__all__ = ['REGENERATE', 'TransformersEngine', 'make_engine', 'process_state', 'regenerate', 'run_locked', 'main']
 
 # %% ../nbs/08b_regenerate.ipynb #924b1aed
 _PROG = 'python -m dflash.regenerate'

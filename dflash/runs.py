@@ -14,8 +14,7 @@ from .files import (config_max_positions, config_vocab_size, file_sha256, json_p
 from .locks import LockError, take_lock, start_heartbeat, release_lock, writer_problem
 
 # %% auto #0
-__all__ = ['RUN_ACTIONS', 'launch_problems', 'policy_problem', 'check_train', 'RunDirError', 'RunFailed', 'StartupFailed',
-           'read_run', 'unlock_run', 'claim_run', 'resume_changes', 'absolute_paths', 'data_checksums', 'data_changes']
+__all__ = []
 
 # %% ../nbs/09b_runs.ipynb #b7d1c0a2
 _TRUE, _FALSE = ('1', 'true', 'yes', 'y', 'on', 't'), ('0', 'false', 'no', 'n', 'off', 'f')

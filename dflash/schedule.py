@@ -11,7 +11,7 @@ from .errors import InputError
 from .schema import TrainConfig
 
 # %% auto #0
-__all__ = ['step_samples', 'rank_micro_batches', 'run_steps', 'lr_schedule', 'steps_change']
+__all__ = ['run_steps', 'lr_schedule']
 
 # %% ../nbs/09f_schedule.ipynb #63af2a3a
 def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:

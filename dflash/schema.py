@@ -13,10 +13,8 @@ from .threads import threads_option
 from .files import assets_dir
 
 # %% auto #0
-__all__ = ['DTYPES', 'TRACKERS', 'LOSSES', 'LAYOUTS', 'STEP_CONFIGS', 'TRAIN_TARGETS', 'QUALITY_RECIPES', 'TrainConfig',
-           'PlanOptions', 'toy_profile', 'DataOptions', 'CacheOptions', 'RegenConfig', 'SynthConfig', 'ToyOptions',
-           'SpeculateOptions', 'AttentionBench', 'ScalingBench', 'StepBench', 'TrainBench', 'RegenerateBench',
-           'DataBench', 'GpuBench', 'QualityBench', 'quality_found']
+__all__ = ['DTYPES', 'TRACKERS', 'LOSSES', 'TrainConfig', 'PlanOptions', 'toy_profile', 'DataOptions', 'CacheOptions',
+           'RegenConfig', 'SynthConfig', 'SpeculateOptions']
 
 # %% ../nbs/00f_schema.ipynb #a512e147
 _SHORT = {'float32': 'fp32', 'bfloat16': 'bf16', 'float16': 'fp16', 'float64': 'fp64'}   # torch's name -> the short one

@@ -18,7 +18,7 @@ from .regenerate import (
     run_locked, target_dir, target_engine_problems)
 
 # %% auto #0
-__all__ = ['SYNTHESIZE']
+__all__ = []
 
 # %% ../nbs/08c_synthesize.ipynb #089e45ab
 _SENTINEL = 'dflash-sentinel-user-message-7c1e'

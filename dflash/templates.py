@@ -13,8 +13,7 @@ if TYPE_CHECKING:         # for annotations: torch and numpy load inside the fun
     from torch import Tensor   # that import this module answer `--help` at once
 
 # %% auto #0
-__all__ = ['ChatTemplateError', 'template_text', 'template_messages', 'tokenize_chat', 'load_tokenizer', 'template_kwargs',
-           'special_after', 'end_of_turn_ids', 'prompt_ids']
+__all__ = ['ChatTemplateError', 'template_text', 'template_messages', 'tokenize_chat', 'load_tokenizer']
 
 # %% ../nbs/07c_templates.ipynb #b3506a14
 class ChatTemplateError(ValueError):

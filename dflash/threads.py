@@ -9,7 +9,7 @@ from pathlib import Path
 from .options import option
 
 # %% auto #0
-__all__ = ['cores_available', 'use_threads', 'threads_option']
+__all__ = []
 
 # %% ../nbs/00c_threads.ipynb #b7e40006
 def _parent_launch(pid: int | None = None) -> tuple[dict, list[str]] | None:

@@ -17,6 +17,14 @@ def test_no_module_imports_another_modules_private_names():
     assert not found, found
 
 
+def test_the_public_api_is_at_most_180_names():
+    "Each module's `__all__` is its public API; helpers the commands share besides are exported internal (`#| exporti`)."
+    names = [e.value for p in MODULES for n in ast.parse(p.read_text()).body
+             if isinstance(n, ast.Assign) and any(getattr(t, 'id', '') == '__all__' for t in n.targets)
+             for e in n.value.elts]
+    assert len(names) <= 180, len(names)
+
+
 def test_model_modules_do_not_import_matplotlib():
     "Every rank imports the model and the trainer; plots import matplotlib only when they draw."
     code = ("import sys, dflash.drafter, dflash.attention, dflash.trainer, dflash.planner; "
