@@ -144,7 +144,7 @@ def _anchored(cache: CacheDataset, max_length: int) -> list[int]:
     for k, s in enumerate(cache.manifest['shards']):
         with safe_open(cache.path / s['file'], framework='pt') as f:
             off, mask = f.get_tensor('offsets').tolist(), f.get_tensor('loss_mask')
-        keep += [k * cache.shard_size + j for j in range(len(off) - 1)
+        keep += [cache.starts[k] + j for j in range(len(off) - 1)
                  if len(valid_anchors(mask[off[j]:off[j + 1]][:max_length]))]
     return keep
 

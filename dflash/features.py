@@ -4,7 +4,7 @@
 
 # %% ../nbs/08a_features.ipynb #fea70003
 from __future__ import annotations
-import hashlib, json, os
+import bisect, hashlib, json, os
 from pathlib import Path
 import numpy as np
 import torch
@@ -232,16 +232,20 @@ def _write_shard(path: Path, tensors: dict[str, Tensor]) -> dict:
 _PLAN_KEYS = ('format', 'num_samples', 'num_tokens', 'shard_size', 'num_shards', 'layer_ids', 'hidden_size',
               'context_size', 'dtype', 'final_hidden')
 
+def _manifest_head(path, identity: str, config, layer_ids, dtype, final_hidden: bool = False) -> dict:
+    "What a cache's manifest says of its target and features: the target's identity and sizes, the layers, the dtype."
+    return {'format': _CACHE_FORMAT, 'layer_ids': list(layer_ids), 'hidden_size': config.hidden_size,
+            'context_size': len(layer_ids) * config.hidden_size, 'dtype': str(dtype).removeprefix('torch.'),
+            'final_hidden': final_hidden,
+            'target': {'identity': identity, 'path': str(path), 'model_type': config.model_type,
+                       'num_hidden_layers': config.num_hidden_layers}}
+
 def _plan(features: TargetFeatures, dataset, shard_size: int, data_info: dict, final_hidden: bool = False) -> dict:
     n = len(dataset)
-    return {'format': _CACHE_FORMAT, 'num_samples': n,
-            'num_tokens': sum(len(dataset[i]['input_ids']) for i in range(n)),
-            'shard_size': shard_size, 'num_shards': -(-n // shard_size), 'layer_ids': features.layer_ids,
-            'hidden_size': features.hidden_size, 'context_size': features.context_size,
-            'dtype': str(features.dtype).removeprefix('torch.'), 'final_hidden': final_hidden,
-            'target': {'identity': features.identity, 'path': str(features.path),
-                       'model_type': features.config.model_type,
-                       'num_hidden_layers': features.config.num_hidden_layers},
+    head = _manifest_head(features.path, features.identity, features.config, features.layer_ids, features.dtype,
+                          final_hidden)
+    return {**head, 'num_samples': n, 'num_tokens': sum(len(dataset[i]['input_ids']) for i in range(n)),
+            'shard_size': shard_size, 'num_shards': -(-n // shard_size),
             'data': {'fingerprint': _data_fingerprint(dataset), **data_info}, 'shards': [], 'complete': False}
 
 def _check_resume(out: Path, plan: dict):
@@ -333,7 +337,8 @@ def _count(v) -> bool: return type(v) is int and v >= 0
 
 def _manifest_problem(m: dict) -> str | None:
     """Where a cache manifest's counts and its shard records disagree, or None: there are `num_shards` records, their
-    samples sum to `num_samples`, and each shard holds `shard_size` samples but the last, which may hold fewer."""
+    samples sum to `num_samples`, and no shard holds more than `shard_size` samples (the cache command fills all but
+    the last; a cache that grows with its data holds a batch per shard)."""
     n, K, size, shards = m['num_samples'], m['num_shards'], m['shard_size'], m['shards']
     if not (_count(n) and _count(K) and _count(size) and size > 0 and isinstance(shards, list)):
         return "num_samples, num_shards and shard_size are not counts, or shards not a list"
@@ -344,7 +349,7 @@ def _manifest_problem(m: dict) -> str | None:
     if (held := sum(s['num_samples'] for s in shards)) != n:
         return f"num_samples is {n}, but its shards hold {held}"
     for k, s in enumerate(shards):
-        if s['num_samples'] > size or s['num_samples'] < size and k < K - 1:
+        if s['num_samples'] > size:
             return f"shard_size is {size}, but shard {s['file']} holds {s['num_samples']} samples"
     return None
 
@@ -380,7 +385,8 @@ class CacheDataset(Dataset):
                 raise InputError(f"cache {path}: shard {s['file']} is truncated or corrupt "
                                  f"({f.stat().st_size} bytes, the manifest says {s['bytes']}){_REDO}")
             if bad := safetensors_problem(f): raise InputError(f"cache {bad}")      # unreadable, or a hostile header
-        self.shard_size, self.stats = m['shard_size'], DataStats(**m['data'].get('stats', {}))
+        self.stats = DataStats(**m['data'].get('stats', {}))
+        self.starts = np.cumsum([0] + [s['num_samples'] for s in m['shards']]).tolist()   # first sample of each shard
         self._open = {}
 
     def __len__(self): return self.manifest['num_samples']
@@ -402,14 +408,69 @@ class CacheDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         if not 0 <= i < len(self): raise IndexError(i)
-        f, off = self._shard(i // self.shard_size)
-        a, b = off[i % self.shard_size], off[i % self.shard_size + 1]
+        k = bisect.bisect_right(self.starts, i) - 1                             # the shard that holds sample i
+        f, off = self._shard(k)
+        a, b = off[i - self.starts[k]], off[i - self.starts[k] + 1]
         out = {'input_ids': f.get_slice('input_ids')[a:b], 'loss_mask': f.get_slice('loss_mask')[a:b],
                'context': f.get_slice('context')[a:b], 'sample_id': i}
         if self.manifest.get('final_hidden'): out['final_hidden'] = f.get_slice('final_hidden')[a:b]
         return out
 
     def __getstate__(self): return {**self.__dict__, '_open': {}}   # DataLoader workers open their own
+
+# %% ../nbs/08a_features.ipynb #4f5f54f7
+class CacheAppender:
+    "A cache written as its data is: `append` adds a shard of samples whose features are computed (a batch)."
+    def __init__(self, out, *, target_path, identity: str, config, layer_ids, dtype, shard_size: int, data_info: dict):
+        self.out = Path(out)
+        head = _manifest_head(target_path, identity, config, layer_ids, dtype)
+        mf = self.out / 'manifest.json'
+        if not mf.is_file():
+            self.manifest = {**head, 'num_samples': 0, 'num_tokens': 0, 'shard_size': shard_size, 'num_shards': 0,
+                             'data': {**data_info, 'batches': 0, 'max_length': 0}, 'shards': [], 'complete': True}
+            return
+        self.manifest = old = json.loads(mf.read_text())
+        if old.get('target', {}).get('identity') != identity:
+            raise InputError(f"{self.out}: holds a cache of target {old.get('target', {}).get('identity')}, not of "
+                             f"{identity} ({target_path}); use another cache directory")
+        for k, v in [*head.items(), ('shard_size', shard_size)]:
+            if k != 'target' and old.get(k) != v:
+                raise InputError(f"{self.out}: holds a cache with {k}={old.get(k)!r}, this one has {v!r}; use "
+                                 "another cache directory")
+        if 'batches' not in old.get('data', {}):
+            raise InputError(f"{self.out}: a cache written at once (`python -m dflash.data cache`), not one that grows "
+                             "with its data; use another cache directory")
+
+    @property
+    def batches(self) -> int: return self.manifest['data']['batches']
+
+    def keep(self, batches: int):
+        "Forget the batches from `batches` on (their shards stay on disk until a batch of that number is written again)."
+        m = self.manifest
+        m['shards'] = [s for s in m['shards'] if s['batch'] < batches]
+        m['num_samples'] = sum(s['num_samples'] for s in m['shards'])
+        m['num_tokens'] = sum(s['num_tokens'] for s in m['shards'])
+        m['num_shards'], m['data']['batches'] = len(m['shards']), min(m['data']['batches'], batches)
+        write_json(self.out / 'manifest.json', m)
+
+    def append(self, samples: list[dict]):
+        "The next batch: `{'input_ids' (S,), 'loss_mask' (S,), 'context' (S, L·H)}` of each sample (none: an empty batch)."
+        m, k = self.manifest, self.batches
+        if samples:
+            make_dir(self.out)
+            lens = torch.tensor([0] + [len(s['input_ids']) for s in samples])
+            first = m['num_samples']
+            tensors = {'input_ids': torch.cat([s['input_ids'] for s in samples]).long(),
+                       'loss_mask': torch.cat([s['loss_mask'] for s in samples]).bool(),
+                       'context': torch.cat([s['context'] for s in samples]).contiguous(), 'offsets': lens.cumsum(0),
+                       'sample_ids': torch.arange(first, first + len(samples))}
+            rec = {**_write_shard(self.out / _shard_name(k), tensors), 'batch': k}
+            m['shards'].append(rec)
+            m['num_samples'], m['num_tokens'] = first + rec['num_samples'], m['num_tokens'] + rec['num_tokens']
+            m['num_shards'], m['data']['max_length'] = len(m['shards']), max(m['data']['max_length'], *lens.tolist())
+        m['data']['batches'] = k + 1
+        make_dir(self.out)
+        write_json(self.out / 'manifest.json', m)
 
 # %% ../nbs/08a_features.ipynb #267a6dc4
 def token_counts(datasets, V: int) -> tuple[Tensor, Tensor]:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.chat
     from dflash.chat import DataStats
 
 # %% auto #0
-__all__ = ['REGENERATE', 'TransformersEngine', 'make_engine', 'process_state', 'regenerate', 'run_locked', 'main']
+__all__ = ['REGENERATE', 'TransformersEngine', 'engine_dtype', 'make_engine', 'process_state', 'regenerate', 'run_locked', 'main']
 
 # %% ../nbs/08b_regenerate.ipynb #924b1aed
 _PROG = 'python -m dflash.regenerate'
@@ -120,8 +120,18 @@ class TransformersEngine:
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
 
     def __call__(self, prompts: list[list[int]], seed: int = 0) -> list[tuple[list[int], bool]]:
+        return [(toks, stop is not None) for toks, stop, _ in self.generate(prompts, seed)]
+
+    def generate(self, prompts: list[list[int]], seed: int = 0, layer_ids=None) -> list[tuple]:
+        """`(tokens, stop, features)` of each prompt: `stop` is the stop id that ended the reply (None: cut at
+        `max_new_tokens`). With `layer_ids`, `features` (T, L·H) are the context features
+        (`target_features`) of the T tokens the target read: the prompt, the reply and its stop token, taken from the
+        forwards that generate them (a finished row stays one forward longer, so that its last token is read too);
+        without, None."""
         import torch
         from transformers import DynamicCache
+        from dflash.features import target_features
+        keep = layer_ids is not None                                        # read the features too
         with torch.no_grad():
             dev = next(self.model.parameters()).device
             N, P = len(prompts), max(map(len, prompts))
@@ -132,27 +142,41 @@ class TransformersEngine:
             pos = (mask.cumsum(-1) - 1).clamp(min=0)                                # (N, P) positions, padding at 0
             gen = torch.Generator(dev).manual_seed(seed) if self.temperature > 0 else None
             cache, stops = DynamicCache(), torch.tensor(self.stop_ids, device=dev)
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                                **_cache_kw(self.model, cache)).logits[:, -1]     # (N, V)
+            res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                             output_hidden_states=keep, **_cache_kw(self.model, cache))
+            feats = [[] for _ in range(N)]
+            if keep:
+                f = target_features(res.hidden_states, layer_ids).cpu()            # (N, P, L·H)
+                for n, p in enumerate(prompts): feats[n].append(f[n, P - len(p):])
+            logits = res.logits[:, -1]                                              # (N, V)
             live, nxt_pos = torch.arange(N, device=dev), pos[:, -1] + 1    # rows still generating, their next position
-            out, stopped = [[] for _ in range(N)], [False] * N
+            out, ended = [[] for _ in range(N)], [None] * N
             for step in range(self.max_new_tokens):
                 tok = _sample_next(logits, self.temperature, self.top_p, gen)        # (n,)
                 done = torch.isin(tok, stops)
                 for r, t, d in zip(live.tolist(), tok.tolist(), done.tolist()):
-                    if d: stopped[r] = True
+                    if d: ended[r] = t
                     else: out[r].append(t)
-                keep = ~done
-                if step == self.max_new_tokens - 1 or not keep.any(): break
-                if not keep.all():                                          # finished rows leave the batch and cache
-                    idx = keep.nonzero()[:, 0]
+                going = ~done
+                last = step == self.max_new_tokens - 1 or not going.any()
+                if last and not keep: break
+                if not keep and not going.all():                            # finished rows leave the batch and cache
+                    idx = going.nonzero()[:, 0]
                     cache.batch_select_indices(idx)
                     live, tok, mask, nxt_pos = live[idx], tok[idx], mask[idx], nxt_pos[idx]
                 mask = torch.cat([mask, mask.new_ones(len(live), 1)], 1)            # (n, L + 1)
-                logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=nxt_pos[:, None],
-                                    use_cache=True, **_cache_kw(self.model, cache)).logits[:, -1]
-                nxt_pos = nxt_pos + 1
-            return list(zip(out, stopped))
+                res = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=nxt_pos[:, None],
+                                 use_cache=True, output_hidden_states=keep, **_cache_kw(self.model, cache))
+                if keep:
+                    f = target_features(res.hidden_states, layer_ids)[:, 0].cpu()  # (n, L·H) of the tokens just read
+                    for r, v in zip(live.tolist(), f): feats[r].append(v[None])
+                    if last: break
+                logits, nxt_pos = res.logits[:, -1], nxt_pos + 1
+                if keep and not going.all():                               # read their last token: now they leave
+                    idx = going.nonzero()[:, 0]
+                    cache.batch_select_indices(idx)
+                    live, mask, nxt_pos, logits = live[idx], mask[idx], nxt_pos[idx], logits[idx]
+            return [(o, e, torch.cat(f) if keep else None) for o, e, f in zip(out, ended, feats)]
 
 # %% ../nbs/08b_regenerate.ipynb #3a74bfe9
 class _VLLMEngine:
@@ -294,7 +318,8 @@ def append_batch(out, entry: dict, records: list[dict]):
         raise
 
 # %% ../nbs/08b_regenerate.ipynb #6cbbe86e
-def _dtype(cfg: RegenConfig, device) -> torch.dtype:
+def engine_dtype(cfg: RegenConfig, device) -> torch.dtype:
+    "The dtype the target generates in: `--dtype`, else bfloat16 on a GPU and float32 on a CPU."
     import torch
     if cfg.dtype: return getattr(torch, DTYPES[cfg.dtype])
     return torch.bfloat16 if device.type == 'cuda' else torch.float32
@@ -310,7 +335,7 @@ def make_engine(cfg: RegenConfig, tokenizer, device):
     if cfg.engine == 'vllm':
         return _VLLMEngine(target, stops, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                           top_p=cfg.top_p, dtype=DTYPES.get(cfg.dtype))
-    model = load_target(target, _dtype(cfg, device)).to(device).eval()       # its weights and config.json agree
+    model = load_target(target, engine_dtype(cfg, device)).to(device).eval()       # its weights and config.json agree
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     return TransformersEngine(model, stops, pad, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p)

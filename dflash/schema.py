@@ -236,6 +236,11 @@ class SynthConfig:
     thinking: str | None = option(None, "for templates with `enable_thinking` (default: the template's)",
                                   choices=['on', 'off'])
     dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(DTYPES))
+    cache: str | None = option(None, "also write the target's hidden states of every record into this cache "
+                                     'directory, read off the forwards that write the replies (no second forward over '
+                                     'the data); `dflash.train --cache` trains on it at any point')
+    num_draft_layers: int = option(5, 'drafter layers whose target layers --cache holds (the DFlash choice of layers)',
+                                   ge=1)
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
     threads: int | None = threads_option()
 

@@ -12,9 +12,9 @@ from .options import Command, build_options
 from .files import pretrained, target_config_dict
 from .stops import Preempted, StopRequest
 from .schema import DTYPES, SynthConfig
-from .templates import special_after, template_kwargs, template_messages
+from .templates import prompt_ids, special_after, template_kwargs, template_messages
 from .regenerate import (
-    append_batch, make_engine, process_state, read_index, repair_output, reply_round, round_seed,
+    append_batch, engine_dtype, make_engine, process_state, read_index, repair_output, reply_round, round_seed,
     run_locked, target_dir, target_engine_problems)
 
 # %% auto #0
@@ -103,6 +103,35 @@ def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, ne
     info['truncated'] = sum(m.get('truncated', False) for i in live for m in convs[i])
     return [{'messages': convs[i]} for i in live], info
 
+# %% ../nbs/08c_synthesize.ipynb #7a5ba73e
+class _Reading:
+    "The reply engine, keeping what the target read for each prompt it answers: `(token ids, features)`."
+    def __init__(self, engine, layer_ids): self.engine, self.layer_ids, self.read = engine, list(layer_ids), {}
+
+    def __call__(self, prompts: list[list[int]], seed: int = 0) -> list[tuple[list[int], bool]]:
+        outs = self.engine.generate(prompts, seed, self.layer_ids)
+        for p, (toks, stop, feats) in zip(prompts, outs):
+            self.read[tuple(p)] = (p + toks + ([stop] if stop is not None else []), feats)
+        return [(toks, stop is not None) for toks, stop, _ in outs]
+
+def _cache_samples(reading: _Reading, tokenizer, records: list[dict], template_kw: dict) -> tuple[list[dict], int]:
+    """Each record as a cache sample (`input_ids`, `loss_mask`, `context`), and how many were left out because their
+    text tokenizes otherwise than what the target read."""
+    from dflash.chat import tokenize_conversation
+    samples, missed = [], 0
+    for r in records:
+        msgs = r['messages']
+        last = max(i for i, m in enumerate(msgs) if m['role'] == 'assistant')
+        read, feats = reading.read[tuple(prompt_ids(tokenizer, msgs[:last], template_kw))]
+        s = tokenize_conversation(tokenizer, msgs, max_length=len(read) + 4096, **template_kw)
+        n = min(len(read), 0 if s is None else len(s['input_ids']))
+        if s is None or s['input_ids'][:n].tolist() != read[:n] or s['loss_mask'][n:].any():
+            missed += 1
+            continue
+        samples.append({'input_ids': s['input_ids'][:n], 'loss_mask': s['loss_mask'][:n], 'context': feats[:n]})
+    reading.read.clear()
+    return samples, missed
+
 # %% ../nbs/08c_synthesize.ipynb #86620ee5
 def _positions(cfg) -> int | None:
     "The target's `max_position_embeddings` from its config (config.json, or a GGUF file's), when there is one to read."
@@ -117,6 +146,11 @@ def _check_synth(cfg: SynthConfig) -> list[str]:
         p.append(f"--user-prefix = {cfg.user_prefix!r}: empty; give the text every user message begins with, or "
                  "leave the option out")
     p += target_engine_problems(cfg)
+    if cfg.cache is not None and cfg.engine != 'transformers':
+        p.append(f"--cache with --engine {cfg.engine}: the cache is read off transformers' forwards; use --engine "
+                 "transformers, or write the cache afterwards with `python -m dflash.data cache`")
+    if cfg.cache is not None and Path(cfg.cache).exists() and not Path(cfg.cache).is_dir():
+        p.append(f"--cache = {cfg.cache!r}: is a file, expected a directory")
     need = cfg.turns * (cfg.max_prompt_tokens + cfg.max_new_tokens)
     if not p and (n := _positions(cfg)) and need > n:
         p.append(f"--turns x (--max-prompt-tokens + --max-new-tokens) = {cfg.turns} x ({cfg.max_prompt_tokens} + "
@@ -141,6 +175,22 @@ def _synth_header(cfg: SynthConfig) -> dict:
     return {'format': _SYNTH_FORMAT, 'target': target_identity(target_dir(cfg)),
             'options': {**{k: getattr(cfg, k) for k in keep}, **steer, 'dtype': DTYPES.get(cfg.dtype)}}   # bf16 as bfloat16
 
+def _growing_cache(cfg: SynthConfig, target, config, batches: int, device):
+    """The cache `--cache` grows with the data (`CacheAppender`): it holds the batches the data holds, or one more,
+    written before a stop that came before the data's, which it forgets. Anything else is another data's cache."""
+    from dflash.config import default_target_layer_ids
+    from dflash.features import CacheAppender, target_identity
+    ids = default_target_layer_ids(config.num_hidden_layers, cfg.num_draft_layers)
+    grow = CacheAppender(cfg.cache, target_path=target, identity=target_identity(target), config=config,
+                         layer_ids=ids, dtype=engine_dtype(cfg, device), shard_size=cfg.batch_size,
+                         data_info={'path': str(cfg.out)})
+    if not batches <= grow.batches <= batches + 1:
+        raise InputError(f"--cache {cfg.cache}: holds {grow.batches} batches and {cfg.out} {batches}; a cache grows "
+                         "with its data from the first batch: use another --cache (`python -m dflash.data cache` "
+                         "writes one of the records so far)")
+    if grow.batches > batches: grow.keep(batches)
+    return grow
+
 def _first_user(rec: dict) -> str: return next(m['content'] for m in rec['messages'] if m['role'] == 'user')
 
 _SUMMED = ('records', 'prompts', *_FILTERS, 'truncated', 'looping_replies', 'prompt_tokens', 'tokens')
@@ -158,18 +208,19 @@ def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
         raise InputError("synthesize: run it as one process (each batch's duplicates are judged against the records "
                          "before it); drop accelerate launch")
     target = target_dir(cfg)
-    check_target_dir(target)
+    config = check_target_dir(target)
     tok = pretrained(AutoTokenizer, target)
     tkw = template_kwargs(tok, cfg.thinking, str(target))
     _open_user_turn(tok, [{'role': 'system', 'content': cfg.system}] if cfg.system else [], tkw)                                 # a template that cannot open a user turn: said now
     header = _synth_header(cfg)
     done = read_index(cfg.out, header)
+    grow = _growing_cache(cfg, target, config, len(done), state.device) if cfg.cache else None
     repair_output(cfg.out, header, done)
     seen = {_normalized(_first_user(json.loads(line)))
             for line in Path(cfg.out).read_text(encoding='utf-8').splitlines()}
     entries, written = list(done), sum(e['records'] for e in done)
     bar = tqdm(total=cfg.num, initial=written, unit='rec', desc='synthesize', disable=not cfg.progress)
-    t0, new, work = time.perf_counter(), 0, 0
+    t0, new, work, left_out = time.perf_counter(), 0, 0, 0
     if written < cfg.num:
         engine = make_engine(cfg, tok, state.device)
         prompter = _with_settings(engine, stop_ids=sorted(set(engine.stop_ids) | set(_end_of_user_turn_ids(tok))),
@@ -183,9 +234,14 @@ def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
                              f"record (dropped: {drops}), with {written} of {cfg.num} written; raise "
                              "--prompt-temperature or --prompt-top-p, or lower --num")
         k = len(entries)
-        recs, info = _synthesize_batch(prompter, engine, tok, n=cfg.batch_size, turns=cfg.turns,
+        reply = _Reading(engine, grow.manifest['layer_ids']) if grow else engine
+        recs, info = _synthesize_batch(prompter, reply, tok, n=cfg.batch_size, turns=cfg.turns,
                                        needed=cfg.num - written, seen=seen, template_kw=tkw, seed=cfg.seed, batch=k,
                                        system=cfg.system, user_prefix=cfg.user_prefix)
+        if grow:                                                   # the cache first: a stop between keeps the data's
+            samples, missed = _cache_samples(reply, tok, recs, tkw)
+            grow.append(samples)
+            left_out += missed
         entry = {'batch': k, 'records': len(recs), **info}
         append_batch(cfg.out, entry, recs)
         entries.append(entry)
@@ -202,6 +258,8 @@ def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
     dt = time.perf_counter() - t0
     res.update(batches=len(entries), resumed_batches=len(done), new_records=new, seconds=round(dt, 2),
                tokens_per_s=round(work / max(dt, 1e-9), 1), records_per_min=round(60 * new / max(dt, 1e-9), 1))
+    if grow: res['cache'] = {'path': cfg.cache, 'samples': grow.manifest['num_samples'],
+                             'tokens': grow.manifest['num_tokens'], 'left_out_now': left_out}
     return res
 
 def _synth_table(r: dict, out: str = 'out') -> str:
@@ -210,6 +268,8 @@ def _synth_table(r: dict, out: str = 'out') -> str:
     rows += [(f'dropped: {why}', r[k]) for k, why in _FILTERS.items()]
     rows += [('replies truncated (kept, marked)', r['truncated_replies']),
              ('replies that loop (kept: the target writes them)', r['looping_replies'])]
+    if 'cache' in r: rows += [('cache samples (--cache)', r['cache']['samples']),
+                              ('left out of the cache now (tokenized otherwise)', r['cache']['left_out_now'])]
     w = max(len(x) for x, _ in rows)
     return '\n'.join([f"synthesized {out}"] + [f'  {x:<{w}}  {v:>10,}' for x, v in rows])
 
