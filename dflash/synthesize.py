@@ -115,20 +115,24 @@ class _Reading:
         return [(toks, stop is not None) for toks, stop, _ in outs]
 
 def _cache_samples(reading: _Reading, tokenizer, records: list[dict], template_kw: dict) -> tuple[list[dict], int]:
-    """Each record as a cache sample (`input_ids`, `loss_mask`, `context`), and how many were left out because their
-    text tokenizes otherwise than what the target read."""
+    """Each record as a cache sample (`input_ids`, `loss_mask`, `context`): the tokens the target read, supervised as
+    the chat data supervises them up to the last reply, and in that reply every token the target wrote (its stop token
+    too, when it stopped). How many were left out: those whose prompt renders otherwise in the whole conversation."""
+    import torch
     from dflash.chat import tokenize_conversation
     samples, missed = [], 0
     for r in records:
         msgs = r['messages']
         last = max(i for i, m in enumerate(msgs) if m['role'] == 'assistant')
-        read, feats = reading.read[tuple(prompt_ids(tokenizer, msgs[:last], template_kw))]
+        prompt = prompt_ids(tokenizer, msgs[:last], template_kw)
+        read, feats = reading.read[tuple(prompt)]
         s = tokenize_conversation(tokenizer, msgs, max_length=len(read) + 4096, **template_kw)
-        n = min(len(read), 0 if s is None else len(s['input_ids']))
-        if s is None or s['input_ids'][:n].tolist() != read[:n] or s['loss_mask'][n:].any():
+        P = len(prompt)
+        if s is None or s['input_ids'][:P].tolist() != prompt:
             missed += 1
             continue
-        samples.append({'input_ids': s['input_ids'][:n], 'loss_mask': s['loss_mask'][:n], 'context': feats[:n]})
+        mask = torch.cat([s['loss_mask'][:P].bool(), torch.ones(len(read) - P, dtype=torch.bool)])   # (T,)
+        samples.append({'input_ids': torch.tensor(read), 'loss_mask': mask, 'context': feats})
     reading.read.clear()
     return samples, missed
 
