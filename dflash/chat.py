@@ -218,6 +218,23 @@ class ChatDataset(Dataset):
         stats.check_usable(path)
         return cls(samples, stats)
 
+# %% ../nbs/08_chat.ipynb #73d185e7
+def collate(samples: list[dict], pad_token_id: int = 0) -> dict:
+    """Pad samples to a batch: input_ids, loss_mask, attention_mask (N, S), sample_ids (N,),
+    context (N, S, L·H) and final_hidden (N, S, H) if cached."""
+    N, S = len(samples), max(len(s['input_ids']) for s in samples)
+    out = {'input_ids': torch.full((N, S), pad_token_id, dtype=torch.long),
+           'loss_mask': torch.zeros(N, S, dtype=torch.bool), 'attention_mask': torch.zeros(N, S, dtype=torch.bool),
+           'sample_ids': torch.tensor([s['sample_id'] for s in samples], dtype=torch.long)}
+    padded = [k for k in ('context', 'final_hidden') if k in samples[0]]
+    for k in padded: out[k] = samples[0][k].new_zeros(N, S, samples[0][k].shape[-1])
+    for n, s in enumerate(samples):
+        L = len(s['input_ids'])
+        out['input_ids'][n, :L], out['loss_mask'][n, :L] = s['input_ids'], s['loss_mask']
+        out['attention_mask'][n, :L] = True
+        for k in padded: out[k][n, :L] = s[k]
+    return out
+
 # %% ../nbs/08_chat.ipynb #60cb4584
 _DATA_SUFFIXES = ('.jsonl', '.json', '.parquet')
 _SAVED = ('dataset_info.json', 'state.json', 'dataset_dict.json')     # what `Dataset.save_to_disk` writes

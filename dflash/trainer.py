@@ -18,7 +18,7 @@ from accelerate.utils import set_seed
 from .layout import BlockLayout
 from .drafter import DFlashDrafter
 from .objective import dflash_objective, draft_labels, Objective, ObjectiveSums
-from .features import collate
+from .chat import collate
 from .files import make_dir
 from .stops import Preempted, StopRequest
 from .schema import TrainConfig

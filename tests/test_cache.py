@@ -5,7 +5,8 @@ import numpy as np
 import pytest, torch
 from conftest import chat_sentence
 import dflash.features as features
-from dflash.features import CacheDataset, TargetFeatures, collate, write_cache
+from dflash.chat import collate
+from dflash.features import CacheDataset, TargetFeatures, write_cache
 from dflash.chat import ChatDataset
 from dflash.data import main
 

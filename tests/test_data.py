@@ -7,7 +7,8 @@ import dflash
 from conftest import END_OF_TURN, chat_sentence
 from dflash.chat import ChatDataset, DataError, DataStats, read_jsonl, to_messages, tokenize_conversation
 from dflash.templates import tokenize_chat
-from dflash.features import TargetFeatures, collate
+from dflash.chat import collate
+from dflash.features import TargetFeatures
 from dflash.layout import BlockLayout
 
 

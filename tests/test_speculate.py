@@ -6,7 +6,8 @@ from dflash.drafter import DFlashDrafter
 from dflash.layout import BlockLayout
 from dflash.objective import dflash_objective
 from dflash.chat import ChatDataset
-from dflash.features import TargetFeatures, collate
+from dflash.chat import collate
+from dflash.features import TargetFeatures
 from dflash.decoding import eval_prompts, speculative_generate, greedy_generate, acceptance_eval
 from dflash.speculate import main as speculate_main
 from dflash.toy import load_toy_target
