@@ -155,6 +155,9 @@ def _check_synth(cfg: SynthConfig) -> list[str]:
                  "transformers, or write the cache afterwards with `python -m dflash.data cache`")
     if cfg.cache is not None and Path(cfg.cache).exists() and not Path(cfg.cache).is_dir():
         p.append(f"--cache = {cfg.cache!r}: is a file, expected a directory")
+    if cfg.cache is None and cfg.num_draft_layers != SynthConfig.num_draft_layers:
+        p.append(f"--num-draft-layers = {cfg.num_draft_layers}: read only with --cache (the layers it holds); leave it "
+                 "out, or give --cache")
     need = cfg.turns * (cfg.max_prompt_tokens + cfg.max_new_tokens)
     if not p and (n := _positions(cfg)) and need > n:
         p.append(f"--turns x (--max-prompt-tokens + --max-new-tokens) = {cfg.turns} x ({cfg.max_prompt_tokens} + "
