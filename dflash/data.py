@@ -6,8 +6,8 @@
 from __future__ import annotations
 from pathlib import Path
 from .errors import InputError, run_command
-from .files import (config_max_positions, config_vocab_size, out_problems, pretrained, resolve_local,
-                          target_config_dict, target_problems)
+from .files import (config_max_positions, config_num_layers, config_vocab_size, out_problems, pretrained,
+                          resolve_local, target_config_dict, target_problems)
 from .options import Command, parse_subcommand, usage_text
 from .locks import release_lock, start_heartbeat, take_lock, writer_locks, writer_problem
 from .regenerate import REGENERATE
@@ -57,6 +57,8 @@ def _check_cache(o: CacheOptions) -> list[str]:
     V, P = config_vocab_size(conf), config_max_positions(conf)
     if o.mask_token_id is not None and V is not None and not o.mask_token_id < V:
         probs.append(f"--mask-token-id = {o.mask_token_id}: allowed 0..{V - 1} (the target's vocabulary)")
+    if o.layers is None and (T := config_num_layers(conf)) and o.num_draft_layers > T:
+        probs.append(f"--num-draft-layers = {o.num_draft_layers}: more than the target's {T} layers")
     if P is not None and isinstance(o.max_length, int) and o.max_length > P:
         probs.append(f"--max-length = {o.max_length}: allowed <= {P} (the target's max_position_embeddings: it has no "
                      f"positions past {P})")

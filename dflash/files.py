@@ -246,6 +246,12 @@ def config_max_positions(d: dict | None) -> int | None:
     P = d.get('max_position_embeddings') or (d.get('text_config') or {}).get('max_position_embeddings')
     return P if isinstance(P, int) and not isinstance(P, bool) else None
 
+def config_num_layers(d: dict | None) -> int | None:
+    "The layers of a config dict's model (num_hidden_layers; a multimodal model's text config's), or None."
+    d = d or {}
+    T = d.get('num_hidden_layers') or (d.get('text_config') or {}).get('num_hidden_layers')
+    return T if isinstance(T, int) and not isinstance(T, bool) else None
+
 def causal_lm_problem(config) -> str | None:
     "Why the model of transformers `config` is not a decoder-only causal LM (tokens see only earlier ones), or None."
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING

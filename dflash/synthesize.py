@@ -9,7 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 from .errors import InputError
 from .options import Command, build_options
-from .files import pretrained, target_config_dict
+from .files import config_max_positions, config_num_layers, pretrained, target_config_dict
 from .stops import Preempted, StopRequest
 from .schema import DTYPES, SynthConfig
 from .templates import prompt_ids, special_after, template_kwargs, template_messages
@@ -137,9 +137,9 @@ def _cache_samples(reading: _Reading, tokenizer, records: list[dict], template_k
     return samples, missed
 
 # %% ../nbs/08c_synthesize.ipynb #86620ee5
-def _positions(cfg) -> int | None:
-    "The target's `max_position_embeddings` from its config (config.json, or a GGUF file's), when there is one to read."
-    return (target_config_dict(target_dir(cfg))[0] or {}).get('max_position_embeddings')
+def _target_config(cfg) -> dict:
+    "The target's config (config.json, or a GGUF file's) as a dict, empty when there is none to read."
+    return target_config_dict(target_dir(cfg))[0] or {}
 
 def _check_synth(cfg: SynthConfig) -> list[str]:
     "Problems beyond each option's own range: required options, the output path, the target, vLLM, the lengths."
@@ -159,9 +159,12 @@ def _check_synth(cfg: SynthConfig) -> list[str]:
         p.append(f"--num-draft-layers = {cfg.num_draft_layers}: read only with --cache (the layers it holds); leave it "
                  "out, or give --cache")
     need = cfg.turns * (cfg.max_prompt_tokens + cfg.max_new_tokens)
-    if not p and (n := _positions(cfg)) and need > n:
+    conf = {} if p else _target_config(cfg)
+    if (n := config_max_positions(conf)) and need > n:
         p.append(f"--turns x (--max-prompt-tokens + --max-new-tokens) = {cfg.turns} x ({cfg.max_prompt_tokens} + "
                  f"{cfg.max_new_tokens}) = {need}: more tokens than the target's {n} positions; lower one of them")
+    if cfg.cache is not None and (L := config_num_layers(conf)) and cfg.num_draft_layers > L:
+        p.append(f"--num-draft-layers = {cfg.num_draft_layers}: more than the target's {L} layers")
     return p
 
 def _validate_synth(cfg: SynthConfig):
