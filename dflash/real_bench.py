@@ -44,7 +44,7 @@ _LEVERS = {   # each ablation: the base recipe with one lever changed (train opt
     'one-layer': 'one drafter layer',
     'block-4': 'the same drafter, decoding blocks of 4',
     'block-16': 'trained and decoded with blocks of 16',
-    'fp32-training': 'trained in float32, not in bfloat16 mixed precision',
+    'precision': 'trained in the other precision: bfloat16 mixed precision against float32',
 }
 
 @dataclass
@@ -68,9 +68,10 @@ class RealBench:
     draft_vocab_size: int = option(4096, 'pruned draft vocabulary (the most supervised target tokens)', ge=1)
     lr: float = option(3e-3, 'peak learning rate', gt=0)
     block_size: int = option(8, 'block size of training and decoding', ge=2)
-    bf16: bool = option(True, 'bfloat16 for the target while it synthesizes and caches, and bfloat16 mixed precision in '
-                              'training (about twice as fast on a CPU with AVX512-BF16 or AMX); the measurement runs in '
-                              'float32, so that T = 0 output can be compared with greedy decoding token for token')
+    bf16: bool | None = option(None, 'bfloat16 for the target while it synthesizes and caches, and bfloat16 mixed '
+                                     'precision in training (default: where the CPU computes bfloat16 itself, with '
+                                     'AVX512-BF16 or AMX; without them float32 is faster); the measurement runs in '
+                                     'float32, so that T = 0 output can be compared with greedy decoding token for token')
     max_new_tokens: int = option(64, 'new tokens per prompt at most', ge=1)
     temperatures: list[float] = option((0., 1.), 'temperatures of the measurement (0: greedy)', ge=0)
     levers: list[str] = option((), 'ablations, each trained on the same data for the same minutes and measured at '
@@ -129,7 +130,12 @@ def _run(cmd: list[str], log: Path, *, threads: int, deadline: float | None = No
     return {'rc': p.returncode, 'wall_s': time.perf_counter() - t0, 'cpu_s': cpu}
 
 # %% ../nbs/12b_real.ipynb #b11274d2
-def _dtype(o: RealBench) -> str: return 'bfloat16' if o.bf16 else 'float32'
+def _bf16(o: RealBench) -> bool:
+    "`--bf16`, by default true where the CPU has bfloat16 arithmetic: emulated, it is slower than float32."
+    import torch
+    return o.bf16 if o.bf16 is not None else torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+def _dtype(o: RealBench) -> str: return 'bfloat16' if _bf16(o) else 'float32'
 
 _STUB_PREFIX = 'def'   # a user message that begins a function: the form of a coding prompt
 
@@ -192,8 +198,8 @@ def _train_args(o: RealBench, target: str, work: Path, lever: str | None) -> lis
     return args
 
 def _accelerate_args(o: RealBench, lever: str | None) -> tuple:
-    "The launch's precision: bfloat16 mixed precision unless `--no-bf16` or the lever trains in float32."
-    return '--mixed_precision', 'bf16' if o.bf16 and lever != 'fp32-training' else 'no'
+    "The launch's precision: bfloat16 mixed precision where `_bf16`; the lever `precision` trains in the other one."
+    return '--mixed_precision', 'bf16' if _bf16(o) != (lever == 'precision') else 'no'
 
 def _train(o: RealBench, target: str, work: Path, name: str, lever: str | None, minutes: float) -> dict:
     """A drafter trained for about `minutes` in all: a short probe run times a step, then the run takes the steps that
