@@ -138,13 +138,14 @@ def _bf16(o: RealBench) -> bool:
 def _dtype(o: RealBench) -> str: return 'bfloat16' if _bf16(o) else 'float32'
 
 _STUB_PREFIX = 'def'   # a user message that begins a function: the form of a coding prompt
+_STUB_END = r'"""[\s\S]*?"""|\n\n'   # ... and ends after its docstring or at its first blank line
 
 def _synth_cmd(o: RealBench, target: str, out: Path, threads: int, stubs: bool) -> list:
     "The synthesis command writing `out`: the conversations --system steers, or with `stubs` function stubs too."
     cmd = [sys.executable, '-m', 'dflash.data', 'synthesize', '--target', target, '--out', out, '--num', 1_000_000,
            '--system', o.system, '--batch-size', 32, '--max-prompt-tokens', 192 if stubs else 128,
            '--max-new-tokens', 256, '--dtype', _dtype(o), '--threads', threads, '--no-progress']
-    return cmd + ['--user-prefix', _STUB_PREFIX] if stubs else cmd
+    return cmd + ['--user-prefix', _STUB_PREFIX, '--user-stop', _STUB_END] if stubs else cmd
 
 def _synthesize(o: RealBench, target: str, work: Path, deadline: float) -> dict:
     """Chat data written by the target until `deadline` (continuing what `work` holds), then joined into data.jsonl:

@@ -115,16 +115,17 @@ def _sample_next(logits, temperature: float = 0., top_p: float = 1., generator=N
 class TransformersEngine:
     "Batched generation with a transformers causal LM: left padding, KV cache, finished rows leave the batch."
     def __init__(self, model, stop_ids, pad_id: int, *, max_new_tokens: int = 512, temperature: float = 0.,
-                 top_p: float = 1.):
+                 top_p: float = 1., stop_when=None):
         self.model, self.stop_ids, self.pad_id = model, list(stop_ids), pad_id
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.stop_when = stop_when                  # tokens -> bool: a row's tokens so far that end it (e.g. a text)
 
     def __call__(self, prompts: list[list[int]], seed: int = 0) -> list[tuple[list[int], bool]]:
         return [(toks, stop is not None) for toks, stop, _ in self.generate(prompts, seed)]
 
     def generate(self, prompts: list[list[int]], seed: int = 0, layer_ids=None) -> list[tuple]:
-        """`(tokens, stop, features)` of each prompt: `stop` is the stop id that ended the reply (None: cut at
-        `max_new_tokens`). With `layer_ids`, `features` (T, L·H) are the context features
+        """`(tokens, stop, features)` of each prompt: `stop` is the stop id that ended the reply, -1 where `stop_when`
+        ended it (its last token kept), None where it was cut at `max_new_tokens`. With `layer_ids`, `features` (T, L·H) are the context features
         (`target_features`) of the T tokens the target read: the prompt, the reply and its stop token, taken from the
         forwards that generate them (a finished row stays one forward longer, so that its last token is read too);
         without, None."""
@@ -154,9 +155,10 @@ class TransformersEngine:
             for step in range(self.max_new_tokens):
                 tok = _sample_next(logits, self.temperature, self.top_p, gen)        # (n,)
                 done = torch.isin(tok, stops)
-                for r, t, d in zip(live.tolist(), tok.tolist(), done.tolist()):
+                for j, (r, t, d) in enumerate(zip(live.tolist(), tok.tolist(), done.tolist())):
                     if d: ended[r] = t
                     else: out[r].append(t)
+                    if not d and self.stop_when is not None and self.stop_when(out[r]): ended[r], done[j] = -1, True
                 going = ~done
                 last = step == self.max_new_tokens - 1 or not going.any()
                 if last and not keep: break

@@ -223,6 +223,10 @@ class SynthConfig:
     turns: int = option(1, 'user turns per record, each answered (1: single turn)', ge=1)
     user_prefix: str | None = option(None, 'text every user message starts with, written on by the target: it steers the '
                                            'kind of message (e.g. "def" for function stubs; default: none)')
+    user_stop: str | None = option(None, 'a regular expression that ends each user message where its first match ends, '
+                                         'as the end of the user turn would (e.g. \'"""[\\s\\S]*?"""|\\n\\n\' with '
+                                         '--user-prefix def: a stub ends after its docstring or its first blank line, as '
+                                         'a coding prompt does; default: none)')
     max_prompt_tokens: int = option(256, 'tokens per user message at most (a message cut there is dropped)', ge=1)
     max_new_tokens: int = option(512, 'tokens per reply at most (a reply cut there is kept, marked truncated)', ge=1)
     prompt_temperature: float = option(1.0, 'sampling temperature of the user messages', ge=TEMPERATURE_MIN)

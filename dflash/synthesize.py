@@ -4,7 +4,7 @@
 
 # %% ../nbs/08c_synthesize.ipynb #2c3ede10
 from __future__ import annotations
-import copy, json, time
+import copy, json, re, time
 from dataclasses import fields
 from pathlib import Path
 from .errors import InputError
@@ -57,7 +57,7 @@ _FILTERS = {'empty': 'empty prompt', 'repeated': 'repeated: a prompt loops',
 
 # %% ../nbs/08c_synthesize.ipynb #a50be9cb
 def _with_settings(engine, **kw):
-    "A copy of `engine` (the same model) with other `stop_ids`, `max_new_tokens`, `temperature` or `top_p`."
+    "A copy of `engine` (the same model) with other `stop_ids`, `max_new_tokens`, `temperature`, `top_p` or `stop_when`."
     e = copy.copy(engine)
     for k, v in kw.items():
         if not hasattr(e, k): raise AttributeError(f"{type(e).__name__} has no setting {k!r}")
@@ -66,25 +66,31 @@ def _with_settings(engine, **kw):
 
 def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, needed: int | None = None, seen=(),
                       template_kw: dict | None = None, seed: int = 0, batch: int = 0,
-                      system: str | None = None, user_prefix: str | None = None) -> tuple[list[dict], dict]:
+                      system: str | None = None, user_prefix: str | None = None,
+                      user_stop: str | None = None) -> tuple[list[dict], dict]:
     """`n` conversations written by the target alone, `turns` user turns each: `prompter` writes each user message after
     the opened user turn, `engine` the reply (`reply_round`). A conversation is dropped at its first user message that
     is empty, loops (`_loops`), is cut (too long) or, the first, repeats one in `seen` or earlier in the batch. A reply
     that loops is kept (counted): it is what the target writes, so what its drafter must draft. A `system` prompt
-    opens every conversation and `user_prefix` begins every user message (both steer what the target asks). The
+    opens every conversation and `user_prefix` begins every user message (both steer what the target asks); a user
+    message ends where the regular expression `user_stop` first matches its text, as at its end of turn. The
     `{"messages": [...]}` records and the counts."""
     convs = [[{'role': 'system', 'content': system}] if system else [] for _ in range(n)]
     live, mine = list(range(n)), set()
     pre = tokenizer(user_prefix, add_special_tokens=False)['input_ids'] if user_prefix else []
+    said = lambda toks: tokenizer.decode(pre + toks, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    ends = re.compile(user_stop) if user_stop else None
+    ask = _with_settings(prompter, stop_when=lambda toks: bool(ends.search(said(toks)))) if ends else prompter
     info = {'prompts': n, **{k: 0 for k in _FILTERS}, 'prompt_tokens': 0, 'tokens': 0, 'truncated': 0,
             'looping_replies': 0}
     for t in range(turns):
         if not live: break
         heads = [_open_user_turn(tokenizer, convs[i], template_kw) + pre for i in live]
         kept = []
-        for i, (toks, stopped) in zip(live, prompter(heads, round_seed(seed, batch, f'user{t}'))):
+        for i, (toks, stopped) in zip(live, ask(heads, round_seed(seed, batch, f'user{t}'))):
             info['prompt_tokens'] += len(toks)
-            text = tokenizer.decode(pre + toks, skip_special_tokens=False, clean_up_tokenization_spaces=False).strip()
+            text = said(toks)
+            text = (text[:m.end()] if ends and (m := ends.search(text)) else text).strip()
             key = _normalized(text)
             why = ('empty' if not toks or not text else 'repeated' if _loops(toks) else 'too_long' if not stopped else
                    'duplicate' if t == 0 and (key in seen or key in mine) else None)
@@ -149,6 +155,11 @@ def _check_synth(cfg: SynthConfig) -> list[str]:
     if cfg.user_prefix is not None and not cfg.user_prefix.strip():
         p.append(f"--user-prefix = {cfg.user_prefix!r}: empty; give the text every user message begins with, or "
                  "leave the option out")
+    if cfg.user_stop is not None:
+        try: re.compile(cfg.user_stop)
+        except re.error as e: p.append(f"--user-stop = {cfg.user_stop!r}: not a regular expression ({e})")
+        if cfg.engine != 'transformers':
+            p.append(f"--user-stop with --engine {cfg.engine}: only transformers ends a message at a pattern")
     p += target_engine_problems(cfg)
     if cfg.cache is not None and cfg.engine != 'transformers':
         p.append(f"--cache with --engine {cfg.engine}: the cache is read off transformers' forwards; use --engine "
@@ -181,7 +192,7 @@ def _synth_header(cfg: SynthConfig) -> dict:
     from dflash.features import target_identity
     keep = ('system', 'turns', 'max_prompt_tokens', 'max_new_tokens', 'prompt_temperature', 'prompt_top_p', 'temperature',
             'top_p', 'seed', 'batch_size', 'engine', 'thinking')
-    steer = {'user_prefix': cfg.user_prefix} if cfg.user_prefix else {}   # files written before it resume
+    steer = {k: getattr(cfg, k) for k in ('user_prefix', 'user_stop') if getattr(cfg, k)}   # older files resume
     return {'format': _SYNTH_FORMAT, 'target': target_identity(target_dir(cfg)),
             'options': {**{k: getattr(cfg, k) for k in keep}, **steer, 'dtype': DTYPES.get(cfg.dtype)}}   # bf16 as bfloat16
 
@@ -247,7 +258,7 @@ def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
         reply = _Reading(engine, grow.manifest['layer_ids']) if grow else engine
         recs, info = _synthesize_batch(prompter, reply, tok, n=cfg.batch_size, turns=cfg.turns,
                                        needed=cfg.num - written, seen=seen, template_kw=tkw, seed=cfg.seed, batch=k,
-                                       system=cfg.system, user_prefix=cfg.user_prefix)
+                                       system=cfg.system, user_prefix=cfg.user_prefix, user_stop=cfg.user_stop)
         if grow:                                                   # the cache first: a stop between keeps the data's
             samples, missed = _cache_samples(reply, tok, recs, tkw)
             grow.append(samples)

@@ -138,3 +138,27 @@ def test_a_user_prefix_begins_every_user_message_and_the_target_writes_on(smollm
     users = [json.loads(l)['messages'][0]['content'] for l in out.read_text().splitlines()]
     assert len(users) == 2 and all(u.startswith('def ') and '(' in u for u in users), users
     assert json.loads(index_path(out).read_text().splitlines()[0])['options']['user_prefix'] == 'def'
+
+
+def test_a_user_stop_ends_each_stub_where_its_pattern_first_matches(smollm2, tmp_path):
+    """`--user-stop`: each user message ends where the pattern first matches, a stub after its docstring or at its first
+    blank line; the index records it; a pattern that does not compile, or vLLM, is named before the model loads."""
+    import re
+    out, stop = tmp_path / 's.jsonl', '"""[\\s\\S]*?"""|\\n\\n'
+    r = data_cli('synthesize', '--target', smollm2, '--out', out, '--num', '4', '--batch-size', '8', '--user-prefix',
+                 'def', '--user-stop', stop, '--system', 'You are an expert Python programmer. You write complete, '
+                 'correct Python functions with docstrings.', '--max-prompt-tokens', '128', '--max-new-tokens', '8')
+    assert r.returncode == 0, r.stderr[-3000:]
+    users = [json.loads(l)['messages'][1]['content'] for l in out.read_text().splitlines()]   # after the system's
+    assert len(users) == 4 and all(u.startswith('def ') for u in users), users
+    for u in users:
+        hit = re.search(stop, u)
+        assert hit is None or hit.end() == len(u), u                 # nothing after the first match
+    assert any(u.endswith('"""') for u in users), users                # a stub that ends with its docstring
+    assert json.loads(index_path(out).read_text().splitlines()[0])['options']['user_stop'] == stop
+    bad = data_cli('synthesize', '--target', smollm2, '--out', tmp_path / 'b.jsonl', '--num', '1', '--user-stop', '(',
+                   '--engine', 'vllm')
+    assert bad.returncode == 2
+    for said in ("--user-stop = '(': not a regular expression", '--user-stop with --engine vllm'):
+        assert said in bad.stderr, bad.stderr
+    assert 'Loading weights' not in bad.stderr and not (tmp_path / 'b.jsonl').exists()
