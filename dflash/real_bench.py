@@ -43,6 +43,7 @@ _LEVERS = {   # each ablation: the base recipe with one lever changed (train opt
     'half-anchors': 'half the anchors per sequence',
     'one-layer': 'one drafter layer',
     'block-4': 'the same drafter, decoding blocks of 4',
+    'whole-block': 'the same drafter, every draft of a block verified (not only while the drafter is sure)',
     'block-16': 'trained and decoded with blocks of 16',
     'precision': 'trained in the other precision: bfloat16 mixed precision against float32',
 }
@@ -236,9 +237,10 @@ def _trained(run: Path) -> dict:
 
 # %% ../nbs/12b_real.ipynb #9f936334
 def _measure(o: RealBench, target: str, prompts: Path, drafter: Path, where: Path, *, n: int | None, block: int,
-             temperatures) -> list[dict]:
+             temperatures, confidence: float | None = None) -> list[dict]:
     """`python -m dflash.speculate` over the first `n` prompts, split between `o.processes` processes of one thread
-    each (each decodes its prompts speculatively, plainly and by prompt lookup, interleaved): every prompt's record."""
+    each (each decodes its prompts speculatively, plainly and by prompt lookup, interleaved; `confidence`: its
+    --draft-confidence, default its own): every prompt's record."""
     if where.exists(): shutil.rmtree(where)                          # this bench's own measurement, taken afresh
     where.mkdir(parents=True)
     lines = [l for l in prompts.read_text(encoding='utf-8').splitlines() if l.strip()][:n]
@@ -249,7 +251,7 @@ def _measure(o: RealBench, target: str, prompts: Path, drafter: Path, where: Pat
         write_atomic(where / f'prompts-{i}.jsonl', ''.join(l + '\n' for l in lines[i::k]))   # every k-th: like lengths
         cmd = [sys.executable, '-m', 'dflash.speculate', '--target', target, '--drafter', drafter,
                '--data', where / f'prompts-{i}.jsonl', '--num-prompts', len(lines[i::k]), '--max-new-tokens', o.max_new_tokens,
-               '--block-size', block,
+               '--block-size', block, *(['--draft-confidence', confidence] if confidence is not None else []),
                '--temperature', *temperatures, '--threads', 1, '--out', where / f'part-{i}', '--no-progress']
         log = os.open(where / f'speculate-{i}.log', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         procs.append(subprocess.Popen(list(map(str, cmd)), stdout=log, stderr=subprocess.STDOUT, env=env))
@@ -310,10 +312,10 @@ def run_real(o: RealBench) -> list[dict]:
     abl = [{'variant': 'base', **_totals([r for r in rows if r['prompt'] < o.ablation_prompts], 0.)}] if o.levers else []
     for lever in o.levers:
         print(f"ablation {lever} ...", flush=True)
-        run = base if lever == 'block-4' else _train(o, target, work, lever, lever, train_min)
+        run = base if lever in ('block-4', 'whole-block') else _train(o, target, work, lever, lever, train_min)
         block = {'block-4': 4, 'block-16': 16}.get(lever, o.block_size)
         r = _measure(o, target, prompts, run['dir'] / 'drafter', work / 'eval' / lever, n=o.ablation_prompts,
-                     block=block, temperatures=[0.])
+                     block=block, temperatures=[0.], confidence=0. if lever == 'whole-block' else None)
         abl.append({'variant': lever, **_totals(r, 0.), 'train_s': run['train_s'], 'steps': run['steps']})
     if abl: abl[0].update(train_s=base['train_s'], steps=base['steps'])
     _write_real(o, out, phases, table, abl, base['dir'], time.time() - t0)

@@ -281,6 +281,10 @@ class SpeculateOptions:
     seed: int = option(0, 'seed of the sampling generator: a run is reproducible', ge=0, le=SEED_MAX)
     lookup_tokens: int = option(10, "tokens drafted per step by transformers' prompt lookup decoding, a second "
                                     'baseline timed at T = 0 (0: none)', ge=0)
+    draft_confidence: float | None = option(None, "verify the drafted tokens only as far as the drafter's probability "
+                                                  'of all of them so far stays at least this (at least one; 0: the '
+                                                  'whole block; default: 0.5 on a CPU, where each verified token '
+                                                  'costs, 0 on a GPU)', ge=0, lt=1)
     progress: bool = option(True, 'print a running total after every prompt: tau, tokens/s and speedups so far '
                                   '(--no-progress: none)')
     threads: int | None = threads_option()
