@@ -125,10 +125,10 @@ class TransformersEngine:
 
     def generate(self, prompts: list[list[int]], seed: int = 0, layer_ids=None) -> list[tuple]:
         """`(tokens, stop, features)` of each prompt: `stop` is the stop id that ended the reply, -1 where `stop_when`
-        ended it (its last token kept), None where it was cut at `max_new_tokens`. With `layer_ids`, `features` (T, L·H) are the context features
-        (`target_features`) of the T tokens the target read: the prompt, the reply and its stop token, taken from the
-        forwards that generate them (a finished row stays one forward longer, so that its last token is read too);
-        without, None."""
+        ended it (its last token kept), None where it was cut at `max_new_tokens`. With `layer_ids`, `features`
+        (T, L·H) are the context features (`target_features`) of the T tokens the target read: the prompt, the reply
+        and its stop token, taken from the forwards that generate them (a finished row stays one forward longer, so
+        that its last token is read too); without, None."""
         import torch
         from transformers import DynamicCache
         from dflash.features import target_features
