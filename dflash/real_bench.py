@@ -47,6 +47,7 @@ _LEVERS = {   # each ablation: the base recipe with one lever changed (train opt
     'block-16': 'trained and decoded with blocks of 16',
     'precision': 'trained in the other precision: bfloat16 mixed precision against float32',
 }
+_INFERENCE_LEVERS = ('block-4', 'whole-block')   # the same drafter, decoded otherwise: nothing trained
 
 @dataclass
 class RealBench:
@@ -101,7 +102,8 @@ def check_real(o: RealBench) -> list[str]:
         need = ('run.json', 'summary.json', 'metrics.csv', 'drafter/config.json')
         if Path(o.run).is_dir() and (missing := [f for f in need if not (Path(o.run) / f).is_file()]):
             p.append(f"--run = {o.run!r}: not a finished training run (no {', '.join(missing)})")
-        if o.levers: p.append("--levers: each lever trains again on the bench's own data, which --run skips")
+        if trains := [l for l in o.levers if l not in _INFERENCE_LEVERS]:
+            p.append(f"--levers {' '.join(trains)}: each trains again on the bench's own data, which --run skips")
     return p
 
 # %% ../nbs/12b_real.ipynb #a9487804
@@ -312,7 +314,7 @@ def run_real(o: RealBench) -> list[dict]:
     abl = [{'variant': 'base', **_totals([r for r in rows if r['prompt'] < o.ablation_prompts], 0.)}] if o.levers else []
     for lever in o.levers:
         print(f"ablation {lever} ...", flush=True)
-        run = base if lever in ('block-4', 'whole-block') else _train(o, target, work, lever, lever, train_min)
+        run = base if lever in _INFERENCE_LEVERS else _train(o, target, work, lever, lever, train_min)
         block = {'block-4': 4, 'block-16': 16}.get(lever, o.block_size)
         r = _measure(o, target, prompts, run['dir'] / 'drafter', work / 'eval' / lever, n=o.ablation_prompts,
                      block=block, temperatures=[0.], confidence=0. if lever == 'whole-block' else None)

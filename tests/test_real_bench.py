@@ -52,11 +52,11 @@ def test_bad_options_are_named_before_anything_runs(tmp_path):
     assert r.returncode == 2, r.stderr
     (tmp_path / 'run').mkdir()
     cmd = [sys.executable, '-m', 'dflash.bench', 'real', '--target', toy_target_dir(), '--run', tmp_path / 'run',
-           '--levers', 'one-layer', '--work', tmp_path / 'w']
+           '--levers', 'one-layer', 'whole-block', '--work', tmp_path / 'w']
     r2 = subprocess.run(list(map(str, cmd)), env=ENV, capture_output=True, text=True, timeout=120)
     assert r2.returncode == 2, r2.stderr
     for said in (f"--run = '{tmp_path / 'run'}': not a finished training run (no run.json, summary.json, metrics.csv, "
-                 "drafter/config.json)", "--levers: each lever"):
+                 "drafter/config.json)", "--levers one-layer: each trains again"):   # whole-block: decoding only
         assert said in r2.stderr, r2.stderr
     for said in ("--prompts", 'no such file', '--levers', "--draft-vocab-size = 5000: more than the target's 1024"):
         assert said in r.stderr, r.stderr
