@@ -94,9 +94,6 @@ def check_train(c: TrainConfig) -> list[str]:
     V = config_vocab_size(conf)
     if isinstance(c.draft_vocab_size, int) and isinstance(V, int) and not c.draft_vocab_size <= V:
         probs.append(f"--draft-vocab-size = {c.draft_vocab_size}: allowed 1..{V} (the target's vocabulary)")
-    if c.draft_vocab_size is not None and c.loss == 'kl':
-        probs.append("--draft-vocab-size with --loss kl: distillation matches the target's whole next-token "
-                     "distribution; use --loss ce or dpace with a draft vocabulary")
     if isinstance(c.mask_token_id, int) and isinstance(V, int) and not c.mask_token_id < V:
         probs.append(f"--mask-token-id = {c.mask_token_id}: allowed 0..{V - 1} (the target's vocabulary has {V} rows)")
     for name in ('data', 'eval_data'):

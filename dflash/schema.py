@@ -48,8 +48,9 @@ class TrainConfig:
                                                       "(default: DFlash's spread)", ge=0)
     block_size: int = option(16, "tokens per drafted block", ge=2)
     draft_vocab_size: int | None = option(None, "draft over the K target tokens most often supervised in the training "
-                                                "data: the drafter's LM head and loss over those K, mapped back by "
-                                                "d2t/t2d in the export (default: the whole vocabulary)", ge=1)
+                                                "data: the drafter's LM head and loss over those K (with --loss kl, the "
+                                                "target's distribution over them), mapped back by d2t/t2d in the "
+                                                "export (default: the whole vocabulary)", ge=1)
     init_from_target: bool = option(False, "start the drafter's layers from the target's top layers (weights of the "
                                            "same name and shape) instead of a random initialisation")
     mask_token_id: int | None = option(None, "token id of a block's masked positions, written into the drafter's "

@@ -316,7 +316,7 @@ def test_sigint_without_save_on_signal_stops_and_releases(tmp_path):
 
 
 def test_distillation_reads_the_same_teacher_online_and_from_the_cache(tmp_path):
-    "`--loss kl` online, and from a cache written with --final-hidden: the same losses, held-out ones too; D-PACE trains too."
+    "`--loss kl` online, and from a cache written with --final-hidden: the same losses, held-out ones too; over a draft vocabulary; D-PACE trains too."
     from dflash.files import toy_data_dir, toy_target_dir
     data = tmp_path / 'train.jsonl'
     data.write_text(''.join((toy_data_dir() / 'train.jsonl').read_text().splitlines(True)[:12]))
@@ -338,6 +338,10 @@ def test_distillation_reads_the_same_teacher_online_and_from_the_cache(tmp_path)
     assert_close({k: float(v) for k, v in off.items()}, {k: float(v) for k, v in on.items()}, rel=1e-5)
     record = json.loads((tmp_path / 'online' / 'run.json').read_text())['config']
     assert (record['loss'], record['kl_weight'], record['kl_temperature']) == ('kl', 0.5, 2.0)
+    pruned = launch(tmp_path / 'pruned', *kl, '--cache', str(cache), '--draft-vocab-size', '64')   # over 64 tokens
+    assert pruned.returncode == 0, pruned.stdout[-2000:] + pruned.stderr[-2000:]
+    assert json.loads((tmp_path / 'pruned' / 'drafter' / 'config.json').read_text())['draft_vocab_size'] == 64
+    assert len(losses(tmp_path / 'pruned')) == 3 and all(0 < v < float('inf') for v in losses(tmp_path / 'pruned').values())
     dpace = launch(tmp_path / 'dpace', *SMALL, '--max-steps', '3', '--save-every', '0', '--report-to', 'none',
                    '--loss', 'dpace', '--dpace-alpha', '0.3')
     assert dpace.returncode == 0, dpace.stdout[-2000:] + dpace.stderr[-2000:]
