@@ -46,6 +46,8 @@ _LEVERS = {   # each ablation: the base recipe with one lever changed (train opt
     'whole-block': 'the same drafter, every draft of a block verified (not only while the drafter is sure)',
     'block-16': 'trained and decoded with blocks of 16',
     'precision': 'trained in the other precision: bfloat16 mixed precision against float32',
+    'distill': "trained by distillation, to the target's next-token distribution over the draft vocabulary (--loss kl), "
+               'instead of D-PACE on the tokens the target sampled',
 }
 _INFERENCE_LEVERS = ('block-4', 'whole-block')   # the same drafter, decoded otherwise: nothing trained
 
@@ -178,12 +180,13 @@ def _synthesize(o: RealBench, target: str, work: Path, deadline: float) -> dict:
             'tokens': sum(b['prompt_tokens'] + b['tokens'] for bs in batches.values() for b in bs)}
 
 def _cache(o: RealBench, target: str, work: Path) -> dict:
-    "The target's hidden states of the synthesized data, computed once (a fresh cache each run: the data grew)."
+    """The target's hidden states of the synthesized data, computed once (a fresh cache each run: the data grew); its
+    final hidden states too when the lever `distill` needs them as the teacher."""
     cache = work / 'cache'
     if cache.exists(): shutil.rmtree(cache)                          # this bench's own cache of an earlier run
     cmd = [sys.executable, '-m', 'dflash.data', 'cache', '--target', target, '--data', work / 'data.jsonl',
            '--out', cache, '--num-draft-layers', o.num_layers, '--max-length', 512, '--dtype', _dtype(o),
-           '--threads', 2, '--no-progress']
+           '--threads', 2, '--no-progress'] + (['--final-hidden'] if 'distill' in o.levers else [])
     return _run(cmd, work / 'cache.log', threads=2)
 
 # %% ../nbs/12b_real.ipynb #a106bc91
@@ -199,6 +202,7 @@ def _train_args(o: RealBench, target: str, work: Path, lever: str | None) -> lis
             '--report-to', 'none', '--save-every', 0, '--progress-bar', 'false', '--threads', 2]
     if lever != 'full-vocab': args += ['--draft-vocab-size', o.draft_vocab_size]
     if lever != 'random-init': args += ['--init-from-target']
+    if lever == 'distill': args += ['--loss', 'kl']
     return args
 
 def _accelerate_args(o: RealBench, lever: str | None) -> tuple:

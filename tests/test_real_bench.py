@@ -11,16 +11,18 @@ def test_the_whole_path_writes_its_report_and_a_bf16_drafter_that_decodes_lossle
     work, out = tmp_path / 'work', tmp_path / 'out'
     cmd = [sys.executable, '-m', 'dflash.bench', 'real', '--target', toy_target_dir(),
            '--prompts', toy_data_dir() / 'eval.jsonl', '--num-prompts', '2', '--max-new-tokens', '8',
-           '--minutes', '1', '--synth-share', '0.5', '--draft-vocab-size', '256', '--levers', 'block-4',
+           '--minutes', '1', '--synth-share', '0.5', '--draft-vocab-size', '256', '--levers', 'block-4', 'distill',
            '--ablation-prompts', '2', '--work', work, '--out', out]
     r = subprocess.run(list(map(str, cmd)), env=ENV, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     rows = list(csv.DictReader((out / 'real.csv').read_text().splitlines()))
     assert [(x['variant'], float(x['temperature'])) for x in rows] == [('base', 0.), ('base', 1.), ('base', 0.),
-                                                                         ('block-4', 0.)]
+                                                                         ('block-4', 0.), ('distill', 0.)]
     assert all(int(x['prompts']) == 2 for x in rows)
     assert int(rows[0]['same_output']) == 2                       # greedy speculative decoding: greedy's tokens
-    assert int(rows[3]['same_output']) == 2
+    assert int(rows[3]['same_output']) == 2 and int(rows[4]['same_output']) == 2
+    assert json.loads((work / 'cache' / 'manifest.json').read_text())['final_hidden']   # the teacher of distill
+    assert json.loads((work / 'runs' / 'distill' / 'run.json').read_text())['config']['loss'] == 'kl'
     report = json.loads((out / 'real.json').read_text())
     data = (work / 'data.jsonl').read_text().splitlines()
     assert report['phases']['synthesize']['records'] == len(data) > 0    # trained on what the target wrote
