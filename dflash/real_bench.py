@@ -47,7 +47,7 @@ _LEVERS = {   # each ablation: the base recipe with one lever changed (train opt
     'block-16': 'trained and decoded with blocks of 16',
     'precision': 'trained in the other precision: bfloat16 mixed precision against float32',
     'distill': "trained by distillation, to the target's next-token distribution over the draft vocabulary (--loss kl), "
-               'instead of D-PACE on the tokens the target sampled',
+               'instead of D-PACE on the tokens the target wrote',
 }
 _INFERENCE_LEVERS = ('block-4', 'whole-block')   # the same drafter, decoded otherwise: nothing trained
 
