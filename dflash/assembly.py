@@ -168,17 +168,14 @@ def _cut_cache(cache: CacheDataset, max_length: int):
 def _cache_parts(cfg: TrainConfig, target: Path, tok, tc, V: int, eval_data, device, dkw: dict) -> _RunParts:
     "The parts of an offline run: the cache's features, the target's head weights, the held-out set's target."
     embed, lm_head = frozen_head_weights(target)
-    train = CacheDataset(cfg.cache, target)
+    train = CacheDataset(cfg.cache, target, layer_ids=cfg.target_layer_ids)    # all the cache's layers, or some
     ev = _eval_set(eval_data, tok, cfg.max_length)
     said = cfg.mask_token_id if cfg.mask_token_id is not None else train.manifest['data'].get('mask_token_id')
     dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, train, ev, said)
     if cfg.loss == 'kl' and not train.manifest.get('final_hidden'):
         raise InputError(f"--loss kl: the cache {cfg.cache} holds no final hidden state of the target (the "
                          "teacher); write one with `python -m dflash.data cache ... --final-hidden`")
-    ids = train.manifest['layer_ids']
-    if cfg.target_layer_ids is not None and list(cfg.target_layer_ids) != ids:
-        raise InputError(f"cache {cfg.cache} holds target layers {ids}, not the requested {cfg.target_layer_ids}; "
-                         "leave --target-layer-ids out to train on those")
+    ids = train.layer_ids
     features = None
     if ev is not None:                              # held-out hidden states: the target runs for evaluations only
         features = TargetFeatures(target, layer_ids=ids, num_draft_layers=cfg.num_layers, device=device,

@@ -340,6 +340,8 @@ def _manifest_problem(m: dict) -> str | None:
     samples sum to `num_samples`, and no shard holds more than `shard_size` samples (the cache command fills all but
     the last; a cache that grows with its data holds a batch per shard)."""
     n, K, size, shards = m['num_samples'], m['num_shards'], m['shard_size'], m['shards']
+    ids = m['layer_ids']
+    if not (isinstance(ids, list) and ids and all(_count(i) for i in ids)): return "layer_ids is not a list of layers"
     if not (_count(n) and _count(K) and _count(size) and size > 0 and isinstance(shards, list)):
         return "num_samples, num_shards and shard_size are not counts, or shards not a list"
     if bad := [k for k, s in enumerate(shards) if not (isinstance(s, dict) and isinstance(s.get('file'), str)
@@ -354,8 +356,9 @@ def _manifest_problem(m: dict) -> str | None:
     return None
 
 class CacheDataset(Dataset):
-    "Samples of an offline cache: `{'input_ids', 'loss_mask', 'context' (S, L·H), 'sample_id'}` (+ `final_hidden`)."
-    def __init__(self, path, target: TargetFeatures | str | Path | None = None):
+    """Samples of an offline cache: `{'input_ids', 'loss_mask', 'context' (S, L·H), 'sample_id'}` (+ `final_hidden`).
+    `layer_ids` reads some of the cache's target layers, in that order (default: all it holds)."""
+    def __init__(self, path, target: TargetFeatures | str | Path | None = None, layer_ids=None):
         self.path = path = Path(path)
         mf = path / 'manifest.json'
         if not mf.is_file(): raise FileNotFoundError(f"cache {path}: no manifest.json, not a dflash cache")
@@ -385,6 +388,13 @@ class CacheDataset(Dataset):
                 raise InputError(f"cache {path}: shard {s['file']} is truncated or corrupt "
                                  f"({f.stat().st_size} bytes, the manifest says {s['bytes']}){_REDO}")
             if bad := safetensors_problem(f): raise InputError(f"cache {bad}")      # unreadable, or a hostile header
+        held = m['layer_ids']
+        self.layer_ids = list(held) if layer_ids is None else [int(i) for i in layer_ids]
+        if missing := [i for i in self.layer_ids if i not in held]:
+            raise InputError(f"cache {path} holds target layers {held}, not {missing}: choose among them, or write a "
+                             f"cache of these layers (`python -m dflash.data cache ... --layers "
+                             f"{','.join(map(str, self.layer_ids))}`)")
+        self._pick = None if self.layer_ids == held else [held.index(i) for i in self.layer_ids]
         self.stats = DataStats(**m['data'].get('stats', {}))
         self.starts = np.cumsum([0] + [s['num_samples'] for s in m['shards']]).tolist()   # first sample of each shard
         self._open = {}
@@ -412,9 +422,14 @@ class CacheDataset(Dataset):
         f, off = self._shard(k)
         a, b = off[i - self.starts[k]], off[i - self.starts[k] + 1]
         out = {'input_ids': f.get_slice('input_ids')[a:b], 'loss_mask': f.get_slice('loss_mask')[a:b],
-               'context': f.get_slice('context')[a:b], 'sample_id': i}
+               'context': self._layers(f.get_slice('context')[a:b]), 'sample_id': i}
         if self.manifest.get('final_hidden'): out['final_hidden'] = f.get_slice('final_hidden')[a:b]
         return out
+
+    def _layers(self, context: Tensor) -> Tensor:
+        "The columns of `layer_ids` in a sample's features (S, L·H) -> (S, len(layer_ids)·H)."
+        if self._pick is None: return context
+        return context.unflatten(-1, (len(self.manifest['layer_ids']), -1))[:, self._pick].flatten(1)
 
     def __getstate__(self): return {**self.__dict__, '_open': {}}   # DataLoader workers open their own
 

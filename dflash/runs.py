@@ -105,10 +105,11 @@ def check_train(c: TrainConfig) -> list[str]:
     if c.cache is not None and Path(c.cache).is_dir():
         manifest, bad = json_problem(Path(c.cache) / 'manifest.json')
         if bad: probs.append(f"--cache: {bad}")
-        elif (ids := manifest.get('layer_ids')) and c.target_layer_ids and list(c.target_layer_ids) != ids:
+        elif (ids := manifest.get('layer_ids')) and c.target_layer_ids and not set(c.target_layer_ids) <= set(ids):
             probs.append(f"--target-layer-ids = {c.target_layer_ids}: the cache {c.cache} holds target layers {ids}; "
-                         f"leave --target-layer-ids out to train on those, or write a cache of these layers "
-                         f"(`python -m dflash.data cache ... --layers {','.join(map(str, c.target_layer_ids))}`)")
+                         f"choose among them, leave --target-layer-ids out to train on all of them, or write a cache "
+                         f"of these layers (`python -m dflash.data cache ... --layers "
+                         f"{','.join(map(str, c.target_layer_ids))}`)")
         elif c.loss == 'kl' and not manifest.get('final_hidden'):
             probs.append(f"--loss = 'kl': the cache {c.cache} holds no final hidden state of the target (the "
                          "teacher); write one with `python -m dflash.data cache ... --final-hidden`, or train online")

@@ -45,7 +45,7 @@ class TrainConfig:
     out: str = option('runs/dflash', "run directory: checkpoints, metrics, the exported drafter")
     num_layers: int = option(5, "drafter layers", ge=1)
     target_layer_ids: list[int] | None = option(None, "target layers the drafter reads, space separated "
-                                                      "(default: DFlash's spread)", ge=0)
+                                                      "(default: DFlash's spread; with --cache, all the layers it holds, or some of them)", ge=0)
     block_size: int = option(16, "tokens per drafted block", ge=2)
     draft_vocab_size: int | None = option(None, "draft over the K target tokens most often supervised in the training "
                                                 "data: the drafter's LM head and loss over those K (with --loss kl, the "

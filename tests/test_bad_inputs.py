@@ -255,7 +255,7 @@ def _startup_target(d: Path, kind: str) -> Path:
 
 STARTUP_CASES = [
     ('cache-other-layers', ['--cache', '{cache}', '--target-layer-ids', '1', '3'],
-     "--target-layer-ids = [1, 3]: the cache {cache} holds target layers [0, 2, 4]; leave --target-layer-ids out"),
+     "--target-layer-ids = [1, 3]: the cache {cache} holds target layers [0, 2, 4]; choose among them"),
     ('cache-other-target', ['--cache', '{cache}', '--target', '{target:other-weights}'],
      "was written for target", "train with the target it was written for, or write a cache of this one"),
     ('cache-truncated-shard', ['--cache', '{cache:cache-truncated-shard}'],

@@ -346,3 +346,24 @@ def test_distillation_reads_the_same_teacher_online_and_from_the_cache(tmp_path)
                    '--loss', 'dpace', '--dpace-alpha', '0.3')
     assert dpace.returncode == 0, dpace.stdout[-2000:] + dpace.stderr[-2000:]
     assert len(losses(tmp_path / 'dpace')) == 3
+
+
+def test_a_cache_of_more_layers_trains_a_drafter_of_some_of_them(tmp_path):
+    "One cache of four target layers serves a drafter reading two of them: the same losses as that drafter online."
+    from dflash.files import toy_data_dir, toy_target_dir
+    data = tmp_path / 'train.jsonl'
+    data.write_text(''.join((toy_data_dir() / 'train.jsonl').read_text().splitlines(True)[:12]))
+    cache = tmp_path / 'cache'
+    r = subprocess.run([sys.executable, '-m', 'dflash.data', 'cache', '--target', str(toy_target_dir()), '--data',
+                        str(data), '--out', str(cache), '--max-length', '128', '--layers', '0,1,2,3', '--no-progress',
+                        '--threads', '1'], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    run = [*SMALL, '--max-steps', '3', '--save-every', '0', '--report-to', 'none', '--target', str(toy_target_dir()),
+           '--target-layer-ids', '3', '1']
+    online = launch(tmp_path / 'online', *run, '--data', str(data))
+    assert online.returncode == 0, online.stdout[-2000:] + online.stderr[-2000:]
+    offline = launch(tmp_path / 'offline', *run, '--cache', str(cache))
+    assert offline.returncode == 0, offline.stdout[-2000:] + offline.stderr[-2000:]
+    assert_close(losses(tmp_path / 'offline'), losses(tmp_path / 'online'), rel=1e-5)
+    config = json.loads((tmp_path / 'offline' / 'drafter' / 'config.json').read_text())
+    assert config['dflash_config']['target_layer_ids'] == [3, 1]
