@@ -114,12 +114,13 @@ def _target_tokenizer(target: Path, chat: bool):
                          "--chat-template FILE ...` and train with --cache")
     return tok
 
-def _vocabulary(cfg: TrainConfig, tok, V: int, train, ev, mask_token_id: int | None) -> tuple[int, Tensor | None]:
+def _vocabulary(cfg: TrainConfig, tok, V: int, train, ev, mask_token_id: int | None,
+                **origin) -> tuple[int, Tensor | None]:
     """The run's mask token id (`data_mask_token`) and, with --draft-vocab-size K, the K target tokens most often
     supervised in the training data (`draft_vocab`), said in one line with the share of supervised tokens they cover."""
     seen, supervised = token_counts([train], V)
     if ev is not None: seen = seen + token_counts([ev], V)[0]
-    mask = data_mask_token(tok, V, set(seen.nonzero().flatten().tolist()), mask_token_id)
+    mask = data_mask_token(tok, V, set(seen.nonzero().flatten().tolist()), mask_token_id, **origin)
     if cfg.draft_vocab_size is None: return mask, None
     ids = draft_vocab(supervised, cfg.draft_vocab_size)
     if int(os.environ.get('RANK', '0')) == 0:
@@ -171,7 +172,8 @@ def _cache_parts(cfg: TrainConfig, target: Path, tok, tc, V: int, eval_data, dev
     train = CacheDataset(cfg.cache, target, layer_ids=cfg.target_layer_ids)    # all the cache's layers, or some
     ev = _eval_set(eval_data, tok, cfg.max_length)
     said = cfg.mask_token_id if cfg.mask_token_id is not None else train.manifest['data'].get('mask_token_id')
-    dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, train, ev, said)
+    origin = {} if cfg.mask_token_id is not None else {'origin': f"the one the cache {cfg.cache} was written with"}
+    dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, train, ev, said, **origin)
     if cfg.loss == 'kl' and not train.manifest.get('final_hidden'):
         raise InputError(f"--loss kl: the cache {cfg.cache} holds no final hidden state of the target (the "
                          "teacher); write one with `python -m dflash.data cache ... --final-hidden`")

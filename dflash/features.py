@@ -498,14 +498,16 @@ def token_counts(datasets, V: int) -> tuple[Tensor, Tensor]:
             supervised += torch.bincount(ids[mask.bool()], minlength=V + 1)
     return seen[:V], supervised[:V]
 
-def data_mask_token(tokenizer, vocab_size: int, used: set[int], requested: int | None = None, say: bool = True) -> int:
-    """The mask token id for training on data whose token ids are `used`: `requested` (--mask-token-id), else
+def data_mask_token(tokenizer, vocab_size: int, used: set[int], requested: int | None = None, say: bool = True,
+                    origin: str = 'asked for (--mask-token-id)') -> int:
+    """The mask token id for training on data whose token ids are `used`: `requested` (--mask-token-id, or
+    the one a cache records: `origin` says which), else
     `choose_mask_token` among the ids the data leaves free; said in one line (`say`, main process). A mask token the
     data uses is refused: the drafter could not tell a masked position from that token."""
     if requested is None: mask, why = choose_mask_token(tokenizer, vocab_size, used)
     else:
         mask = requested
-        why = f"mask token {tokenizer.convert_ids_to_tokens(mask)!r} (id {mask}): asked for (--mask-token-id)"
+        why = f"mask token {tokenizer.convert_ids_to_tokens(mask)!r} (id {mask}): {origin}"
     if mask in used:
         raise InputError(f"mask token id {mask} ({tokenizer.convert_ids_to_tokens(mask)!r}): the training data uses "
                          "it, so the drafter could not tell a masked position from that token; pass --mask-token-id "

@@ -349,7 +349,8 @@ def test_distillation_reads_the_same_teacher_online_and_from_the_cache(tmp_path)
 
 
 def test_a_cache_of_more_layers_trains_a_drafter_of_some_of_them(tmp_path):
-    "One cache of four target layers serves a drafter reading two of them: the same losses as that drafter online."
+    """One cache of four target layers serves a drafter reading two of them: the same losses as that drafter online;
+    the run says its mask token is the cache's."""
     from dflash.files import toy_data_dir, toy_target_dir
     data = tmp_path / 'train.jsonl'
     data.write_text(''.join((toy_data_dir() / 'train.jsonl').read_text().splitlines(True)[:12]))
@@ -364,6 +365,7 @@ def test_a_cache_of_more_layers_trains_a_drafter_of_some_of_them(tmp_path):
     assert online.returncode == 0, online.stdout[-2000:] + online.stderr[-2000:]
     offline = launch(tmp_path / 'offline', *run, '--cache', str(cache))
     assert offline.returncode == 0, offline.stdout[-2000:] + offline.stderr[-2000:]
+    assert f"the one the cache {cache} was written with" in offline.stdout, offline.stdout[-2000:]
     assert_close(losses(tmp_path / 'offline'), losses(tmp_path / 'online'), rel=1e-5)
     config = json.loads((tmp_path / 'offline' / 'drafter' / 'config.json').read_text())
     assert config['dflash_config']['target_layer_ids'] == [3, 1]
