@@ -117,9 +117,10 @@ def test_cache_refuses_max_length_past_the_targets_positions(tmp_path, capsys, d
 def _more_samples(m): return {'num_samples': m['num_samples'] + 40}, "num_samples is 48, but its shards hold 8"
 def _more_shards(m): return {'num_shards': 4}, "num_shards is 4, but it records 3 shards"
 def _smaller_shards(m): return {'shard_size': 2}, "shard_size is 2, but shard shard-00000.safetensors holds 3 samples"
+def _layers_not_a_list(m): return {'layer_ids': 'all'}, "layer_ids is not a list of layers"
 
 
-@pytest.mark.parametrize('edit', [_more_samples, _more_shards, _smaller_shards], ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize('edit', [_more_samples, _more_shards, _smaller_shards, _layers_not_a_list], ids=lambda f: f.__name__[1:])
 def test_train_refuses_a_manifest_its_shards_do_not_bear_out(tmp_path, capsys, cache, edit):
     c = shutil.copytree(cache, tmp_path / 'cache')
     manifest = json.loads((c / 'manifest.json').read_text())
