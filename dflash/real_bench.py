@@ -42,6 +42,7 @@ _LEVERS = {   # each ablation: the base recipe with one lever changed (train opt
     'random-init': "the drafter's layers start random, not from the target's top layers",
     'half-anchors': 'half the anchors per sequence',
     'one-layer': 'one drafter layer',
+    'two-target-layers': "the drafter reads 2 of the target's layers (the first and last the cache holds), not all",
     'block-4': 'the same drafter, decoding blocks of 4',
     'whole-block': 'the same drafter, every draft of a block verified (not only while the drafter is sure)',
     'block-16': 'trained and decoded with blocks of 16',
@@ -68,6 +69,8 @@ class RealBench:
     stubs: bool = option(True, "a second synthesis process writes user messages that begin with 'def': function stubs, "
                                'the form of a coding prompt, which replies copy from (--no-stubs: --system alone)')
     num_layers: int = option(2, 'drafter layers', ge=1)
+    target_layers: int = option(5, "target layers the drafter reads, spread over the target as DFlash spreads them: "
+                                   'the cache holds them all', ge=1)
     num_anchors: int = option(128, 'anchors per training sequence', ge=1)
     draft_vocab_size: int = option(4096, 'pruned draft vocabulary (the most supervised target tokens)', ge=1)
     lr: float = option(3e-3, 'peak learning rate', gt=0)
@@ -180,24 +183,26 @@ def _synthesize(o: RealBench, target: str, work: Path, deadline: float) -> dict:
             'tokens': sum(b['prompt_tokens'] + b['tokens'] for bs in batches.values() for b in bs)}
 
 def _cache(o: RealBench, target: str, work: Path) -> dict:
-    """The target's hidden states of the synthesized data, computed once (a fresh cache each run: the data grew); its
-    final hidden states too when the lever `distill` needs them as the teacher."""
+    """The target's hidden states of the synthesized data, computed once (a fresh cache each run: the data grew), at the
+    `o.target_layers` layers of the DFlash spread; its final hidden states too when the lever `distill` needs them as
+    the teacher."""
     cache = work / 'cache'
     if cache.exists(): shutil.rmtree(cache)                          # this bench's own cache of an earlier run
     cmd = [sys.executable, '-m', 'dflash.data', 'cache', '--target', target, '--data', work / 'data.jsonl',
-           '--out', cache, '--num-draft-layers', o.num_layers, '--max-length', 512, '--dtype', _dtype(o),
+           '--out', cache, '--num-draft-layers', o.target_layers, '--max-length', 512, '--dtype', _dtype(o),
            '--threads', 2, '--no-progress'] + (['--final-hidden'] if 'distill' in o.levers else [])
     return _run(cmd, work / 'cache.log', threads=2)
 
 # %% ../nbs/12b_real.ipynb #a106bc91
 _PROBE_STEPS = 8   # steps of the run that times a step
 
-def _train_args(o: RealBench, target: str, work: Path, lever: str | None) -> list:
-    "The training options of the base recipe, with `lever`'s one change."
+def _train_args(o: RealBench, target: str, work: Path, lever: str | None, layer_ids: list[int]) -> list:
+    "The training options of the base recipe, reading the target layers `layer_ids` (the cache's), with `lever`'s one change."
     src = ['--data', work / 'data.jsonl'] if lever == 'online' else ['--cache', work / 'cache']
     args = ['--target', target, *src, '--num-layers', 1 if lever == 'one-layer' else o.num_layers,
             '--num-anchors', o.num_anchors // 2 if lever == 'half-anchors' else o.num_anchors,
             '--block-size', 16 if lever == 'block-16' else o.block_size,
+            '--target-layer-ids', *([layer_ids[0], layer_ids[-1]] if lever == 'two-target-layers' else layer_ids),
             '--lr', o.lr, '--batch-size', 8, '--max-length', 512, '--log-every', 1, '--spec-eval-prompts', 0,
             '--report-to', 'none', '--save-every', 0, '--progress-bar', 'false', '--threads', 2]
     if lever != 'full-vocab': args += ['--draft-vocab-size', o.draft_vocab_size]
@@ -216,7 +221,7 @@ def _train(o: RealBench, target: str, work: Path, name: str, lever: str | None, 
     runs = work / 'runs'
     for d in (runs / f'{name}-probe', runs / name):
         if d.exists(): shutil.rmtree(d)                              # this bench's own runs: trained afresh
-    args = _train_args(o, target, work, lever)
+    args = _train_args(o, target, work, lever, json.loads((work / 'cache' / 'manifest.json').read_text())['layer_ids'])
     acc = _accelerate_args(o, lever)
     log = work / f'train-{name}.log'
     probe_cmd = launch_commands(runs / f'{name}-probe', *args, '--max-steps', _PROBE_STEPS, accelerate_args=acc)[0]
