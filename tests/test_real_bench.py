@@ -49,7 +49,7 @@ def test_the_whole_path_writes_its_report_and_a_bf16_drafter_that_decodes_lossle
 
 def test_bad_options_are_named_before_anything_runs(tmp_path):
     cmd = [sys.executable, '-m', 'dflash.bench', 'real', '--target', toy_target_dir(), '--draft-vocab-size', '5000',
-           '--prompts', tmp_path / 'none.jsonl', '--levers', 'block-3', '--work', tmp_path / 'w']
+           '--target-layers', '7', '--prompts', tmp_path / 'none.jsonl', '--levers', 'block-3', '--work', tmp_path / 'w']
     r = subprocess.run(list(map(str, cmd)), env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     (tmp_path / 'run').mkdir()
@@ -60,6 +60,7 @@ def test_bad_options_are_named_before_anything_runs(tmp_path):
     for said in (f"--run = '{tmp_path / 'run'}': not a finished training run (no run.json, summary.json, metrics.csv, "
                  "drafter/config.json)", "--levers one-layer: each trains again"):   # whole-block: decoding only
         assert said in r2.stderr, r2.stderr
-    for said in ("--prompts", 'no such file', '--levers', "--draft-vocab-size = 5000: more than the target's 1024"):
+    for said in ("--prompts", 'no such file', '--levers', "--draft-vocab-size = 5000: more than the target's 1024",
+                 "--target-layers = 7: allowed 1..6 (the target has 6 layers)"):
         assert said in r.stderr, r.stderr
     assert not (tmp_path / 'w').exists()                          # nothing ran, nothing written
