@@ -200,7 +200,7 @@ def _cache(o: RealBench, target: str, work: Path) -> dict:
 _PROBE_STEPS = 8   # steps of the run that times a step
 
 def _train_args(o: RealBench, target: str, work: Path, lever: str | None, layer_ids: list[int]) -> list:
-    "The training options of the base recipe, reading the target layers `layer_ids` (the cache's), with `lever`'s one change."
+    "The training options of the base recipe, reading target layers `layer_ids` (the cache's), with `lever`'s change."
     src = ['--data', work / 'data.jsonl'] if lever == 'online' else ['--cache', work / 'cache']
     args = ['--target', target, *src, '--num-layers', 1 if lever == 'one-layer' else o.num_layers,
             '--num-anchors', o.num_anchors // 2 if lever == 'half-anchors' else o.num_anchors,
