@@ -21,10 +21,9 @@ from .drafter import DFlashDrafter
 from .recompute import set_checkpointing, parse_policy
 from .planner import budgets, recommend_policy, step_memory, online_target_bytes, online_advice
 from .chunking import free_bytes
-from .objective import draft_vocab
+from .objective import data_mask_token, draft_vocab, token_counts
 from .chat import ChatDataset
-from .features import (CacheDataset, TargetFeatures, check_target_dir, data_mask_token, load_target, target_identity,
-                       token_counts)
+from .features import CacheDataset, TargetFeatures, check_target_dir, load_target, target_identity
 from .files import is_gguf, pretrained, toy_target_dir, toy_data_dir, resolve_local
 from .schema import TrainConfig
 from .runs import launch_problems

@@ -111,7 +111,8 @@ def _write_cache(o: CacheOptions, state, stop_release=None):
     from transformers import AutoConfig
     from dflash.threads import use_threads
     from dflash.chat import load_chat_data
-    from dflash.features import TargetFeatures, data_mask_token, token_counts, write_cache
+    from dflash.features import TargetFeatures, write_cache
+    from dflash.objective import data_mask_token, token_counts
     if state.device.type == 'cpu':
         threads, why = use_threads(o.threads)
         if state.is_main_process: print(f"CPU threads: {threads} per process ({why})")

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 from .errors import InputError
-from .config import DrafterConfig, choose_mask_token, default_target_layer_ids
+from .config import DrafterConfig, default_target_layer_ids
 from .files import (causal_lm_problem, file_sha256, gguf_problem, is_gguf, json_problem, make_dir, pretrained,
                           remove_temporaries, resolve_local, safetensors_problem, write_atomic, write_json)
 from .stops import Preempted, StopRequest, any_stop
@@ -483,34 +483,3 @@ class CacheAppender:
             m['num_shards'], m['data']['max_length'] = len(m['shards']), max(m['data']['max_length'], *lens.tolist())
         m['data']['batches'] = k + 1
         write_json(self.out / 'manifest.json', m)
-
-# %% ../nbs/08a_features.ipynb #267a6dc4
-def token_counts(datasets, V: int) -> tuple[Tensor, Tensor]:
-    """How often each token id below `V` occurs in `datasets` (chat samples, or a cache: its shards' tokens), (V,)
-    long: everywhere, and where supervised (the loss mask)."""
-    seen, supervised = torch.zeros(V + 1, dtype=torch.long), torch.zeros(V + 1, dtype=torch.long)
-    for ds in datasets:
-        rows = ds.tokens() if isinstance(ds, CacheDataset) else \
-            ((s['input_ids'], s['loss_mask']) for s in map(ds.__getitem__, range(len(ds))))
-        for ids, mask in rows:
-            ids = ids.long().clamp(0, V)
-            seen += torch.bincount(ids, minlength=V + 1)
-            supervised += torch.bincount(ids[mask.bool()], minlength=V + 1)
-    return seen[:V], supervised[:V]
-
-def data_mask_token(tokenizer, vocab_size: int, used: set[int], requested: int | None = None, say: bool = True,
-                    origin: str = 'asked for (--mask-token-id)') -> int:
-    """The mask token id for training on data whose token ids are `used`: `requested` (--mask-token-id, or
-    the one a cache records: `origin` says which), else
-    `choose_mask_token` among the ids the data leaves free; said in one line (`say`, main process). A mask token the
-    data uses is refused: the drafter could not tell a masked position from that token."""
-    if requested is None: mask, why = choose_mask_token(tokenizer, vocab_size, used)
-    else:
-        mask = requested
-        why = f"mask token {tokenizer.convert_ids_to_tokens(mask)!r} (id {mask}): {origin}"
-    if mask in used:
-        raise InputError(f"mask token id {mask} ({tokenizer.convert_ids_to_tokens(mask)!r}): the training data uses "
-                         "it, so the drafter could not tell a masked position from that token; pass --mask-token-id "
-                         "with a token the data never uses")
-    if say and int(os.environ.get('RANK', '0')) == 0: print(why)
-    return mask

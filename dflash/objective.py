@@ -4,6 +4,7 @@
 
 # %% ../nbs/07_objective.ipynb #dd1c3759
 from __future__ import annotations
+import os
 from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
@@ -11,10 +12,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from .layout import BlockLayout
 from .schema import LOSSES
+from .errors import InputError
+from .config import choose_mask_token
 from .drafter import compute_dtype
 
 # %% auto #0
-__all__ = ['objective_bytes_per_row', 'Objective', 'ObjectiveSums', 'dflash_objective', 'draft_vocab', 'draft_labels']
+__all__ = ['objective_bytes_per_row', 'Objective', 'ObjectiveSums', 'dflash_objective', 'draft_vocab', 'draft_labels',
+           'token_counts', 'data_mask_token']
 
 # %% ../nbs/07_objective.ipynb #3283df5a
 def objective_bytes_per_row(vocab_size: int, dtype: torch.dtype, teacher: bool = False) -> int:
@@ -253,3 +257,34 @@ def draft_labels(layout: BlockLayout, token_ids: Tensor, vocab_size: int) -> Blo
     index[token_ids.to(index.device)] = torch.arange(len(token_ids), device=index.device)
     d = index[layout.labels]                                              # (N, A, B) draft ids, -1 outside
     return replace(layout, labels=d.clamp(min=0), weights=layout.weights * (d >= 0))
+
+# %% ../nbs/07_objective.ipynb #43633674
+def token_counts(datasets, V: int) -> tuple[Tensor, Tensor]:
+    """How often each token id below `V` occurs in `datasets` (chat samples, or a cache: its shards' tokens, which its
+    `tokens()` reads without their features), (V,) long: everywhere, and where supervised (the loss mask)."""
+    seen, supervised = torch.zeros(V + 1, dtype=torch.long), torch.zeros(V + 1, dtype=torch.long)
+    for ds in datasets:
+        rows = ds.tokens() if hasattr(ds, 'tokens') else \
+            ((s['input_ids'], s['loss_mask']) for s in map(ds.__getitem__, range(len(ds))))
+        for ids, mask in rows:
+            ids = ids.long().clamp(0, V)
+            seen += torch.bincount(ids, minlength=V + 1)
+            supervised += torch.bincount(ids[mask.bool()], minlength=V + 1)
+    return seen[:V], supervised[:V]
+
+def data_mask_token(tokenizer, vocab_size: int, used: set[int], requested: int | None = None, say: bool = True,
+                    origin: str = 'asked for (--mask-token-id)') -> int:
+    """The mask token id for training on data whose token ids are `used`: `requested` (--mask-token-id, or
+    the one a cache records: `origin` says which), else
+    `choose_mask_token` among the ids the data leaves free; said in one line (`say`, main process). A mask token the
+    data uses is refused: the drafter could not tell a masked position from that token."""
+    if requested is None: mask, why = choose_mask_token(tokenizer, vocab_size, used)
+    else:
+        mask = requested
+        why = f"mask token {tokenizer.convert_ids_to_tokens(mask)!r} (id {mask}): {origin}"
+    if mask in used:
+        raise InputError(f"mask token id {mask} ({tokenizer.convert_ids_to_tokens(mask)!r}): the training data uses "
+                         "it, so the drafter could not tell a masked position from that token; pass --mask-token-id "
+                         "with a token the data never uses")
+    if say and int(os.environ.get('RANK', '0')) == 0: print(why)
+    return mask

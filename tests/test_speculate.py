@@ -272,8 +272,7 @@ def test_help_answers_before_torch_loads(module):
 def test_a_draft_vocabulary_drafts_through_d2t_and_stays_lossless(toy, tmp_path):
     "The toy drafter over the quarter of the vocabulary most often supervised: exported, reloaded, still lossless."
     from dataclasses import replace
-    from dflash.features import token_counts
-    from dflash.objective import draft_vocab
+    from dflash.objective import draft_vocab, token_counts
     target, tok, drafter = toy
     V = drafter.config.vocab_size
     ids = draft_vocab(token_counts([ChatDataset.from_jsonl(toy_data_dir() / 'train.jsonl', tok, 256)], V)[1], V // 4)
