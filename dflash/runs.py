@@ -62,6 +62,8 @@ def policy_problem(text: str, name: str = '--checkpointing', words=('auto', 'non
 def _layer_problems(c: TrainConfig, n) -> list[str]:
     "The layer options that do not fit a target of `n` layers (an int, or anything else when its config is broken)."
     ids = [i for i in c.target_layer_ids or [] if isinstance(i, int)]      # the bad ones are named by the option
+    if len(set(ids)) < len(ids):
+        return [f"--target-layer-ids = {c.target_layer_ids}: each layer once (the drafter reads each target layer once)"]
     if not isinstance(n, int): return []
     if ids and max(ids) >= n:
         return [f"--target-layer-ids = {c.target_layer_ids}: allowed 0..{n - 1} (the target has {n} layers)"]
@@ -105,7 +107,8 @@ def check_train(c: TrainConfig) -> list[str]:
     if c.cache is not None and Path(c.cache).is_dir():
         manifest, bad = json_problem(Path(c.cache) / 'manifest.json')
         if bad: probs.append(f"--cache: {bad}")
-        elif (ids := manifest.get('layer_ids')) and c.target_layer_ids and not set(c.target_layer_ids) <= set(ids):
+        elif isinstance(ids := manifest.get('layer_ids'), list) and c.target_layer_ids and \
+                all(type(i) is int and i >= 0 for i in c.target_layer_ids) and any(i not in ids for i in c.target_layer_ids):
             probs.append(f"--target-layer-ids = {c.target_layer_ids}: the cache {c.cache} holds target layers {ids}; "
                          f"choose among them, leave --target-layer-ids out to train on all of them, or write a cache "
                          f"of these layers (`python -m dflash.data cache ... --layers "

@@ -176,12 +176,14 @@ def test_bad_target_directory(tmp_path, capsys, files, kind, expect):
     (['--target', '{target}'], "--target needs --data FILE (chat JSONL) or --cache DIR"),
     (['--target', '{target}', '--data', '{train}', '--target-layer-ids', '1', '9'],
      "--target-layer-ids = [1, 9]: allowed 0..5 (the target has 6 layers)"),
+    (['--target', '{target}', '--data', '{train}', '--target-layer-ids', '1', '1'],
+     "--target-layer-ids = [1, 1]: each layer once"),
     (['--data', '{empty}'], "--data = '{empty}': empty file (no conversation)"),
     (['--eval-data', '{empty}'], "--eval-data = '{empty}': empty file (no conversation)"),
     (['--cache', '{dir}'], "manifest.json"),
     (['--cache', '{cache}', '--loss', 'kl'], "--loss = 'kl': the cache {cache} holds no final hidden state"),
     (['--target', '/no/such/model', '--data', '{train}'], "--target: model '/no/such/model': no such path"),
-], ids=['target-without-data', 'layer-id-out-of-range', 'empty-data', 'empty-eval-data', 'cache-without-manifest',
+], ids=['target-without-data', 'layer-id-out-of-range', 'layer-id-twice', 'empty-data', 'empty-eval-data', 'cache-without-manifest',
         'kl-from-a-cache-without-teacher', 'missing-target'])
 def test_bad_paths(tmp_path, capsys, files, argv, expect):
     (tmp_path / 'cache').mkdir()
