@@ -5,7 +5,7 @@
 # %% ../nbs/09g_assembly.ipynb #d1ecb467
 from __future__ import annotations
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 import torch
 from torch import Tensor
@@ -113,18 +113,29 @@ def _target_tokenizer(target: Path, chat: bool):
                          "--chat-template FILE ...` and train with --cache")
     return tok
 
+def _init_config(cfg: TrainConfig) -> DrafterConfig | None:
+    "The config of the drafter of --init-from (None: no --init-from)."
+    return None if cfg.init_from is None else DrafterConfig.load(Path(cfg.init_from) / 'config.json')
+
 def _vocabulary(cfg: TrainConfig, tok, V: int, train, ev, mask_token_id: int | None,
                 **origin) -> tuple[int, Tensor | None]:
     """The run's mask token id (`data_mask_token`) and, with --draft-vocab-size K, the K target tokens most often
-    supervised in the training data (`draft_vocab`), said in one line with the share of supervised tokens they cover."""
+    supervised in the training data (`draft_vocab`), said in one line with the share of supervised tokens they cover.
+    With --init-from, the drafter's mask token (unless --mask-token-id names one) and its draft vocabulary."""
     seen, supervised = token_counts([train], V)
     if ev is not None: seen = seen + token_counts([ev], V)[0]
+    start = _init_config(cfg)
+    if start is not None and cfg.mask_token_id is None:
+        mask_token_id, origin = start.mask_token_id, {'origin': f"the drafter's of --init-from {cfg.init_from}"}
     mask = data_mask_token(tok, V, set(seen.nonzero().flatten().tolist()), mask_token_id, **origin)
     if cfg.draft_vocab_size is None: return mask, None
-    ids = draft_vocab(supervised, cfg.draft_vocab_size)
+    if start is not None:                                    # target id = draft id + d2t
+        d2t = DFlashDrafter.from_pretrained(cfg.init_from).d2t
+        ids, which = d2t + torch.arange(len(d2t)), f"the {len(d2t)} tokens of the drafter of --init-from"
+    else: ids, which = draft_vocab(supervised, cfg.draft_vocab_size), f"the {cfg.draft_vocab_size} tokens most often supervised"
     if int(os.environ.get('RANK', '0')) == 0:
         share = supervised[ids].sum() / supervised.sum().clamp(min=1)
-        print(f"draft vocabulary: the {len(ids)} tokens most often supervised, {share:.1%} of the supervised tokens")
+        print(f"draft vocabulary: {which}, {share:.1%} of the supervised tokens")
     return mask, ids
 
 # %% ../nbs/09g_assembly.ipynb #2194ad13
@@ -195,6 +206,11 @@ def _online_parts(cfg: TrainConfig, target: Path, tok, data, eval_data, V: int, 
     return _RunParts(tok, features, features.embed_weight, features.lm_head_weight, train, ev,
                     features.drafter_config(**dkw), draft_ids)
 
+def _config_diff(theirs: DrafterConfig, mine: DrafterConfig) -> list[str]:
+    "The fields in which drafter config `theirs` differs from `mine`, each with both values."
+    return [f"{f.name} ({getattr(theirs, f.name)}; the run: {getattr(mine, f.name)})" for f in fields(DrafterConfig)
+            if getattr(theirs, f.name) != getattr(mine, f.name)]
+
 def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     "Resolve the target and data of `cfg` (defaults: the toy) and build the datasets."
     toy, target = cfg.target is None, _run_target(cfg)
@@ -210,6 +226,9 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     dkw = dict(num_hidden_layers=cfg.num_layers, block_size=cfg.block_size, draft_vocab_size=cfg.draft_vocab_size)
     if cfg.cache: p = _cache_parts(cfg, target, tok, tc, V, eval_data, device, dkw)
     else: p = _online_parts(cfg, target, tok, data, eval_data, V, device, dkw)
+    if (start := _init_config(cfg)) is not None and (diff := _config_diff(start, p.drafter_config)):
+        raise InputError(f"--init-from {cfg.init_from}: its drafter differs from this run's in " + '; '.join(diff)
+                         + " (give the run the drafter's target layers and options)")
     if len(p.train) < cfg.batch_size:
         raise InputError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(p.train)} samples)")
     return p
@@ -308,6 +327,9 @@ def build_drafter(cfg: TrainConfig, parts: _RunParts, acc: Accelerator, teacher:
     if cfg.init_from_target:
         copied = drafter.init_from_target(_target_layers(cfg, parts))
         if acc.is_main_process: print(f"drafter layers start from the target's top layers: {len(copied)} weights")
+    if cfg.init_from is not None:
+        stored = drafter.load_weights(cfg.init_from)
+        if acc.is_main_process: print(f"the drafter starts from --init-from {cfg.init_from} (stored in {stored})")
     set_checkpointing(drafter, policy, budget_bytes=attention_budget)
     fsdp = _fsdp_settings(acc)
     if fsdp is not None:

@@ -318,6 +318,16 @@ def _load_weights(path: Path) -> dict:
         state.update({k: v for k, v in part.items() if wmap.get(k) == shard})
     return state
 
+@patch
+def load_weights(self: DFlashDrafter, path) -> torch.dtype:
+    """Load the weights of the drafter directory `path` (one file or sharded) into this drafter, whose config must
+    imply the same tensors; they are converted to this drafter's dtypes. Returns the dtype they were stored in."""
+    path = Path(path)
+    state = _load_weights(path)
+    _check_state(self.state_dict(), state, str(path / 'model.safetensors'))
+    self.load_state_dict(state)
+    return next(t.dtype for t in state.values() if t.is_floating_point())      # not d2t's
+
 @patch(cls_method=True)
 def from_pretrained(cls: DFlashDrafter, path, attention: str = 'eager', dtype: torch.dtype | None = None,
                     tokenizer=None, mask_token_id: int | None = None, **attention_options):
@@ -328,7 +338,5 @@ def from_pretrained(cls: DFlashDrafter, path, attention: str = 'eager', dtype: t
         raise FileNotFoundError(f"{path}: no config.json, not a DFlash drafter directory")
     if mask_token_id is None and tokenizer is not None: mask_token_id = tokenizer.mask_token_id
     model = cls(DrafterConfig.load(path / 'config.json', mask_token_id), attention, **attention_options)
-    state = _load_weights(path)
-    _check_state(model.state_dict(), state, str(path / 'model.safetensors'))
-    model.load_state_dict(state)
-    return model.to(dtype or next(t.dtype for t in state.values() if t.is_floating_point()))   # not d2t's
+    stored = model.load_weights(path)                # into float32: a bfloat16 or float16 weight converts exactly
+    return model.to(dtype or stored)

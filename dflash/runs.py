@@ -82,7 +82,8 @@ def check_train(c: TrainConfig) -> list[str]:
                      "--schedule wsd (warmup and decay share the steps)")
     if Path(c.out).exists() and not Path(c.out).is_dir():
         probs.append(f"--out = {c.out!r}: exists and is not a directory")
-    reads = {'--target': c.target or toy_target_dir(), '--data': c.data, '--eval-data': c.eval_data, '--cache': c.cache}
+    reads = {'--target': c.target or toy_target_dir(), '--data': c.data, '--eval-data': c.eval_data, '--cache': c.cache,
+             '--init-from': c.init_from}
     probs += out_problems(c.out, '--out', 'run', reads)     # a model, the data, a cache: never a run's directory
     if c.target is not None:
         probs += (bad := target_problems(c.target, '--target'))
@@ -90,6 +91,7 @@ def check_train(c: TrainConfig) -> list[str]:
         conf = None if bad else target_config_dict(resolve_local(c.target))[0]
     else: conf = json_problem(toy_target_dir() / 'config.json')[0]
     probs += _layer_problems(c, (conf or {}).get('num_hidden_layers'))
+    probs += _init_from_problems(c, conf)
     if isinstance(P := config_max_positions(conf), int) and isinstance(c.max_length, int) and c.max_length > P:
         probs.append(f"--max-length = {c.max_length}: allowed <= {P} (the target's max_position_embeddings: it has no "
                      f"positions past {P})")
@@ -128,6 +130,36 @@ def check_train(c: TrainConfig) -> list[str]:
         probs.append(f"--block-size = {c.block_size}: allowed <= max_length ({c.max_length})")
     if (p := policy_problem(str(c.checkpointing))): probs.append(p)
     return probs + launch_problems()
+
+_AS_INIT_FROM = (('--num-layers', 'num_layers', 'num_hidden_layers'), ('--block-size', 'block_size', 'block_size'),
+                 ('--draft-vocab-size', 'draft_vocab_size', 'draft_vocab_size'))   # flag, option, config.json field
+
+def _init_from_problems(c: TrainConfig, conf: dict | None) -> list[str]:
+    """What keeps the drafter of --init-from from starting this run: no drafter there, or not the run's shape (its
+    layers, block size and draft vocabulary as the options say, its sizes the target's, `conf`)."""
+    if c.init_from is None: return []
+    if c.init_from_target: return ["--init-from and --init-from-target: choose one (a trained drafter's weights, or "
+                                   "the target's top layers)"]
+    d = Path(c.init_from)
+    theirs, bad = json_problem(d / 'config.json')
+    if bad: return [f"--init-from: {bad} (a drafter directory, as a run exports, holds config.json and "
+                    "model.safetensors)"]
+    if not (d / 'model.safetensors').is_file() and not (d / 'model.safetensors.index.json').is_file():
+        return [f"--init-from = {c.init_from!r}: no model.safetensors (a drafter directory, as a run exports, holds "
+                "config.json and model.safetensors)"]
+    dflash = theirs.get('dflash_config') if isinstance(theirs.get('dflash_config'), dict) else {}
+    pairs = [(f, getattr(c, o), theirs.get(k)) for f, o, k in _AS_INIT_FROM]
+    pairs += [(f, v, dflash.get(k)) for f, v, k in (('--mask-token-id', c.mask_token_id, 'mask_token_id'),
+                                                    ('--target-layer-ids', c.target_layer_ids, 'target_layer_ids'))
+              if v is not None]                       # else chosen as the drafter's, or checked once they are known
+    probs = [f"{f} = {mine}: the drafter of --init-from {c.init_from} has {theirs_}; pass {f} {theirs_}"
+             if theirs_ is not None else f"{f} = {mine}: the drafter of --init-from {c.init_from} has none; leave it out"
+             for f, mine, theirs_ in pairs if mine != theirs_]
+    for k in ('hidden_size', 'vocab_size'):
+        if isinstance(conf, dict) and conf.get(k) is not None and theirs.get(k) != conf.get(k):
+            probs.append(f"--init-from {c.init_from}: its {k} is {theirs.get(k)}, the target's {conf.get(k)} (a drafter "
+                         "of another target)")
+    return probs
 
 # %% ../nbs/09b_runs.ipynb #0da2b238
 _RUN_FILES = ('run.json', 'checkpoints', 'metrics.csv', 'eval.csv', 'drafter', 'summary.json')

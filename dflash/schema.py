@@ -53,6 +53,10 @@ class TrainConfig:
                                                 "export (default: the whole vocabulary)", ge=1)
     init_from_target: bool = option(False, "start the drafter's layers from the target's top layers (weights of the "
                                            "same name and shape) instead of a random initialisation")
+    init_from: str | None = option(None, "start from a trained drafter (a directory with config.json and "
+                                         "model.safetensors, as a run exports): its weights and its draft vocabulary; "
+                                         "the run's --num-layers, --block-size, --draft-vocab-size, target layers and "
+                                         "mask token must be its (default: none)", path='dir')
     mask_token_id: int | None = option(None, "token id of a block's masked positions, written into the drafter's "
                                              "config (default: the tokenizer's mask token, else a free embedding "
                                              "row, else a special token neither the chat template nor the data uses)",

@@ -2,8 +2,9 @@
 import csv, json, os, re, signal, subprocess, sys, time
 from pathlib import Path
 import pytest
+import torch
 from dflash.harness import launch_train
-from conftest import override
+from conftest import override, train_cli
 
 # a small, fast run on the shipped toy target: every option that matters is explicit
 SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4',
@@ -369,3 +370,35 @@ def test_a_cache_of_more_layers_trains_a_drafter_of_some_of_them(tmp_path):
     assert_close(losses(tmp_path / 'offline'), losses(tmp_path / 'online'), rel=1e-5)
     config = json.loads((tmp_path / 'offline' / 'drafter' / 'config.json').read_text())
     assert config['dflash_config']['target_layer_ids'] == [3, 1]
+
+
+def test_a_run_continues_from_a_trained_drafter(tmp_path):
+    """--init-from starts a run from the drafter another run exported: its weights (at learning rate 0 the run
+    exports them unchanged) and its draft vocabulary, though the new data would choose another; a drafter of another
+    shape is refused before the target loads, every difference named."""
+    from safetensors.torch import load_file
+    from dflash.files import toy_data_dir
+    lines = (toy_data_dir() / 'train.jsonl').read_text().splitlines(True)
+    first, second = tmp_path / 'first.jsonl', tmp_path / 'second.jsonl'
+    first.write_text(''.join(lines[:12]))
+    second.write_text(''.join(lines[-12:]))
+    run = [*SMALL, '--max-steps', '2', '--save-every', '0', '--report-to', 'none', '--draft-vocab-size', '24']
+    a = launch(tmp_path / 'a', *run, '--data', str(first))
+    assert a.returncode == 0, a.stdout[-2000:] + a.stderr[-2000:]
+    b = launch(tmp_path / 'b', *override(run, '--lr', '0'), '--data', str(second), '--init-from', str(tmp_path / 'a' / 'drafter'))
+    assert b.returncode == 0, b.stdout[-2000:] + b.stderr[-2000:]
+    assert 'the drafter of --init-from' in b.stdout and "the drafter's of --init-from" in b.stdout, b.stdout[-2000:]
+    fresh = launch(tmp_path / 'fresh', *run, '--data', str(second))
+    assert fresh.returncode == 0, fresh.stdout[-2000:] + fresh.stderr[-2000:]
+    wa, wb, wf = (load_file(tmp_path / r / 'drafter' / 'model.safetensors') for r in ('a', 'b', 'fresh'))
+    assert wa.keys() == wb.keys()
+    for k in wa: assert torch.equal(wa[k], wb[k]), k
+    assert not torch.equal(wf['d2t'], wa['d2t']), "the second data chooses another vocabulary on its own"
+    bad = train_cli('--out', tmp_path / 'bad', *override(run, '--num-layers', '3'), '--block-size', '8', '--data',
+                    second, '--init-from', tmp_path / 'a' / 'drafter')
+    assert bad.returncode == 2 and 'Traceback' not in bad.stderr, bad.stderr[-2000:]
+    assert '--num-layers = 3: the drafter of --init-from' in bad.stderr and '--block-size = 8: the drafter of' in bad.stderr
+    both = train_cli('--out', tmp_path / 'both', *run, '--data', second, '--init-from', tmp_path / 'a' / 'drafter',
+                     '--init-from-target')
+    assert both.returncode == 2 and '--init-from and --init-from-target: choose one' in both.stderr, both.stderr[-2000:]
+    assert not (tmp_path / 'bad').exists() and not (tmp_path / 'both').exists()
