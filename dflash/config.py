@@ -104,7 +104,8 @@ def _rope_parameters(tc) -> dict:
     if isinstance(rp, dict) and 'rope_theta' in rp: return dict(rp)
     rs = dict(getattr(tc, 'rope_scaling', None) or {})
     rs.setdefault('rope_type', rs.pop('type', 'default'))
-    return {**rs, 'rope_theta': float(getattr(tc, 'rope_theta', 10000.0))}
+    theta = getattr(tc, 'rope_theta', None)                       # a dict read as attributes: None when missing
+    return {**rs, 'rope_theta': float(10000.0 if theta is None else theta)}
 
 def _mask_token_id(tokenizer, vocab_size):
     if tokenizer is None:
@@ -206,6 +207,8 @@ def from_dict(cls: DrafterConfig, d: dict, source: str = 'config', mask_token_id
     bad = [f"{k}={d[k]!r}" for k in ints if d.get(k) is not None and not isint(d[k])]
     eps = d.get('rms_norm_eps')
     if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))): bad.append('rms_norm_eps')
+    theta = d.get('rope_theta')
+    if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float))): bad.append(f"rope_theta={theta!r}")
     dc = d['dflash_config'] if isinstance(d['dflash_config'], dict) else {}
     if dc.get('mask_token_id') is not None and not isint(dc['mask_token_id']):
         bad.append(f"dflash_config.mask_token_id={dc['mask_token_id']!r}")
@@ -213,15 +216,17 @@ def from_dict(cls: DrafterConfig, d: dict, source: str = 'config', mask_token_id
     if ids is not None and not (isinstance(ids, list) and all(map(isint, ids))):
         bad.append(f"dflash_config.target_layer_ids={ids!r}")
     if bad: raise ValueError(f"{source}: fields that must be numbers are not: {', '.join(bad)}")
+    for k in ('rope_scaling', 'rope_parameters'):
+        if d.get(k) is not None and not isinstance(d[k], dict): raise ValueError(f"{source}: {k} must be an object, got {d[k]!r}")
     names = {f.name for f in fields(cls)} - {'rope_parameters', 'mask_token_id', 'target_layer_ids'}
     kw = {k: d[k] for k in names if d.get(k) is not None}
     kw.setdefault('num_key_value_heads', d['num_attention_heads'])
     kw.setdefault('head_dim', d['hidden_size'] // d['num_attention_heads'])
-    mask = d['dflash_config'].get('mask_token_id', d.get('mask_token_id', mask_token_id))
+    mask = dc.get('mask_token_id', d.get('mask_token_id', mask_token_id))
     if mask is None: raise ValueError(f"{source}: no dflash_config.mask_token_id; pass mask_token_id=... (or a "
                                       "tokenizer with a mask token) to say which token fills the drafted blocks")
     return cls(**kw, rope_parameters=_rope_parameters(_Attrs(d)), mask_token_id=mask,
-               target_layer_ids=d['dflash_config'].get('target_layer_ids'))
+               target_layer_ids=dc.get('target_layer_ids'))
 
 @patch
 def save(self: DrafterConfig, path):

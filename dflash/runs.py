@@ -8,6 +8,7 @@ import dataclasses, importlib.util, json, os, time
 from pathlib import Path
 from .errors import EXIT_INPUT
 from .options import flag
+from .config import DrafterConfig
 from .schema import TRACKERS, TrainConfig
 from .files import (config_max_positions, config_vocab_size, file_sha256, json_problem, make_dir, out_problems,
                           resolve_local, target_config_dict, target_problems, toy_target_dir)
@@ -132,7 +133,7 @@ def check_train(c: TrainConfig) -> list[str]:
     return probs + launch_problems()
 
 _AS_INIT_FROM = (('--num-layers', 'num_layers', 'num_hidden_layers'), ('--block-size', 'block_size', 'block_size'),
-                 ('--draft-vocab-size', 'draft_vocab_size', 'draft_vocab_size'))   # flag, option, config.json field
+                 ('--draft-vocab-size', 'draft_vocab_size', 'draft_vocab_size'))   # flag, option, DrafterConfig field
 
 def _init_from_problems(c: TrainConfig, conf: dict | None) -> list[str]:
     """What keeps the drafter of --init-from from starting this run: no drafter there, or not the run's shape (its
@@ -141,24 +142,24 @@ def _init_from_problems(c: TrainConfig, conf: dict | None) -> list[str]:
     if c.init_from_target: return ["--init-from and --init-from-target: choose one (a trained drafter's weights, or "
                                    "the target's top layers)"]
     d = Path(c.init_from)
-    theirs, bad = json_problem(d / 'config.json')
-    if bad: return [f"--init-from: {bad} (a drafter directory, as a run exports, holds config.json and "
-                    "model.safetensors)"]
+    if not d.is_dir(): return []                                  # named by the option's own check
     if not (d / 'model.safetensors').is_file() and not (d / 'model.safetensors.index.json').is_file():
         return [f"--init-from = {c.init_from!r}: no model.safetensors (a drafter directory, as a run exports, holds "
                 "config.json and model.safetensors)"]
-    dflash = theirs.get('dflash_config') if isinstance(theirs.get('dflash_config'), dict) else {}
-    pairs = [(f, getattr(c, o), theirs.get(k)) for f, o, k in _AS_INIT_FROM]
-    pairs += [(f, v, dflash.get(k)) for f, v, k in (('--mask-token-id', c.mask_token_id, 'mask_token_id'),
-                                                    ('--target-layer-ids', c.target_layer_ids, 'target_layer_ids'))
+    try: theirs = DrafterConfig.load(d / 'config.json', c.mask_token_id)
+    except (OSError, ValueError) as e: return [f"--init-from: {e}"]
+    pairs = [(f, getattr(c, o), getattr(theirs, k)) for f, o, k in _AS_INIT_FROM]
+    pairs += [(f, v, getattr(theirs, k)) for f, v, k in (('--mask-token-id', c.mask_token_id, 'mask_token_id'),
+                                                         ('--target-layer-ids', c.target_layer_ids, 'target_layer_ids'))
               if v is not None]                       # else chosen as the drafter's, or checked once they are known
-    probs = [f"{f} = {mine}: the drafter of --init-from {c.init_from} has {theirs_}; pass {f} {theirs_}"
-             if theirs_ is not None else f"{f} = {mine}: the drafter of --init-from {c.init_from} has none; leave it out"
+    said = lambda v: ' '.join(map(str, v)) if isinstance(v, list) else str(v)
+    probs = [f"{f} = {mine}: the drafter of --init-from {c.init_from} has "
+             + (f"none; leave {f} out" if theirs_ is None else f"{said(theirs_)}; pass {f} {said(theirs_)}")
              for f, mine, theirs_ in pairs if mine != theirs_]
     for k in ('hidden_size', 'vocab_size'):
-        if isinstance(conf, dict) and conf.get(k) is not None and theirs.get(k) != conf.get(k):
-            probs.append(f"--init-from {c.init_from}: its {k} is {theirs.get(k)}, the target's {conf.get(k)} (a drafter "
-                         "of another target)")
+        if isinstance(conf, dict) and conf.get(k) is not None and getattr(theirs, k) != conf.get(k):
+            probs.append(f"--init-from {c.init_from}: its {k} is {getattr(theirs, k)}, the target's {conf.get(k)} (a "
+                         "drafter of another target)")
     return probs
 
 # %% ../nbs/09b_runs.ipynb #0da2b238

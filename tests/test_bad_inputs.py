@@ -183,8 +183,10 @@ def test_bad_target_directory(tmp_path, capsys, files, kind, expect):
     (['--cache', '{dir}'], "manifest.json"),
     (['--cache', '{cache}', '--loss', 'kl'], "--loss = 'kl': the cache {cache} holds no final hidden state"),
     (['--target', '/no/such/model', '--data', '{train}'], "--target: model '/no/such/model': no such path"),
+    (['--init-from', '{dir}'], "--init-from = '{dir}': no model.safetensors (a drafter directory, as a run exports"),
+    (['--init-from', '{dir}', '--init-from-target'], "--init-from and --init-from-target: choose one"),
 ], ids=['target-without-data', 'layer-id-out-of-range', 'layer-id-twice', 'empty-data', 'empty-eval-data', 'cache-without-manifest',
-        'kl-from-a-cache-without-teacher', 'missing-target'])
+        'kl-from-a-cache-without-teacher', 'missing-target', 'init-from-no-drafter', 'init-from-and-from-target'])
 def test_bad_paths(tmp_path, capsys, files, argv, expect):
     (tmp_path / 'cache').mkdir()
     (tmp_path / 'cache' / 'manifest.json').write_text('{"format": "dflash-hidden-cache/1", "complete": true}')

@@ -124,6 +124,23 @@ def test_non_numeric_config_fields_are_named(tmp_path, small_config, edit, expec
     assert expect in str(e.value)
 
 
+@pytest.mark.parametrize('edit,expect', [
+    (lambda c: {**c, 'rope_theta': 'big'}, "fields that must be numbers are not: rope_theta='big'"),
+    (lambda c: {**c, 'rope_scaling': 3}, "rope_scaling must be an object, got 3"),
+    (lambda c: {**{k: v for k, v in c.items() if k not in ('rope_theta', 'rope_parameters')}}, None),
+    (lambda c: {**c, 'dflash_config': 3, 'mask_token_id': 7}, None)])
+def test_hostile_rope_and_dflash_fields_are_named_or_read(tmp_path, small_config, edit, expect):
+    """A rope field of the wrong type is named; a config without rope_theta gets the default theta, and one whose
+    dflash_config is no object is read without it (its mask token from the top level)."""
+    DFlashDrafter(small_config).save_pretrained(tmp_path)
+    conf = json.loads((tmp_path / 'config.json').read_text())
+    (tmp_path / 'config.json').write_text(json.dumps(edit(conf)))
+    if expect is None:
+        DFlashDrafter.from_pretrained(tmp_path)
+        return
+    with pytest.raises(ValueError, match=expect): DFlashDrafter.from_pretrained(tmp_path)
+
+
 def test_garbage_config_and_truncated_weights_are_named(tmp_path, small_config):
     DFlashDrafter(small_config).save_pretrained(tmp_path)
     good = (tmp_path / 'config.json').read_text()
