@@ -73,14 +73,17 @@ def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, ne
     is empty, loops (`_loops`), is cut (too long) or, the first, repeats one in `seen` or earlier in the batch. A reply
     that loops is kept (counted): it is what the target writes, so what its drafter must draft. A `system` prompt
     opens every conversation and `user_prefix` begins every user message (both steer what the target asks); a user
-    message ends where the regular expression `user_stop` first matches its text, as at its end of turn. The
+    message ends where the regular expression `user_stop` first matches its text past the prefix, as at its end of
+    turn. The
     `{"messages": [...]}` records and the counts."""
     convs = [[{'role': 'system', 'content': system}] if system else [] for _ in range(n)]
     live, mine = list(range(n)), set()
     pre = tokenizer(user_prefix, add_special_tokens=False)['input_ids'] if user_prefix else []
     said = lambda toks: tokenizer.decode(pre + toks, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     ends = re.compile(user_stop) if user_stop else None
-    ask = _with_settings(prompter, stop_when=lambda toks: bool(ends.search(said(toks)))) if ends else prompter
+    given = len(said([]))                                      # the prefix's text: a match inside it is no stop
+    stop = lambda text: next((m for m in ends.finditer(text) if m.end() > given), None)
+    ask = _with_settings(prompter, stop_when=lambda toks: stop(said(toks)) is not None) if ends else prompter
     info = {'prompts': n, **{k: 0 for k in _FILTERS}, 'prompt_tokens': 0, 'tokens': 0, 'truncated': 0,
             'looping_replies': 0}
     for t in range(turns):
@@ -90,7 +93,7 @@ def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, ne
         for i, (toks, stopped) in zip(live, ask(heads, round_seed(seed, batch, f'user{t}'))):
             info['prompt_tokens'] += len(toks)
             text = said(toks)
-            text = (text[:m.end()] if ends and (m := ends.search(text)) else text).strip()
+            text = (text[:m.end()] if ends and (m := stop(text)) else text).strip()
             key = _normalized(text)
             why = ('empty' if not toks or not text else 'repeated' if _loops(toks) else 'too_long' if not stopped else
                    'duplicate' if t == 0 and (key in seen or key in mine) else None)
