@@ -74,8 +74,7 @@ def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, ne
     that loops is kept (counted): it is what the target writes, so what its drafter must draft. A `system` prompt
     opens every conversation and `user_prefix` begins every user message (both steer what the target asks); a user
     message ends where the regular expression `user_stop` first matches its text past the prefix, as at its end of
-    turn. The
-    `{"messages": [...]}` records and the counts."""
+    turn. The `{"messages": [...]}` records and the counts."""
     convs = [[{'role': 'system', 'content': system}] if system else [] for _ in range(n)]
     live, mine = list(range(n)), set()
     pre = tokenizer(user_prefix, add_special_tokens=False)['input_ids'] if user_prefix else []
