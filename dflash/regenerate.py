@@ -118,7 +118,7 @@ class TransformersEngine:
                  top_p: float = 1., stop_when=None):
         self.model, self.stop_ids, self.pad_id = model, list(stop_ids), pad_id
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
-        self.stop_when = stop_when                  # tokens -> bool: a row's tokens so far that end it (e.g. a text)
+        self.stop_when = stop_when       # (row, tokens) -> bool: whether row's tokens so far end it (e.g. at a text)
 
     def __call__(self, prompts: list[list[int]], seed: int = 0) -> list[tuple[list[int], bool]]:
         return [(toks, stop is not None) for toks, stop, _ in self.generate(prompts, seed)]
@@ -158,7 +158,7 @@ class TransformersEngine:
                 for j, (r, t, d) in enumerate(zip(live.tolist(), tok.tolist(), done.tolist())):
                     if d: ended[r] = t
                     else: out[r].append(t)
-                    if not d and self.stop_when is not None and self.stop_when(out[r]): ended[r], done[j] = -1, True
+                    if not d and self.stop_when is not None and self.stop_when(r, out[r]): ended[r], done[j] = -1, True
                 going = ~done
                 last = step == self.max_new_tokens - 1 or not going.any()
                 if last and not keep: break

@@ -232,6 +232,14 @@ class SynthConfig:
                                          'as the end of the user turn would (e.g. \'"""[\\s\\S]*?"""|\\n\\n\' with '
                                          '--user-prefix def: a stub ends after its docstring or its first blank line, as '
                                          'a coding prompt does; default: none)')
+    user_insert_after: list[str] | None = option(None, 'regular expressions that steer each user message in turn, each '
+                                                       'once: where the next first matches, before any --user-stop '
+                                                       'match, the message is cut at its end, the text of --user-insert '
+                                                       'in the same place is put in and the target writes on (e.g. '
+                                                       '\':\\n\' \'"""[^"\\n]*\\n\' with --user-insert \'    """ \' '
+                                                       '\'    >>> \': a docstring, then a usage example after its first '
+                                                       'line; default: none)')
+    user_insert: list[str] | None = option(None, 'the text put in at each --user-insert-after pattern, in the same order')
     max_prompt_tokens: int = option(256, 'tokens per user message at most (a message cut there is dropped)', ge=1)
     max_new_tokens: int = option(512, 'tokens per reply at most (a reply cut there is kept, marked truncated)', ge=1)
     prompt_temperature: float = option(1.0, 'sampling temperature of the user messages', ge=TEMPERATURE_MIN)

@@ -64,35 +64,68 @@ def _with_settings(engine, **kw):
         setattr(e, k, v)
     return e
 
+def _first_past(rx, text: str, given: int):
+    "The first match of the compiled `rx` in `text` that ends past its first `given` characters (what was given), or None."
+    return next((m for m in rx.finditer(text) if m.end() > given), None) if rx else None
+
+def _user_messages(prompter, tokenizer, heads: list[list[int]], pre: list[int], seeds: list[int], *, ends=None,
+                   inserts=()) -> tuple[list[tuple[str, list[int], bool]], int]:
+    """The user message the target writes after each opened user turn in `heads`, from the prefix tokens `pre`: it
+    ends at its end of turn or where the compiled `ends` first matches past what was given. `inserts` steer it in
+    turn, each `(compiled pattern, text)` once: where the pattern first matches past what was given, before `ends`
+    does, the message is cut at the match's end, the text is put in and the target writes on. Each part samples with
+    its seed of `seeds` (one more than `inserts`). `(text, the tokens the target wrote last, whether it stopped)` of
+    each, and the tokens written."""
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    begun, out, written = [pre] * len(heads), [None] * len(heads), 0
+    todo = list(range(len(heads)))
+    for part, seed in enumerate(seeds):
+        cut, insert = inserts[part] if part < len(inserts) else (None, '')
+        given = {j: len(decode(begun[j])) for j in todo}                  # a match inside what was given is no stop
+        found = lambda j, toks: (_first_past(ends, decode(begun[j] + toks), given[j]),
+                                 _first_past(cut, decode(begun[j] + toks), given[j]))
+        rows = list(todo)
+        ask = _with_settings(prompter, stop_when=lambda r, toks: any(found(rows[r], toks))) if ends or cut else prompter
+        todo = []
+        for j, (toks, stopped) in zip(rows, ask([heads[j] + begun[j] for j in rows], seed)):
+            written += len(toks)
+            text = decode(begun[j] + toks)
+            end, at = found(j, toks)
+            if at and (end is None or at.end() <= end.end()):
+                begun[j] = tokenizer(text[:at.end()] + insert, add_special_tokens=False)['input_ids']
+                todo.append(j)
+            else: out[j] = (text[:end.end()] if end else text, toks, stopped)
+    return out, written
+
 def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, needed: int | None = None, seen=(),
                       template_kw: dict | None = None, seed: int = 0, batch: int = 0,
-                      system: str | None = None, user_prefix: str | None = None,
-                      user_stop: str | None = None) -> tuple[list[dict], dict]:
+                      system: str | None = None, user_prefix: str | None = None, user_stop: str | None = None,
+                      user_insert_after=(), user_insert=()) -> tuple[list[dict], dict]:
     """`n` conversations written by the target alone, `turns` user turns each: `prompter` writes each user message after
-    the opened user turn, `engine` the reply (`reply_round`). A conversation is dropped at its first user message that
-    is empty, loops (`_loops`), is cut (too long) or, the first, repeats one in `seen` or earlier in the batch. A reply
-    that loops is kept (counted): it is what the target writes, so what its drafter must draft. A `system` prompt
-    opens every conversation and `user_prefix` begins every user message (both steer what the target asks); a user
-    message ends where the regular expression `user_stop` first matches its text past the prefix, as at its end of
-    turn. The `{"messages": [...]}` records and the counts."""
+    the opened user turn (`_user_messages`), `engine` the reply (`reply_round`). A conversation is dropped at its first
+    user message that is empty, loops (`_loops`), is cut (too long) or, the first, repeats one in `seen` or earlier in
+    the batch. A reply that loops is kept (counted): it is what the target writes, so what its drafter must draft. A
+    `system` prompt opens every conversation and `user_prefix` begins every user message (both steer what the target
+    asks); a user message ends where the regular expression `user_stop` first matches its text past what was given, as
+    at its end of turn; where the k-th pattern of `user_insert_after` matches first, the k-th text of `user_insert`
+    goes in and the target writes on (they steer the middle of a message as the prefix steers its start). The
+    `{"messages": [...]}` records and the counts."""
     convs = [[{'role': 'system', 'content': system}] if system else [] for _ in range(n)]
     live, mine = list(range(n)), set()
     pre = tokenizer(user_prefix, add_special_tokens=False)['input_ids'] if user_prefix else []
-    said = lambda toks: tokenizer.decode(pre + toks, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     ends = re.compile(user_stop) if user_stop else None
-    given = len(said([]))                                      # the prefix's text: a match inside it is no stop
-    stop = lambda text: next((m for m in ends.finditer(text) if m.end() > given), None)
-    ask = _with_settings(prompter, stop_when=lambda toks: stop(said(toks)) is not None) if ends else prompter
+    inserts = [(re.compile(rx), text) for rx, text in zip(user_insert_after, user_insert, strict=True)]
     info = {'prompts': n, **{k: 0 for k in _FILTERS}, 'prompt_tokens': 0, 'tokens': 0, 'truncated': 0,
             'looping_replies': 0}
     for t in range(turns):
         if not live: break
-        heads = [_open_user_turn(tokenizer, convs[i], template_kw) + pre for i in live]
+        heads = [_open_user_turn(tokenizer, convs[i], template_kw) for i in live]
+        seeds = [round_seed(seed, batch, f'user{t}' + (f'-insert{k}' if k else '')) for k in range(len(inserts) + 1)]
+        asked, written = _user_messages(prompter, tokenizer, heads, pre, seeds, ends=ends, inserts=inserts)
+        info['prompt_tokens'] += written
         kept = []
-        for i, (toks, stopped) in zip(live, ask(heads, round_seed(seed, batch, f'user{t}'))):
-            info['prompt_tokens'] += len(toks)
-            text = said(toks)
-            text = (text[:m.end()] if ends and (m := stop(text)) else text).strip()
+        for i, (text, toks, stopped) in zip(live, asked):
+            text = text.strip()
             key = _normalized(text)
             why = ('empty' if not toks or not text else 'repeated' if _loops(toks) else 'too_long' if not stopped else
                    'duplicate' if t == 0 and (key in seen or key in mine) else None)
@@ -157,11 +190,17 @@ def _check_synth(cfg: SynthConfig) -> list[str]:
     if cfg.user_prefix is not None and not cfg.user_prefix.strip():
         p.append(f"--user-prefix = {cfg.user_prefix!r}: empty; give the text every user message begins with, or "
                  "leave the option out")
-    if cfg.user_stop is not None:
-        try: re.compile(cfg.user_stop)
-        except re.error as e: p.append(f"--user-stop = {cfg.user_stop!r}: not a regular expression ({e})")
-        if cfg.engine != 'transformers':
-            p.append(f"--user-stop with --engine {cfg.engine}: only transformers ends a message at a pattern")
+    after, put = list(cfg.user_insert_after or ()), list(cfg.user_insert or ())
+    patterns = [('--user-stop', cfg.user_stop)] * (cfg.user_stop is not None) + [('--user-insert-after', x) for x in after]
+    for flag, rx in patterns:
+        try: re.compile(rx)
+        except re.error as e: p.append(f"{flag} = {rx!r}: not a regular expression ({e})")
+    if patterns and cfg.engine != 'transformers':
+        p.append(f"{', '.join(sorted({f for f, _ in patterns}))} with --engine {cfg.engine}: only transformers steers "
+                 "a message at a pattern")
+    if len(after) != len(put) or '' in put:
+        p.append(f"--user-insert-after = {after}, --user-insert = {put}: give one non-empty text for each pattern, in "
+                 "the same order, or neither")
     p += target_engine_problems(cfg)
     if cfg.cache is not None and cfg.engine != 'transformers':
         p.append(f"--cache with --engine {cfg.engine}: the cache is read off transformers' forwards; use --engine "
@@ -194,7 +233,8 @@ def _synth_header(cfg: SynthConfig) -> dict:
     from dflash.features import target_identity
     keep = ('system', 'turns', 'max_prompt_tokens', 'max_new_tokens', 'prompt_temperature', 'prompt_top_p', 'temperature',
             'top_p', 'seed', 'batch_size', 'engine', 'thinking')
-    steer = {k: getattr(cfg, k) for k in ('user_prefix', 'user_stop') if getattr(cfg, k)}   # older files resume
+    steer = {k: getattr(cfg, k) for k in ('user_prefix', 'user_stop', 'user_insert_after', 'user_insert')
+             if getattr(cfg, k)}                                       # files written before an option resume
     return {'format': _SYNTH_FORMAT, 'target': target_identity(target_dir(cfg)),
             'options': {**{k: getattr(cfg, k) for k in keep}, **steer, 'dtype': DTYPES.get(cfg.dtype)}}   # bf16 as bfloat16
 
@@ -260,7 +300,8 @@ def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
         reply = _Reading(engine, grow.manifest['layer_ids']) if grow else engine
         recs, info = _synthesize_batch(prompter, reply, tok, n=cfg.batch_size, turns=cfg.turns,
                                        needed=cfg.num - written, seen=seen, template_kw=tkw, seed=cfg.seed, batch=k,
-                                       system=cfg.system, user_prefix=cfg.user_prefix, user_stop=cfg.user_stop)
+                                       system=cfg.system, user_prefix=cfg.user_prefix, user_stop=cfg.user_stop,
+                                       user_insert_after=cfg.user_insert_after or (), user_insert=cfg.user_insert or ())
         if grow:                                                   # the cache first: a stop between keeps the data's
             samples, missed = _cache_samples(reply, tok, recs, tkw)
             grow.append(samples)

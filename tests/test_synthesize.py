@@ -162,3 +162,37 @@ def test_a_user_stop_ends_each_stub_where_its_pattern_first_matches(smollm2, tmp
     for said in ("--user-stop = '(': not a regular expression", '--user-stop with --engine vllm'):
         assert said in bad.stderr, bad.stderr
     assert 'Loading weights' not in bad.stderr and not (tmp_path / 'b.jsonl').exists()
+
+
+def test_user_inserts_open_a_docstring_then_put_a_usage_example_into_it(smollm2, tmp_path):
+    """`--user-insert-after` and `--user-insert`, in turn: where a stub's signature line ends, a docstring's opening
+    quotes go in, and where the docstring's first line ends, `    >>> ` (SmolLM2 writes no doctest on its own); the
+    stop pattern still ends the message; the index records both lists; a bad pattern, texts that do not pair with the
+    patterns, or vLLM are named before the model loads."""
+    import re
+    out, stop = tmp_path / 's.jsonl', '"""[\\s\\S]*?"""|\\n\\n'
+    after, put = [':\n', '"""[^"\\n]*\\n'], ['    """', '    >>> ']
+    r = data_cli('synthesize', '--target', smollm2, '--out', out, '--num', '8', '--batch-size', '8', '--user-prefix',
+                 'def', '--user-stop', stop, '--user-insert-after', *after, '--user-insert', *put, '--system',
+                 'You are an expert Python programmer. You write complete, correct Python functions with docstrings.',
+                 '--max-prompt-tokens', '128', '--max-new-tokens', '8')
+    assert r.returncode == 0, r.stderr[-3000:]
+    users = [json.loads(l)['messages'][1]['content'] for l in out.read_text().splitlines()]   # after the system's
+    assert len(users) == 8 and all(u.startswith('def ') for u in users), users
+    for u in users:
+        signed = u.find(':\n')
+        assert signed < 0 or u[signed + 2:].startswith('    """'), u            # a docstring after the signature
+        line = re.search(after[1], u)
+        assert line is None or u[line.end():].startswith('    >>> '), u         # an example after its first line
+        hit = re.search(stop, u)
+        assert hit is None or hit.end() == len(u), u                           # nothing after the stop's first match
+    assert any('\n    >>> ' in u for u in users), users
+    options = json.loads(index_path(out).read_text().splitlines()[0])['options']
+    assert (options['user_insert_after'], options['user_insert']) == (after, put)
+    bad = data_cli('synthesize', '--target', smollm2, '--out', tmp_path / 'b.jsonl', '--num', '1',
+                   '--user-insert-after', ':', '(', '--user-insert', 'x', '--engine', 'vllm')
+    assert bad.returncode == 2
+    for said in ("--user-insert-after = '(': not a regular expression", '--user-insert-after with --engine vllm',
+                 "--user-insert-after = [':', '('], --user-insert = ['x']: give one non-empty text for each pattern"):
+        assert said in bad.stderr, bad.stderr
+    assert 'Loading weights' not in bad.stderr and not (tmp_path / 'b.jsonl').exists()
