@@ -236,7 +236,7 @@ class SynthConfig:
                                                        'once: where the next first matches, before any --user-stop '
                                                        'match, the message is cut at its end, the text of --user-insert '
                                                        'in the same place is put in and the target writes on (e.g. '
-                                                       '\':\\n\' \'"""[^"\\n]*\\n\' with --user-insert \'    """ \' '
+                                                       '\':\\n\' \'"""[^"\\n]*\\n\' with --user-insert \'    """\' '
                                                        '\'    >>> \': a docstring, then a usage example after its first '
                                                        'line; default: none)')
     user_insert: list[str] | None = option(None, 'the text put in at each --user-insert-after pattern, in the same order')

@@ -82,15 +82,15 @@ def _user_messages(prompter, tokenizer, heads: list[list[int]], pre: list[int], 
     for part, seed in enumerate(seeds):
         cut, insert = inserts[part] if part < len(inserts) else (None, '')
         given = {j: len(decode(begun[j])) for j in todo}                  # a match inside what was given is no stop
-        found = lambda j, toks: (_first_past(ends, decode(begun[j] + toks), given[j]),
-                                 _first_past(cut, decode(begun[j] + toks), given[j]))
+        matches = lambda j, text: (_first_past(ends, text, given[j]), _first_past(cut, text, given[j]))
         rows = list(todo)
-        ask = _with_settings(prompter, stop_when=lambda r, toks: any(found(rows[r], toks))) if ends or cut else prompter
+        ends_row = lambda r, toks: any(matches(rows[r], decode(begun[rows[r]] + toks)))   # r: the row of this part
+        ask = _with_settings(prompter, stop_when=ends_row) if ends or cut else prompter
         todo = []
         for j, (toks, stopped) in zip(rows, ask([heads[j] + begun[j] for j in rows], seed)):
             written += len(toks)
             text = decode(begun[j] + toks)
-            end, at = found(j, toks)
+            end, at = matches(j, text)
             if at and (end is None or at.end() <= end.end()):
                 begun[j] = tokenizer(text[:at.end()] + insert, add_special_tokens=False)['input_ids']
                 todo.append(j)
