@@ -122,7 +122,7 @@ def _converter(conv, name: str, parser, optional: bool = False):
 def _help(f, default) -> str:
     "The `--help` line of field `f`: its help, ` [what it allows]` and ` (default: X)`."
     rule = _allowed_text(f.metadata.get('allowed', {}))
-    shown = ' '.join(map(str, default)) if isinstance(default, tuple) else default
+    shown = ' '.join(map(str, default)) or 'none' if isinstance(default, tuple) else default   # () is no value
     return (f"{f.metadata.get('help', '')}{f' [{rule}]' if rule else ''}"
             f"{'' if default is None else f' (default: {shown})'}").replace('%', '%%')   # argparse formats % itself
 

