@@ -419,7 +419,7 @@ def _plot(runs: list[dict], table: list[dict]):
     if held: ax.plot([t for t, _ in held], [v for _, v in held], 'o-', color='C1', label='held-out data')
     title = 'what training time buys' + (f' ({len(runs)} runs, one after another)' if len(runs) > 1 else '')
     ax.set(xlabel='training minutes', ylabel='τ (block estimate)', title=title)
-    ax.legend(frameon=False)
+    ax.legend(frameon=False, loc='upper left')                           # held-out τ sits low, under the batches'
     names = [('spec_tok_s', 'speculative'), ('plain_tok_s', 'plain'), ('lookup_tok_s', 'prompt lookup')]
     for i, (k, label) in enumerate(names):
         bx.bar([j + 0.27 * (i - 1) for j in range(len(table))], [r.get(k, 0) for r in table], 0.27, label=label)
