@@ -94,15 +94,20 @@ class RealBench:
     out: str = option('benchmarks/real', 'directory for real.csv, real.md, real.png and drafter/ (bf16)')
 
 def _run_problems(runs: list[Path]) -> list[str]:
-    """What keeps the runs of --run from being measured: one that is not a finished training run, or one after the
-    first that did not go on from a drafter (--init-from), so that the runs are no stages of one drafter."""
+    """What keeps the runs of --run from being measured: one named twice, one that is not a finished training run, or one
+    after the first that did not go on from a drafter (--init-from), so that the runs are no stages of one drafter."""
+    from dflash.files import json_problem
     need = ('run.json', 'summary.json', 'metrics.csv', 'drafter/config.json')
-    p = []
+    p = [f"--run: {r} is named twice" for r in sorted({str(r) for r in runs if runs.count(r) > 1})]
     for i, run in enumerate(runs):
         if not run.is_dir(): continue                                  # named by the option's own check
         if missing := [f for f in need if not (run / f).is_file()]:
             p.append(f"--run = {str(run)!r}: not a finished training run (no {', '.join(missing)})")
-        elif i and json.loads((run / 'run.json').read_text())['config'].get('init_from') is None:
+            continue
+        state, bad = json_problem(run / 'run.json')
+        start = (state or {}).get('config')
+        if bad: p.append(f"--run: {bad}")
+        elif i and (not isinstance(start, dict) or start.get('init_from') is None):
             p.append(f"--run: {run} did not start from a drafter (--init-from), so it does not go on from {runs[i - 1]}: "
                      "name one run, or the runs of one drafter in the order they trained")
     return p

@@ -78,12 +78,16 @@ def test_bad_options_are_named_before_anything_runs(tmp_path):
     r = subprocess.run(list(map(str, cmd)), env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     (tmp_path / 'run').mkdir()
+    (tmp_path / 'broken' / 'drafter').mkdir(parents=True)
+    for f, text in (('run.json', '{"config": '), ('summary.json', '{}'), ('metrics.csv', ''), ('drafter/config.json', '{}')):
+        (tmp_path / 'broken' / f).write_text(text)
     cmd = [sys.executable, '-m', 'dflash.bench', 'real', '--target', toy_target_dir(), '--run', tmp_path / 'run',
-           '--levers', 'one-layer', 'whole-block', '--work', tmp_path / 'w']
+           tmp_path / 'broken', tmp_path / 'broken', '--levers', 'one-layer', 'whole-block', '--work', tmp_path / 'w']
     r2 = subprocess.run(list(map(str, cmd)), env=ENV, capture_output=True, text=True, timeout=120)
     assert r2.returncode == 2, r2.stderr
     for said in (f"--run = '{tmp_path / 'run'}': not a finished training run (no run.json, summary.json, metrics.csv, "
-                 "drafter/config.json)", "--levers one-layer: each trains again"):   # whole-block: decoding only
+                 "drafter/config.json)", "--levers one-layer: each trains again",      # whole-block: decoding only
+                 f"--run: {tmp_path / 'broken'} is named twice", f"{tmp_path / 'broken' / 'run.json'}: not valid JSON"):
         assert said in r2.stderr, r2.stderr
     for said in ("--prompts", 'no such file', '--levers', "--draft-vocab-size = 5000: more than the target's 1024",
                  "--target-layers = 7: allowed 1..6 (the target has 6 layers)"):
