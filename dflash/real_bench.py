@@ -95,10 +95,12 @@ class RealBench:
 
 def _run_problems(runs: list[Path]) -> list[str]:
     """What keeps the runs of --run from being measured: one named twice, one that is not a finished training run, or one
-    after the first that did not go on from a drafter (--init-from), so that the runs are no stages of one drafter."""
+    after the first that did not go on from a drafter (--init-from) or started before the one before it, so that the runs
+    are no stages of one drafter in order."""
     from dflash.files import json_problem
     need = ('run.json', 'summary.json', 'metrics.csv', 'drafter/config.json')
     p = [f"--run: {r} is named twice" for r in sorted({str(r) for r in runs if runs.count(r) > 1})]
+    created = ''                                                       # the run before's start (ISO time)
     for i, run in enumerate(runs):
         if not run.is_dir(): continue                                  # named by the option's own check
         if missing := [f for f in need if not (run / f).is_file()]:
@@ -110,6 +112,9 @@ def _run_problems(runs: list[Path]) -> list[str]:
         elif i and (not isinstance(start, dict) or start.get('init_from') is None):
             p.append(f"--run: {run} did not start from a drafter (--init-from), so it does not go on from {runs[i - 1]}: "
                      "name one run, or the runs of one drafter in the order they trained")
+        elif str(state.get('created', '')) < created:
+            p.append(f"--run: {run} started before {runs[i - 1]}: name the runs in the order they trained")
+        created = str((state or {}).get('created', ''))
     return p
 
 def check_real(o: RealBench) -> list[str]:

@@ -57,6 +57,15 @@ def test_the_whole_path_writes_its_report_and_a_bf16_drafter_that_decodes_lossle
     r = subprocess.run(list(map(str, wrong)), env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and not (tmp_path / 'wrong').exists(), r.stderr
     assert f"--run: {work / 'runs' / 'base'} did not start from a drafter (--init-from)" in r.stderr, r.stderr
+    r = train_cli('--out', work / 'runs' / 'stage-3', '--target', toy_target_dir(), '--cache', work / 'cache',
+                  '--init-from', work / 'runs' / 'base' / 'drafter', '--num-layers', 2, '--block-size', 8,
+                  '--draft-vocab-size', 256, '--max-steps', 1, '--spec-eval-prompts', 0, '--report-to', 'none')
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    wrong = [*again[:again.index('--run')], '--run', work / 'runs' / 'stage-3', work / 'runs' / 'stage-2', '--work', work,
+             '--out', tmp_path / 'wrong']                   # both went on from a drafter, but not in this order
+    r = subprocess.run(list(map(str, wrong)), env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert f"--run: {work / 'runs' / 'stage-2'} started before {work / 'runs' / 'stage-3'}" in r.stderr, r.stderr
     chain = [*again[:again.index('--run')], '--run', work / 'runs' / 'base', work / 'runs' / 'stage-2', '--work', work,
              '--out', tmp_path / 'chain']
     r = subprocess.run(list(map(str, chain)), env=ENV, capture_output=True, text=True, timeout=900)
