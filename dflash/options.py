@@ -130,8 +130,9 @@ def _add_field(parser, f, default):
     "The flag of field `f` on `parser` (and `--no-NAME` for a bool that defaults to true), shown with dashes."
     tp = parser.hints[f.name]
     kw = _argument(tp, f.default)
+    numbers = kw.get('nargs') == '+' and kw['type'] in (int, float)
     conv = _converter(kw.pop('type'), f.name, parser, _optional(tp) and kw.get('nargs') != '+')
-    metavar = 'N' if kw.get('nargs') == '+' else None                        # None: argparse's, MAX_STEPS
+    metavar = 'N' if numbers else None                     # None: argparse's, MAX_STEPS or RUN [RUN ...]
     parser.actions[f.name] = parser.add_argument(flag(f.name), dest=f.name, type=conv, default=argparse.SUPPRESS,
                                                  help=_help(f, default), metavar=metavar, **kw)
     parser.spellings['--' + f.name] = flag(f.name)
