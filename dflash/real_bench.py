@@ -102,7 +102,7 @@ def _run_problems(runs: list[Path]) -> list[str]:
     p = [f"--run: {r} is named twice" for r in sorted({str(r) for r in runs if runs.count(r) > 1})]
     created = ''                                                       # the run before's start (ISO time)
     for i, run in enumerate(runs):
-        if not run.is_dir(): continue                                  # named by the option's own check
+        if not run.is_dir() or run in runs[:i]: continue               # missing: the option's own check; twice: above
         if missing := [f for f in need if not (run / f).is_file()]:
             p.append(f"--run = {str(run)!r}: not a finished training run (no {', '.join(missing)})")
             continue

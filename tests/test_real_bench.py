@@ -98,6 +98,7 @@ def test_bad_options_are_named_before_anything_runs(tmp_path):
                  "drafter/config.json)", "--levers one-layer: each trains again",      # whole-block: decoding only
                  f"--run: {tmp_path / 'broken'} is named twice", f"{tmp_path / 'broken' / 'run.json'}: not valid JSON"):
         assert said in r2.stderr, r2.stderr
+    assert r2.stderr.count('not valid JSON') == 1, r2.stderr      # a run named twice: its own problem said once
     for said in ("--prompts", 'no such file', '--levers', "--draft-vocab-size = 5000: more than the target's 1024",
                  "--target-layers = 7: allowed 1..6 (the target has 6 layers)"):
         assert said in r.stderr, r.stderr
