@@ -99,18 +99,21 @@ def _user_messages(prompter, tokenizer, heads: list[list[int]], pre: list[int], 
 
 def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, needed: int | None = None, seen=(),
                       template_kw: dict | None = None, seed: int = 0, batch: int = 0,
-                      system: str | None = None, user_prefix: str | None = None, user_stop: str | None = None,
-                      user_insert_after=(), user_insert=()) -> tuple[list[dict], dict]:
+                      system: str | None = None, reply_system: str | None = None, user_prefix: str | None = None,
+                      user_stop: str | None = None, user_insert_after=(), user_insert=()) -> tuple[list[dict], dict]:
     """`n` conversations written by the target alone, `turns` user turns each: `prompter` writes each user message after
     the opened user turn (`_user_messages`), `engine` the reply (`reply_round`). A conversation is dropped at its first
     user message that is empty, loops (`_loops`), is cut (too long) or, the first, repeats one in `seen` or earlier in
     the batch. A reply that loops is kept (counted): it is what the target writes, so what its drafter must draft. A
     `system` prompt opens every conversation and `user_prefix` begins every user message (both steer what the target
-    asks); a user message ends where the regular expression `user_stop` first matches its text past what was given, as
-    at its end of turn; where the k-th pattern of `user_insert_after` matches first, the k-th text of `user_insert`
-    goes in and the target writes on (they steer the middle of a message as the prefix steers its start). The
-    `{"messages": [...]}` records and the counts."""
-    convs = [[{'role': 'system', 'content': system}] if system else [] for _ in range(n)]
+    asks); with a `reply_system` prompt (`''`: the template's own), the replies are written under that one instead, and
+    the records keep it; a user message ends where the regular expression `user_stop` first matches its text past what
+    was given, as at its end of turn; where the k-th pattern of `user_insert_after` matches first, the k-th text of
+    `user_insert` goes in and the target writes on (they steer the middle of a message as the prefix steers its start).
+    The `{"messages": [...]}` records and the counts."""
+    said = system if reply_system is None else reply_system or None          # the system prompt of the replies
+    convs = [[{'role': 'system', 'content': said}] if said else [] for _ in range(n)]
+    asking = [{'role': 'system', 'content': system}] if system else []
     live, mine = list(range(n)), set()
     pre = tokenizer(user_prefix, add_special_tokens=False)['input_ids'] if user_prefix else []
     ends = re.compile(user_stop) if user_stop else None
@@ -119,7 +122,7 @@ def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, ne
             'looping_replies': 0}
     for t in range(turns):
         if not live: break
-        heads = [_open_user_turn(tokenizer, convs[i], template_kw) for i in live]
+        heads = [_open_user_turn(tokenizer, asking + convs[i][bool(said):], template_kw) for i in live]
         seeds = [round_seed(seed, batch, f'user{t}' + (f'-insert{k}' if k else '')) for k in range(len(inserts) + 1)]
         asked, written = _user_messages(prompter, tokenizer, heads, pre, seeds, ends=ends, inserts=inserts)
         info['prompt_tokens'] += written
@@ -235,6 +238,7 @@ def _synth_header(cfg: SynthConfig) -> dict:
             'top_p', 'seed', 'batch_size', 'engine', 'thinking')
     steer = {k: getattr(cfg, k) for k in ('user_prefix', 'user_stop', 'user_insert_after', 'user_insert')
              if getattr(cfg, k)}                                       # files written before an option resume
+    if cfg.reply_system is not None: steer['reply_system'] = cfg.reply_system                                  # '' too
     return {'format': _SYNTH_FORMAT, 'target': target_identity(target_dir(cfg)),
             'options': {**{k: getattr(cfg, k) for k in keep}, **steer, 'dtype': DTYPES.get(cfg.dtype)}}   # bf16 as bfloat16
 
@@ -300,7 +304,8 @@ def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
         reply = _Reading(engine, grow.manifest['layer_ids']) if grow else engine
         recs, info = _synthesize_batch(prompter, reply, tok, n=cfg.batch_size, turns=cfg.turns,
                                        needed=cfg.num - written, seen=seen, template_kw=tkw, seed=cfg.seed, batch=k,
-                                       system=cfg.system, user_prefix=cfg.user_prefix, user_stop=cfg.user_stop,
+                                       system=cfg.system, reply_system=cfg.reply_system, user_prefix=cfg.user_prefix,
+                                       user_stop=cfg.user_stop,
                                        user_insert_after=cfg.user_insert_after or (), user_insert=cfg.user_insert or ())
         if grow:                                                   # the cache first: a stop between keeps the data's
             samples, missed = _cache_samples(reply, tok, recs, tkw)
