@@ -231,6 +231,8 @@ class SynthConfig:
     turns: int = option(1, 'user turns per record, each answered (1: single turn)', ge=1)
     user_prefix: str | None = option(None, 'text every user message starts with, written on by the target: it steers the '
                                            'kind of message (e.g. "def" for function stubs; default: none)')
+    user_suffix: str | None = option(None, 'text every user message ends with, put after where it stops (e.g. "\\n": a '
+                                           'code prompt ends its last line, as a file does; default: none)')
     user_stop: str | None = option(None, 'a regular expression that ends each user message where its first match ends, '
                                          'as the end of the user turn would (e.g. \'"""[\\s\\S]*?"""|\\n\\n\' with '
                                          '--user-prefix def: a stub ends after its docstring or its first blank line, as '

@@ -100,7 +100,8 @@ def _user_messages(prompter, tokenizer, heads: list[list[int]], pre: list[int], 
 def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, needed: int | None = None, seen=(),
                       template_kw: dict | None = None, seed: int = 0, batch: int = 0,
                       system: str | None = None, reply_system: str | None = None, user_prefix: str | None = None,
-                      user_stop: str | None = None, user_insert_after=(), user_insert=()) -> tuple[list[dict], dict]:
+                      user_stop: str | None = None, user_insert_after=(), user_insert=(),
+                      user_suffix: str = '') -> tuple[list[dict], dict]:
     """`n` conversations written by the target alone, `turns` user turns each: `prompter` writes each user message after
     the opened user turn (`_user_messages`), `engine` the reply (`reply_round`). A conversation is dropped at its first
     user message that is empty, loops (`_loops`), is cut (too long) or, the first, repeats one in `seen` or earlier in
@@ -109,8 +110,8 @@ def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, ne
     asks); with a `reply_system` prompt (`''`: the template's own), the replies are written under that one instead, and
     the records keep it; a user message ends where the regular expression `user_stop` first matches its text past what
     was given, as at its end of turn; where the k-th pattern of `user_insert_after` matches first, the k-th text of
-    `user_insert` goes in and the target writes on (they steer the middle of a message as the prefix steers its start).
-    The `{"messages": [...]}` records and the counts."""
+    `user_insert` goes in and the target writes on (they steer the middle of a message as the prefix steers its start);
+    `user_suffix` ends every user message that is kept. The `{"messages": [...]}` records and the counts."""
     said = system if reply_system is None else reply_system or None          # the system prompt of the replies
     convs = [[{'role': 'system', 'content': said}] if said else [] for _ in range(n)]
     asking = [{'role': 'system', 'content': system}] if system else []
@@ -136,7 +137,7 @@ def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, ne
                 info[why] += 1
                 continue
             if t == 0: mine.add(key)
-            convs[i].append({'role': 'user', 'content': text})
+            convs[i].append({'role': 'user', 'content': text + user_suffix})
             kept.append(i)
         live = kept[:needed] if t == 0 and needed is not None else kept
         for i in live: convs[i].append({'role': 'assistant', 'content': ''})
@@ -193,6 +194,8 @@ def _check_synth(cfg: SynthConfig) -> list[str]:
     if cfg.user_prefix is not None and not cfg.user_prefix.strip():
         p.append(f"--user-prefix = {cfg.user_prefix!r}: empty; give the text every user message begins with, or "
                  "leave the option out")
+    if cfg.user_suffix == '':
+        p.append("--user-suffix = '': empty; give the text every user message ends with, or leave the option out")
     after, put = list(cfg.user_insert_after or ()), list(cfg.user_insert or ())
     patterns = [('--user-stop', cfg.user_stop)] * (cfg.user_stop is not None) + [('--user-insert-after', x) for x in after]
     for flag, rx in patterns:
@@ -236,7 +239,7 @@ def _synth_header(cfg: SynthConfig) -> dict:
     from dflash.features import target_identity
     keep = ('system', 'turns', 'max_prompt_tokens', 'max_new_tokens', 'prompt_temperature', 'prompt_top_p', 'temperature',
             'top_p', 'seed', 'batch_size', 'engine', 'thinking')
-    steer = {k: getattr(cfg, k) for k in ('user_prefix', 'user_stop', 'user_insert_after', 'user_insert')
+    steer = {k: getattr(cfg, k) for k in ('user_prefix', 'user_stop', 'user_insert_after', 'user_insert', 'user_suffix')
              if getattr(cfg, k)}                                       # files written before an option resume
     if cfg.reply_system is not None: steer['reply_system'] = cfg.reply_system                                  # '' too
     return {'format': _SYNTH_FORMAT, 'target': target_identity(target_dir(cfg)),
@@ -305,7 +308,7 @@ def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
         recs, info = _synthesize_batch(prompter, reply, tok, n=cfg.batch_size, turns=cfg.turns,
                                        needed=cfg.num - written, seen=seen, template_kw=tkw, seed=cfg.seed, batch=k,
                                        system=cfg.system, reply_system=cfg.reply_system, user_prefix=cfg.user_prefix,
-                                       user_stop=cfg.user_stop,
+                                       user_stop=cfg.user_stop, user_suffix=cfg.user_suffix or '',
                                        user_insert_after=cfg.user_insert_after or (), user_insert=cfg.user_insert or ())
         if grow:                                                   # the cache first: a stop between keeps the data's
             samples, missed = _cache_samples(reply, tok, recs, tkw)
