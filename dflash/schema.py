@@ -225,9 +225,9 @@ class SynthConfig:
                                       '(default: the shipped toy target)')
     system: str | None = option(None, 'system prompt opening every conversation: it steers what the target asks about '
                                       '(e.g. "You are an expert Python programmer."; default: the template\'s own)')
-    reply_system: str | None = option(None, 'system prompt the replies are written under, the one each record keeps, when '
-                                            'it is not --system (which then steers only what the target asks): the one '
-                                            'users send (\'\': the template\'s own; default: --system)')
+    reply_system: str | None = option(None, 'system prompt the replies are written under, the one each record '
+                                            'keeps, when it is not --system (which then steers only what the target '
+                                            'asks): the one users send (\'\': the template\'s own; default: --system)')
     turns: int = option(1, 'user turns per record, each answered (1: single turn)', ge=1)
     user_prefix: str | None = option(None, 'text every user message starts with, written on by the target: it steers the '
                                            'kind of message (e.g. "def" for function stubs; default: none)')
