@@ -4,7 +4,7 @@
 
 # %% ../nbs/09g_assembly.ipynb #d1ecb467
 from __future__ import annotations
-import os
+import bisect, itertools, os
 from dataclasses import dataclass, fields
 from pathlib import Path
 import torch
@@ -26,7 +26,7 @@ from .chat import ChatDataset
 from .features import CacheDataset, TargetFeatures, check_target_dir, load_target, target_identity
 from .files import is_gguf, pretrained, toy_target_dir, toy_data_dir, resolve_local
 from .schema import TrainConfig
-from .runs import launch_problems
+from .runs import cache_flags, launch_problems
 
 # %% auto #0
 __all__ = ['Drafting', 'build_drafter']
@@ -117,12 +117,12 @@ def _init_config(cfg: TrainConfig) -> DrafterConfig | None:
     "The config of the drafter of --init-from (None: no --init-from)."
     return None if cfg.init_from is None else DrafterConfig.load(Path(cfg.init_from) / 'config.json')
 
-def _vocabulary(cfg: TrainConfig, tok, V: int, train, ev, mask_token_id: int | None,
+def _vocabulary(cfg: TrainConfig, tok, V: int, trains: list, ev, mask_token_id: int | None,
                 **origin) -> tuple[int, Tensor | None]:
     """The run's mask token id (`data_mask_token`) and, with --draft-vocab-size K, the K target tokens most often
-    supervised in the training data (`draft_vocab`), said in one line with the share of supervised tokens they cover.
-    With --init-from, the drafter's mask token (unless --mask-token-id names one) and its draft vocabulary."""
-    seen, supervised = token_counts([train], V)
+    supervised in the training sets `trains` (`draft_vocab`), said in one line with the share of supervised tokens
+    they cover. With --init-from, the drafter's mask token (unless --mask-token-id names one) and its draft vocabulary."""
+    seen, supervised = token_counts(trains, V)
     if ev is not None: seen = seen + token_counts([ev], V)[0]
     start = _init_config(cfg)
     if start is not None and cfg.mask_token_id is None:
@@ -148,6 +148,24 @@ class _Cut:
     def __getitem__(self, i: int) -> dict:
         return {k: v[:self.max_length] if k in ('input_ids', 'loss_mask', 'context', 'final_hidden') else v
                 for k, v in self.dataset[self.keep[i]].items()}
+
+class _Joined:
+    """Datasets one after another, as one. A sample of part k keeps its own `sample_id` plus `offsets[k]` (the samples
+    before it, uncut), so it draws its anchors as it would in one cache of them all; the teacher's final hidden state
+    is kept only when every part holds it (`teacher`), features in the first part's dtype."""
+    def __init__(self, parts: list, sizes: list[int], teacher: bool):
+        self.parts, self.teacher = parts, teacher
+        self.offsets = list(itertools.accumulate(sizes, initial=0))
+        self.starts = list(itertools.accumulate(map(len, parts), initial=0))    # first sample of each part
+        self.dtype = parts[0][0]['context'].dtype
+    def __len__(self): return self.starts[-1]
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < len(self): raise IndexError(i)
+        k = bisect.bisect_right(self.starts, i) - 1
+        s = self.parts[k][i - self.starts[k]]
+        out = {n: v.to(self.dtype) if n in ('context', 'final_hidden') else v for n, v in s.items()
+               if self.teacher or n != 'final_hidden'}
+        return {**out, 'sample_id': s['sample_id'] + self.offsets[k]}
 
 def _anchored(cache: CacheDataset, max_length: int) -> list[int]:
     "The samples of `cache` with a valid anchor in their first `max_length` tokens (the shards' loss masks only)."
@@ -176,23 +194,38 @@ def _cut_cache(cache: CacheDataset, max_length: int):
     return _Cut(cache, max_length, keep)
 
 # %% ../nbs/09g_assembly.ipynb #00cbab50
+def _mask_said(cfg: TrainConfig, caches: list[CacheDataset]) -> tuple[int | None, dict]:
+    "The mask token of an offline run: --mask-token-id, else the one its caches were written with (they must agree)."
+    if cfg.mask_token_id is not None: return cfg.mask_token_id, {}
+    written = {str(c.path): c.manifest['data'].get('mask_token_id') for c in caches}
+    if len(set(written.values()) - {None}) > 1:
+        raise InputError("--cache: the caches were written with different mask tokens (" + '; '.join(
+            f"{p}: {m}" for p, m in written.items()) + "); pass --mask-token-id with a token none of their data uses")
+    said = next((m for m in written.values() if m is not None), None)
+    which = f"the cache {caches[0].path}" if len(caches) == 1 else f"the caches {', '.join(written)}"
+    return said, {'origin': f"the one {which} {'was' if len(caches) == 1 else 'were'} written with"}
+
 def _cache_parts(cfg: TrainConfig, target: Path, tok, tc, V: int, eval_data, device, dkw: dict) -> _RunParts:
-    "The parts of an offline run: the cache's features, the target's head weights, the held-out set's target."
+    "The parts of an offline run: its caches' features, the target's head weights, the held-out set's target."
     embed, lm_head = frozen_head_weights(target)
-    train = CacheDataset(cfg.cache, target, layer_ids=cfg.target_layer_ids)    # all the cache's layers, or some
+    caches = [CacheDataset(p, target, layer_ids=cfg.target_layer_ids)       # all their layers, or some
+              for p in cache_flags(cfg).values()]                              # (one as a string, too)
     ev = _eval_set(eval_data, tok, cfg.max_length)
-    said = cfg.mask_token_id if cfg.mask_token_id is not None else train.manifest['data'].get('mask_token_id')
-    origin = {} if cfg.mask_token_id is not None else {'origin': f"the one the cache {cfg.cache} was written with"}
-    dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, train, ev, said, **origin)
-    if cfg.loss == 'kl' and not train.manifest.get('final_hidden'):
-        raise InputError(f"--loss kl: the cache {cfg.cache} holds no final hidden state of the target (the "
+    said, origin = _mask_said(cfg, caches)
+    dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, caches, ev, said, **origin)
+    teacher = all(c.manifest.get('final_hidden') for c in caches)
+    if cfg.loss == 'kl' and not teacher:
+        bare = next(c.path for c in caches if not c.manifest.get('final_hidden'))
+        raise InputError(f"--loss kl: the cache {bare} holds no final hidden state of the target (the "
                          "teacher); write one with `python -m dflash.data cache ... --final-hidden`")
-    ids = train.layer_ids
+    ids = caches[0].layer_ids                       # every cache's: checked with the options
     features = None
     if ev is not None:                              # held-out hidden states: the target runs for evaluations only
         features = TargetFeatures(target, layer_ids=ids, num_draft_layers=cfg.num_layers, device=device,
                                   tokenizer=tok)
-    return _RunParts(tok, features, embed.to(device), lm_head.to(device), _cut_cache(train, cfg.max_length), ev,
+    cut = [_cut_cache(c, cfg.max_length) for c in caches]
+    train = cut[0] if len(cut) == 1 else _Joined(cut, [c.starts[-1] for c in caches], teacher)
+    return _RunParts(tok, features, embed.to(device), lm_head.to(device), train, ev,
                     DrafterConfig.from_target(tc, target_layer_ids=ids, **dkw), draft_ids)
 
 def _online_parts(cfg: TrainConfig, target: Path, tok, data, eval_data, V: int, device, dkw: dict) -> _RunParts:
@@ -200,7 +233,7 @@ def _online_parts(cfg: TrainConfig, target: Path, tok, data, eval_data, V: int, 
     from dflash.chat import load_chat_data
     train = load_chat_data(data, tok, max_length=cfg.max_length, report=True)   # tokenized once, cached; counted
     ev = _eval_set(eval_data, tok, cfg.max_length)
-    dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, train, ev, cfg.mask_token_id)
+    dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, [train], ev, cfg.mask_token_id)
     features = TargetFeatures(target, layer_ids=cfg.target_layer_ids, num_draft_layers=cfg.num_layers,
                               device=device, tokenizer=tok)
     return _RunParts(tok, features, features.embed_weight, features.lm_head_weight, train, ev,

@@ -45,6 +45,37 @@ def launch_problems(env=None) -> list[str]:
 
 
 # %% ../nbs/09b_runs.ipynb #3e2408de
+def cache_flags(c: TrainConfig) -> dict[str, str]:
+    "{flag: directory} of the caches run `c` trains on: `--cache` for one; `--cache 1`, `--cache 2`, ... for several."
+    caches = [c.cache] if isinstance(c.cache, str) else c.cache or []      # a string: a run recorded before lists
+    return {'--cache' if len(caches) == 1 else f'--cache {k + 1}': p for k, p in enumerate(caches)}
+
+def _cache_problems(c: TrainConfig) -> list[str]:
+    """What keeps the caches of run `c` from training it, read from their manifests: one given twice, an unreadable
+    manifest, the target layers asked for not held, no teacher for --loss kl, or caches that hold different layers."""
+    caches = cache_flags(c)
+    if len(set(map(os.path.realpath, caches.values()))) < len(caches):
+        return [f"--cache = {c.cache}: each cache once (one given twice would be trained on twice per epoch)"]
+    probs, held = [], {}
+    for name, d in caches.items():
+        if not Path(d).is_dir(): continue                   # named by the option's own check
+        manifest, bad = json_problem(Path(d) / 'manifest.json')
+        if bad: probs.append(f"{name}: {bad}")
+        elif isinstance(ids := manifest.get('layer_ids'), list) and c.target_layer_ids and \
+                all(type(i) is int and i >= 0 for i in c.target_layer_ids) and any(i not in ids for i in c.target_layer_ids):
+            probs.append(f"--target-layer-ids = {c.target_layer_ids}: the cache {d} holds target layers {ids}; "
+                         f"choose among them, leave --target-layer-ids out to train on all of them, or write a cache "
+                         f"of these layers (`python -m dflash.data cache ... --layers "
+                         f"{','.join(map(str, c.target_layer_ids))}`)")
+        elif c.loss == 'kl' and not manifest.get('final_hidden'):
+            probs.append(f"--loss = 'kl': the cache {d} holds no final hidden state of the target (the "
+                         "teacher); write one with `python -m dflash.data cache ... --final-hidden`, or train online")
+        elif isinstance(ids, list): held[d] = ids
+    if not c.target_layer_ids and len({str(v) for v in held.values()}) > 1:
+        probs.append("--cache: the caches hold different target layers (" + '; '.join(f"{d}: {v}" for d, v in
+                     held.items()) + "); pass --target-layer-ids with layers all of them hold")
+    return probs
+
 def _has_line(path) -> bool:
     "Whether a text file holds a non-blank line (read only as far as the first one); True when it cannot be read."
     try:
@@ -83,8 +114,8 @@ def check_train(c: TrainConfig) -> list[str]:
                      "--schedule wsd (warmup and decay share the steps)")
     if Path(c.out).exists() and not Path(c.out).is_dir():
         probs.append(f"--out = {c.out!r}: exists and is not a directory")
-    reads = {'--target': c.target or toy_target_dir(), '--data': c.data, '--eval-data': c.eval_data, '--cache': c.cache,
-             '--init-from': c.init_from}
+    reads = {'--target': c.target or toy_target_dir(), '--data': c.data, '--eval-data': c.eval_data,
+             **cache_flags(c), '--init-from': c.init_from}
     probs += out_problems(c.out, '--out', 'run', reads)     # a model, the data, a cache: never a run's directory
     if c.target is not None:
         probs += (bad := target_problems(c.target, '--target'))
@@ -105,20 +136,9 @@ def check_train(c: TrainConfig) -> list[str]:
         p = getattr(c, name)
         if p is not None and Path(p).is_file() and not _has_line(p):
             probs.append(f"{flag(name)} = {p!r}: empty file (no conversation)")
-    probs += [busy for name in ('data', 'eval_data', 'cache')
-              if (p := getattr(c, name)) is not None and (busy := writer_problem(p, flag(name)))]
-    if c.cache is not None and Path(c.cache).is_dir():
-        manifest, bad = json_problem(Path(c.cache) / 'manifest.json')
-        if bad: probs.append(f"--cache: {bad}")
-        elif isinstance(ids := manifest.get('layer_ids'), list) and c.target_layer_ids and \
-                all(type(i) is int and i >= 0 for i in c.target_layer_ids) and any(i not in ids for i in c.target_layer_ids):
-            probs.append(f"--target-layer-ids = {c.target_layer_ids}: the cache {c.cache} holds target layers {ids}; "
-                         f"choose among them, leave --target-layer-ids out to train on all of them, or write a cache "
-                         f"of these layers (`python -m dflash.data cache ... --layers "
-                         f"{','.join(map(str, c.target_layer_ids))}`)")
-        elif c.loss == 'kl' and not manifest.get('final_hidden'):
-            probs.append(f"--loss = 'kl': the cache {c.cache} holds no final hidden state of the target (the "
-                         "teacher); write one with `python -m dflash.data cache ... --final-hidden`, or train online")
+    probs += [busy for name, p in (('--data', c.data), ('--eval-data', c.eval_data), *cache_flags(c).items())
+              if p is not None and (busy := writer_problem(p, name))]
+    probs += _cache_problems(c)
     if c.batch_size % world:
         probs.append(f"--batch-size = {c.batch_size}: allowed a multiple of the number of processes ({world})")
     elif c.batch_size >= 1 and c.micro_batch_size > c.batch_size // world:
@@ -238,8 +258,12 @@ _FIXED_ON_RESUME = ('target', 'data', 'eval_data', 'cache', 'num_layers', 'targe
                    'draft_vocab_size')
 _PATHS = ('target', 'data', 'eval_data', 'cache')
 
+def _listed(v) -> list: return v if isinstance(v, list) else [v]
+
 def _same(k, a, b) -> bool:
-    if k in _PATHS and a is not None and b is not None: return Path(a).resolve() == Path(b).resolve()
+    "Whether option `k` is the same in `a` and `b`: paths as resolved, a cache list as one string or a list of it."
+    if k in _PATHS and a is not None and b is not None:
+        return [Path(p).resolve() for p in _listed(a)] == [Path(p).resolve() for p in _listed(b)]
     return a == b
 
 def resume_changes(stored: dict, given: dict) -> tuple[list[str], dict]:
@@ -257,17 +281,19 @@ def resume_changes(stored: dict, given: dict) -> tuple[list[str], dict]:
 RUN_ACTIONS = ('resume', 'overwrite', 'accept_changed_data')     # what one command does to its run: never recorded
 
 def absolute_paths(c: TrainConfig) -> TrainConfig:
-    "`c` with its local paths absolute (data, eval data, cache, a target directory; a hub id stays as it is)."
-    local = {k: str(Path(v).expanduser().absolute()) for k in _PATHS
-             if (v := getattr(c, k)) is not None and Path(v).expanduser().exists()}
+    "`c` with its local paths absolute (data, eval data, caches, a target directory; a hub id stays as it is)."
+    where = lambda v: str(Path(v).expanduser().absolute()) if Path(v).expanduser().exists() else v
+    local = {k: where(v) for k in _PATHS if k != 'cache' and (v := getattr(c, k)) is not None}
+    if c.cache is not None: local['cache'] = [where(v) for v in cache_flags(c).values()]    # always a list
     return dataclasses.replace(c, **local)
 
 def data_checksums(c: TrainConfig) -> dict:
-    "{option: {'path', 'sha256'}} of the data run `c` reads: its JSONL files, and its cache's manifest."
-    found = {}
-    for k in ('data', 'eval_data', 'cache'):
-        if (v := getattr(c, k)) is None: continue
-        f = Path(v).expanduser().absolute() / ('manifest.json' if k == 'cache' else '')
+    """{option: {'path', 'sha256'}} of the data run `c` reads: its JSONL files, and its caches' manifests (as 'cache',
+    or 'cache 1', 'cache 2', ... for several)."""
+    found, caches = {}, {name[2:]: d for name, d in cache_flags(c).items()}
+    for k, v in (('data', c.data), ('eval_data', c.eval_data), *caches.items()):
+        if v is None: continue
+        f = Path(v).expanduser().absolute() / ('manifest.json' if k in caches else '')
         if f.is_file(): found[k] = {'path': str(f), 'sha256': file_sha256(f)}
     return found
 

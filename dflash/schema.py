@@ -40,8 +40,10 @@ class TrainConfig:
                               path='file')
     eval_data: str | None = option(None, "held-out chat JSONL (default: none: no held-out evaluation); with --cache, the "
                                          "target is loaded for the evaluations", path='file')
-    cache: str | None = option(None, "offline hidden-state cache directory (from `python -m dflash.data cache`) "
-                                     "(default: none: the target runs online)", path='dir')
+    cache: list[str] | None = option(None, "offline hidden-state cache directories (from `python -m dflash.data cache` "
+                                           "or `synthesize --cache`), space separated: trained on as one set, all of "
+                                           "the same target and layers (default: none: the target runs online)",
+                                     path='dir')
     out: str = option('runs/dflash', "run directory: checkpoints, metrics, the exported drafter")
     num_layers: int = option(5, "drafter layers", ge=1)
     target_layer_ids: list[int] | None = option(None, "target layers the drafter reads, space separated "

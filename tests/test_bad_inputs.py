@@ -182,16 +182,25 @@ def test_bad_target_directory(tmp_path, capsys, files, kind, expect):
     (['--eval-data', '{empty}'], "--eval-data = '{empty}': empty file (no conversation)"),
     (['--cache', '{dir}'], "manifest.json"),
     (['--cache', '{cache}', '--loss', 'kl'], "--loss = 'kl': the cache {cache} holds no final hidden state"),
+    (['--cache', '{cache}', '{cache}/'], "--cache = ['{cache}', '{cache}/']: each cache once"),
+    (['--cache', '{cache}', '{dir}/no-such-cache'], "--cache = '{dir}/no-such-cache': no such directory"),
+    (['--cache', '{layers0}', '{layers1}'], "--cache: the caches hold different target layers ({layers0}: [0]; "
+                                            "{layers1}: [1]); pass --target-layer-ids with layers all of them hold"),
     (['--target', '/no/such/model', '--data', '{train}'], "--target: model '/no/such/model': no such path"),
     (['--init-from', '{dir}'], "--init-from = '{dir}': no model.safetensors (a drafter directory, as a run exports"),
     (['--init-from', '{dir}', '--init-from-target'], "--init-from and --init-from-target: choose one"),
 ], ids=['target-without-data', 'layer-id-out-of-range', 'layer-id-twice', 'empty-data', 'empty-eval-data', 'cache-without-manifest',
-        'kl-from-a-cache-without-teacher', 'missing-target', 'init-from-no-drafter', 'init-from-and-from-target'])
+        'kl-from-a-cache-without-teacher', 'cache-given-twice', 'second-cache-missing', 'caches-of-other-layers',
+        'missing-target', 'init-from-no-drafter', 'init-from-and-from-target'])
 def test_bad_paths(tmp_path, capsys, files, argv, expect):
     (tmp_path / 'cache').mkdir()
     (tmp_path / 'cache' / 'manifest.json').write_text('{"format": "dflash-hidden-cache/1", "complete": true}')
+    for k in (0, 1):                                   # manifests of caches of one layer each, another in each
+        (tmp_path / f'layers{k}').mkdir()
+        (tmp_path / f'layers{k}' / 'manifest.json').write_text(json.dumps({'layer_ids': [k]}))
     subs = dict(target=str(files / 'target'), train=str(files / 'train.jsonl'), empty=str(files / 'empty.jsonl'),
-                dir=str(tmp_path), cache=str(tmp_path / 'cache'))
+                dir=str(tmp_path), cache=str(tmp_path / 'cache'), layers0=str(tmp_path / 'layers0'),
+                layers1=str(tmp_path / 'layers1'))
     argv = [a.format(**subs) for a in argv]
     refused(capsys, train_main, ['--out', str(tmp_path / 'run'), *argv], expect.format(**subs))
 

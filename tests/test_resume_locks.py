@@ -156,7 +156,7 @@ def test_cache_being_written_is_neither_trained_on_nor_written_twice(tmp_path, c
     with writer(lock, f'--out {cache}') as pid:
         refused(capsys, train_main, train, busy(cache, pid, lock, '--cache'))
         refused(capsys, data_main, argv, f"--out {cache} is in use by process {pid}")
-    assert parse_config(train).cache == str(cache)
+    assert parse_config(train).cache == [str(cache)]
 
 
 def test_drafter_of_a_run_still_training_is_refused(tmp_path, capsys, finished):

@@ -372,6 +372,39 @@ def test_a_cache_of_more_layers_trains_a_drafter_of_some_of_them(tmp_path):
     assert config['dflash_config']['target_layer_ids'] == [3, 1]
 
 
+def test_several_caches_train_as_one_cache_of_them_all(tmp_path):
+    """Two caches of the two halves of a corpus (`--cache A B`) train exactly as one cache of the whole: the same
+    losses, held-out ones too; run.json fingerprints each; caches written with other mask tokens are refused."""
+    from dflash.files import toy_data_dir, toy_target_dir
+    lines = (toy_data_dir() / 'train.jsonl').read_text().splitlines(True)[:12]
+    def cache(name, part, *extra):
+        (tmp_path / f'{name}.jsonl').write_text(''.join(part))
+        r = subprocess.run([sys.executable, '-m', 'dflash.data', 'cache', '--target', str(toy_target_dir()), '--data',
+                            str(tmp_path / f'{name}.jsonl'), '--out', str(tmp_path / name), '--max-length', '128',
+                            '--num-draft-layers', '2', '--no-progress', '--threads', '1', *extra],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return str(tmp_path / name)
+    whole, a, b = cache('whole', lines), cache('a', lines[:6]), cache('b', lines[6:])
+    run = [*SMALL, '--max-steps', '3', '--save-every', '0', '--report-to', 'none', '--target', str(toy_target_dir()),
+           '--eval-data', str(toy_data_dir() / 'eval.jsonl')]
+    one = launch(tmp_path / 'one', *run, '--cache', whole)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    two = launch(tmp_path / 'two', *run, '--cache', a, b)
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    assert f"the one the caches {a}, {b} were written with" in two.stdout, two.stdout[-2000:]
+    assert_close(losses(tmp_path / 'two'), losses(tmp_path / 'one'), rel=1e-5)
+    held_out = lambda run: {k: float(v) for k, v in next(csv.DictReader((run / 'eval.csv').read_text().splitlines())).items()}
+    assert_close(held_out(tmp_path / 'two'), held_out(tmp_path / 'one'), rel=1e-5)
+    record = json.loads((tmp_path / 'two' / 'run.json').read_text())
+    assert record['config']['cache'] == [a, b] and {'cache 1', 'cache 2'} <= record['data'].keys(), record
+    mask = json.loads((Path(a) / 'manifest.json').read_text())['data']['mask_token_id']
+    other = cache('other', lines[6:], '--mask-token-id', str(mask + 1))
+    bad = train_cli('--out', tmp_path / 'bad', *run, '--cache', a, other)
+    assert bad.returncode == 2 and 'Traceback' not in bad.stderr, bad.stderr[-2000:]
+    assert f"the caches were written with different mask tokens ({a}: {mask}; {other}: {mask + 1})" in bad.stderr, bad.stderr
+
+
 def test_a_run_continues_from_a_trained_drafter(tmp_path):
     """--init-from starts a run from the drafter another run exported: its weights (at learning rate 0 the run
     exports them unchanged) and its draft vocabulary, though the new data would choose another; a drafter of another
