@@ -195,7 +195,7 @@ def test_bad_target_directory(tmp_path, capsys, files, kind, expect):
 def test_bad_paths(tmp_path, capsys, files, argv, expect):
     (tmp_path / 'cache').mkdir()
     (tmp_path / 'cache' / 'manifest.json').write_text('{"format": "dflash-hidden-cache/1", "complete": true}')
-    for k in (0, 1):                                   # manifests of caches of one layer each, another in each
+    for k in (0, 1):                                   # two manifests, of one target layer each, not the same
         (tmp_path / f'layers{k}').mkdir()
         (tmp_path / f'layers{k}' / 'manifest.json').write_text(json.dumps({'layer_ids': [k]}))
     subs = dict(target=str(files / 'target'), train=str(files / 'train.jsonl'), empty=str(files / 'empty.jsonl'),
