@@ -14,7 +14,7 @@ from transformers import DynamicCache, GenerationConfig
 from .errors import InputError
 from .config import DrafterConfig
 from .options import OptionsError
-from .schema import DTYPES, SpeculateOptions
+from .schema import CPU_DRAFT_CONFIDENCE, DTYPES, SpeculateOptions
 from .stops import Preempted, StopRequest
 from .locks import writer_problem
 from .files import (json_problem, is_gguf, pretrained, target_problems, resolve_local, safetensors_problem, dir_write_problem,
@@ -372,8 +372,6 @@ def _check_fit(a: SpeculateOptions, drafter_cfg: DrafterConfig, tdir, tok, prog:
     except ValueError as e: probs.append(f"--drafter: {e}")
     if probs: raise OptionsError(probs, prog)
 
-_CPU_CONFIDENCE = 0.5   # where each verified token costs: measured on SmolLM2, one thread
-
 def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> dict:
     """`python -m dflash.speculate` with checked options `a`: tau, its histogram and the speed against plain decoding
     (and prompt lookup at T = 0) at each `--temperature`, prompt by prompt with a running total; {'runs': [one
@@ -384,7 +382,8 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
     threads, why = use_threads(a.threads, 1) if dev.type == 'cpu' else (torch.get_num_threads(), 'left as is on a GPU')
     print(f"CPU threads: {threads} ({why})")
     dtype = getattr(torch, DTYPES[a.dtype]) if a.dtype else (torch.bfloat16 if dev.type == 'cuda' else torch.float32)
-    confidence = a.draft_confidence if a.draft_confidence is not None else 0. if dev.type == 'cuda' else _CPU_CONFIDENCE
+    confidence = a.draft_confidence
+    if confidence is None: confidence = 0. if dev.type == 'cuda' else CPU_DRAFT_CONFIDENCE   # each verify costs on a CPU
     tdir, ddir = resolve_local(a.target), resolve_local(a.drafter)     # hub ids: their snapshots in the local cache
     if not is_gguf(tdir) and not (tdir / 'config.json').is_file():
         raise FileNotFoundError(f"{a.target}: no config.json, not a model")

@@ -13,8 +13,8 @@ from .threads import threads_option
 from .files import assets_dir
 
 # %% auto #0
-__all__ = ['DTYPES', 'TRACKERS', 'LOSSES', 'TrainConfig', 'PlanOptions', 'toy_profile', 'DataOptions', 'CacheOptions',
-           'RegenConfig', 'SynthConfig', 'SpeculateOptions']
+__all__ = ['DTYPES', 'TRACKERS', 'LOSSES', 'CPU_DRAFT_CONFIDENCE', 'TrainConfig', 'PlanOptions', 'toy_profile', 'DataOptions',
+           'CacheOptions', 'RegenConfig', 'SynthConfig', 'SpeculateOptions']
 
 # %% ../nbs/00f_schema.ipynb #a512e147
 _SHORT = {'float32': 'fp32', 'bfloat16': 'bf16', 'float16': 'fp16', 'float64': 'fp64'}   # torch's name -> the short one
@@ -279,6 +279,8 @@ class ToyOptions:
     threads: int = option(1, 'torch threads (one is about as fast for a model this small, and never stalls)', ge=1)
 
 # %% ../nbs/00f_schema.ipynb #fd687bef
+CPU_DRAFT_CONFIDENCE = 0.3   # the default --draft-confidence where each verified token costs (a CPU)
+
 @dataclass
 class SpeculateOptions:
     target: str | None = option(None, 'target model (transformers): a local directory or a hub id (local Hugging Face '
@@ -303,8 +305,8 @@ class SpeculateOptions:
                                     'baseline timed at T = 0 (0: none)', ge=0)
     draft_confidence: float | None = option(None, "verify the drafted tokens only as far as the drafter's probability "
                                                   'of all of them so far stays at least this (at least one; 0: the '
-                                                  'whole block; default: 0.5 on a CPU, where each verified token '
-                                                  'costs, 0 on a GPU)', ge=0, lt=1)
+                                                  f'whole block; default: {CPU_DRAFT_CONFIDENCE:g} on a CPU, where each '
+                                                  'verified token costs, 0 on a GPU)', ge=0, lt=1)
     progress: bool = option(True, 'print a running total after every prompt: tau, tokens/s and speedups so far '
                                   '(--no-progress: none)')
     threads: int | None = threads_option()
