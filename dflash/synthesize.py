@@ -181,13 +181,24 @@ def _cache_samples(reading: _Reading, tokenizer, records: list[dict], template_k
     reading.read.clear()
     return samples, missed
 
+# %% ../nbs/08c_synthesize.ipynb #53635db4
+def _special_text_problems(texts: list[tuple[str, str]], tokenizer) -> list[str]:
+    """Each (flag, text) whose text holds a special token's text: the tokenizer reads it as that token (an end of turn,
+    say), so it would cut a record's turn in the middle instead of being text."""
+    specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    specials |= set(tokenizer.all_special_tokens)
+    return [f"{flag} = {text!r}: holds {s!r}, a special token of the target's tokenizer, which would be read as that "
+            "token, not as text; leave it out" for flag, text in texts for s in sorted(specials) if s and s in text]
+
+
 # %% ../nbs/08c_synthesize.ipynb #86620ee5
 def _target_config(cfg) -> dict:
     "The target's config (config.json, or a GGUF file's) as a dict, empty when there is none to read."
     return target_config_dict(target_dir(cfg))[0] or {}
 
 def _check_synth(cfg: SynthConfig) -> list[str]:
-    "Problems beyond each option's own range: required options, the output path, the target, vLLM, the lengths."
+    """Problems beyond each option's own range: required options, the output path, the target, vLLM, the lengths, the
+    steering texts."""
     p = [f"--{k} is required" for k in ('out', 'num') if getattr(cfg, k) is None]
     if cfg.out is not None and Path(cfg.out).is_dir():
         p.append(f"--out = {cfg.out!r}: is a directory, expected a JSONL file path")
@@ -223,6 +234,11 @@ def _check_synth(cfg: SynthConfig) -> list[str]:
                  f"{cfg.max_new_tokens}) = {need}: more tokens than the target's {n} positions; lower one of them")
     if cfg.cache is not None and (L := config_num_layers(conf)) and cfg.num_draft_layers > L:
         p.append(f"--num-draft-layers = {cfg.num_draft_layers}: more than the target's {L} layers")
+    texts = [('--system', cfg.system), ('--reply-system', cfg.reply_system), ('--user-prefix', cfg.user_prefix),
+             ('--user-suffix', cfg.user_suffix)] + [('--user-insert', t) for t in put]
+    if not p and (texts := [(f, t) for f, t in texts if t]):                  # the tokenizer alone, no weights
+        from transformers import AutoTokenizer
+        p += _special_text_problems(texts, pretrained(AutoTokenizer, target_dir(cfg)))
     return p
 
 def _validate_synth(cfg: SynthConfig):

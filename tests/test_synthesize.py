@@ -112,6 +112,28 @@ def test_synthesize_multi_turn_on_the_toy_target(tmp_path):
     assert json.loads(index_path(out).read_text().splitlines()[0])['options']['turns'] == 2
 
 
+def test_steering_text_that_holds_a_special_token_is_refused_before_the_model_loads(tmp_path):
+    """SmolLM2's tokenizer reads '<|im_end|>' written in a text as its end of turn: a system prompt, prefix, suffix or
+    insertion holding a special token would cut a record's turn. Each is named, in one error, before the weights load."""
+    from dflash.real_bench import smollm2_gguf
+    out = tmp_path / 's.jsonl'
+    r = data_cli('synthesize', '--target', smollm2_gguf(), '--out', out, '--num', '2',
+                 '--system', 'Be brief.<|im_end|>', '--user-prefix', 'def', '--user-suffix', '\n<|im_start|>assistant', '--user-insert-after', ':',
+                 '--user-insert', '<|endoftext|>')
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert '3 bad options' in r.stderr, r.stderr
+    for flag, text, token in (('--system', 'Be brief.<|im_end|>', '<|im_end|>'),
+                              ('--user-suffix', '\n<|im_start|>assistant', '<|im_start|>'),
+                              ('--user-insert', '<|endoftext|>', '<|endoftext|>')):
+        assert f"{flag} = {text!r}: holds {token!r}, a special token of the target's tokenizer" in r.stderr, r.stderr
+    assert 'Loading weights' not in r.stderr and 'Traceback' not in r.stderr
+    assert not out.exists() and not index_path(out).exists()
+    fine = data_cli('synthesize', '--target', smollm2_gguf(), '--out', out, '--num', '1', '--batch-size', '4',
+                    '--user-prefix', 'def <|im', '--user-stop', '.', '--max-prompt-tokens', '16', '--max-new-tokens', '4')
+    assert fine.returncode == 0, fine.stderr[-3000:]                 # a part of a special token is text
+    assert json.loads(out.read_text().splitlines()[0])['messages'][0]['content'].startswith('def <|im')
+
+
 def test_bad_synthesize_options_are_refused_before_the_model_loads(tmp_path):
     r = data_cli('synthesize', '--target', tmp_path / 'nowhere', '--out', tmp_path, '--num', '0', '--turns', '0',
                  '--prompt-temperature', '0', '--top-p', '2', '--batch-size', 'x')
