@@ -190,7 +190,6 @@ def _special_text_problems(texts: list[tuple[str, str]], tokenizer) -> list[str]
     return [f"{flag} = {text!r}: holds {s!r}, a special token of the target's tokenizer, which would be read as that "
             "token, not as text; leave it out" for flag, text in texts for s in sorted(specials) if s and s in text]
 
-
 # %% ../nbs/08c_synthesize.ipynb #86620ee5
 def _target_config(cfg) -> dict:
     "The target's config (config.json, or a GGUF file's) as a dict, empty when there is none to read."

@@ -118,8 +118,8 @@ def test_steering_text_that_holds_a_special_token_is_refused_before_the_model_lo
     from dflash.real_bench import smollm2_gguf
     out = tmp_path / 's.jsonl'
     r = data_cli('synthesize', '--target', smollm2_gguf(), '--out', out, '--num', '2',
-                 '--system', 'Be brief.<|im_end|>', '--user-prefix', 'def', '--user-suffix', '\n<|im_start|>assistant', '--user-insert-after', ':',
-                 '--user-insert', '<|endoftext|>')
+                 '--system', 'Be brief.<|im_end|>', '--user-prefix', 'def', '--user-suffix', '\n<|im_start|>assistant',
+                 '--user-insert-after', ':', '--user-insert', '<|endoftext|>')
     assert r.returncode == 2, r.stderr[-3000:]
     assert '3 bad options' in r.stderr, r.stderr
     for flag, text, token in (('--system', 'Be brief.<|im_end|>', '<|im_end|>'),
@@ -129,7 +129,8 @@ def test_steering_text_that_holds_a_special_token_is_refused_before_the_model_lo
     assert 'Loading weights' not in r.stderr and 'Traceback' not in r.stderr
     assert not out.exists() and not index_path(out).exists()
     fine = data_cli('synthesize', '--target', smollm2_gguf(), '--out', out, '--num', '1', '--batch-size', '4',
-                    '--user-prefix', 'def <|im', '--user-stop', '.', '--max-prompt-tokens', '16', '--max-new-tokens', '4')
+                    '--user-prefix', 'def <|im', '--user-stop', '.', '--max-prompt-tokens', '16',
+                    '--max-new-tokens', '4')
     assert fine.returncode == 0, fine.stderr[-3000:]                 # a part of a special token is text
     assert json.loads(out.read_text().splitlines()[0])['messages'][0]['content'].startswith('def <|im')
 
