@@ -12,7 +12,7 @@ from .options import Command, build_options
 from .files import config_max_positions, config_num_layers, pretrained, target_config_dict
 from .stops import Preempted, StopRequest
 from .schema import DTYPES, SynthConfig
-from .templates import prompt_ids, special_after, template_kwargs, template_messages
+from .templates import prompt_ids, special_after, special_texts, template_kwargs, template_messages
 from .regenerate import (
     append_batch, engine_dtype, make_engine, process_state, read_index, repair_output, reply_round, round_seed,
     run_locked, target_dir, target_engine_problems)
@@ -185,10 +185,9 @@ def _cache_samples(reading: _Reading, tokenizer, records: list[dict], template_k
 def _special_text_problems(texts: list[tuple[str, str]], tokenizer) -> list[str]:
     """Each (flag, text) whose text holds a special token's text: the tokenizer reads it as that token (an end of turn,
     say), so it would cut a record's turn in the middle instead of being text."""
-    specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
-    specials |= set(tokenizer.all_special_tokens)
     return [f"{flag} = {text!r}: holds {s!r}, a special token of the target's tokenizer, which would be read as that "
-            "token, not as text; leave it out" for flag, text in texts for s in sorted(specials) if s and s in text]
+            "token, not as text; leave it out"
+            for flag, text in texts for s in special_texts(tokenizer) if s and s in text]
 
 # %% ../nbs/08c_synthesize.ipynb #86620ee5
 def _target_config(cfg) -> dict:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:         # for annotations: torch and numpy load inside the fun
     from torch import Tensor   # that import this module answer `--help` at once
 
 # %% auto #0
-__all__ = ['ChatTemplateError', 'template_text', 'template_messages', 'tokenize_chat', 'load_tokenizer']
+__all__ = ['ChatTemplateError', 'template_text', 'template_messages', 'special_texts', 'tokenize_chat', 'load_tokenizer']
 
 # %% ../nbs/07c_templates.ipynb #b3506a14
 class ChatTemplateError(ValueError):
@@ -44,14 +44,18 @@ def template_messages(messages: list[dict]) -> list[dict]:
 def _render(tokenizer, messages, gen=False, **template_kw) -> str:
     return tokenizer.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=gen, **template_kw)
 
+def special_texts(tokenizer) -> list[str]:
+    "The text of every special token of the tokenizer, longest first: the tokenizer reads each in a text as the token."
+    return sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special} |
+                  set(tokenizer.all_special_tokens), key=len, reverse=True)
+
 _MARKERS = {}
 
 def _turn_markers(tokenizer, **template_kw) -> tuple[str, str, re.Pattern]:
     """`(head, rest, end)` of the template's assistant turns, read from a probe conversation: `head` opens every
     assistant turn, `rest` follows it in a new turn only (e.g. Qwen3's empty think block with thinking off; not
     supervised), `end` matches the special tokens, the first of which after a reply's content closes it."""
-    special = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special} |
-                     set(tokenizer.all_special_tokens), key=len, reverse=True)
+    special = special_texts(tokenizer)
     key = (template_text(tokenizer), repr(sorted(template_kw.items())), tuple(special))
     if key not in _MARKERS:
         u1, a1, u2, a2 = _PROBE
