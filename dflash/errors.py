@@ -53,13 +53,29 @@ def _debugging(argv: list[str]) -> tuple[bool, list[str]]:
 
 def _main_process() -> bool: return int(os.environ.get('RANK', '0')) == 0
 
+def _leave_process_group(status: int):
+    """End a launched process (`accelerate launch`, torchrun) that holds a process group with `status`, its output
+    flushed, and without tearing the group down: gloo's teardown can deadlock. Its destructor joins gloo's worker
+    threads while holding the GIL, and a worker that is still freeing the last collective's tensors waits for that
+    GIL. Elsewhere it does nothing."""
+    dist = sys.modules.get('torch.distributed')                  # never imports torch
+    if 'TORCHELASTIC_RUN_ID' not in os.environ or dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
 def run_command(fn, argv=None, prog: str = '', then: str = ", then run the command again"):
     """`fn(argv, prog)`'s result; an error ends the process by `verdict`: its line on stderr (a stop's on the main
-    process only), its traceback first for a bug or under `--debug`. `then`: a full disk's advice."""
+    process only), its traceback first for a bug or under `--debug`. `then`: a full disk's advice. A launched process
+    with a process group ends here either way (`_leave_process_group`)."""
     debug, argv = _debugging(list(sys.argv[1:] if argv is None else argv))
-    try: return fn(argv, prog)
+    result, status = None, 0
+    try: result = fn(argv, prog)
     except Exception as e:
         status, line, bug = verdict(e, then)
         if debug or bug: traceback.print_exc()
         if status != EXIT_PREEMPTED or _main_process(): print(line, file=sys.stderr)
-        raise SystemExit(status) from None
+    _leave_process_group(status)
+    if status: raise SystemExit(status)
+    return result

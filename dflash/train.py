@@ -144,8 +144,7 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
         print(f"wall seconds: {', '.join(f'{k} {v:.0f}' for k, v in seconds.items())}; "
               f"total {time.perf_counter() - t_start:.0f}")
         for name, path in pictures.items(): print(f"{name}: {path}")
-    trainer.acc.wait_for_everyone()                      # the process group is torn down by all processes together
-    trainer.acc.end_training()
+    trainer.acc.wait_for_everyone()                      # no process leaves while another still needs the group
     return summary
 
 def _finished_work(out: Path, rec: dict, cfg: TrainConfig) -> str | None:
