@@ -5,7 +5,7 @@
 # %% ../nbs/09g_assembly.ipynb #d1ecb467
 from __future__ import annotations
 import bisect, itertools, os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 import torch
 from torch import Tensor
@@ -240,12 +240,19 @@ def _online_parts(cfg: TrainConfig, target: Path, tok, data, eval_data, V: int, 
                     features.drafter_config(**dkw), draft_ids)
 
 def _config_diff(theirs: DrafterConfig, mine: DrafterConfig) -> list[str]:
-    "The fields in which drafter config `theirs` differs from `mine`, each with both values."
+    """The fields in which drafter config `theirs` differs from `mine`, each with both values. Fewer layers of the same
+    types are none: `mine` grows from `theirs` (`grow_from`)."""
+    n = theirs.num_hidden_layers
+    if n < mine.num_hidden_layers and theirs.layer_types == mine.layer_types[:n]:
+        theirs = replace(theirs, num_hidden_layers=mine.num_hidden_layers, layer_types=mine.layer_types)
     return [f"{f.name} ({getattr(theirs, f.name)}; the run: {getattr(mine, f.name)})" for f in fields(DrafterConfig)
             if getattr(theirs, f.name) != getattr(mine, f.name)]
 
 def _load_parts(cfg: TrainConfig, device) -> _RunParts:
-    "Resolve the target and data of `cfg` (defaults: the toy) and build the datasets."
+    """Resolve the target and data of `cfg` (defaults: the toy) and build the datasets. With --init-from and no
+    --target-layer-ids, the drafter reads the target layers its start read, at any depth."""
+    if (start := _init_config(cfg)) is not None and cfg.target_layer_ids is None:
+        cfg = replace(cfg, target_layer_ids=start.target_layer_ids)
     toy, target = cfg.target is None, _run_target(cfg)
     data = cfg.data or (toy_data_dir() / 'train.jsonl' if toy else None)
     eval_data = cfg.eval_data or (toy_data_dir() / 'eval.jsonl' if toy else None)
@@ -259,7 +266,7 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     dkw = dict(num_hidden_layers=cfg.num_layers, block_size=cfg.block_size, draft_vocab_size=cfg.draft_vocab_size)
     if cfg.cache: p = _cache_parts(cfg, target, tok, tc, V, eval_data, device, dkw)
     else: p = _online_parts(cfg, target, tok, data, eval_data, V, device, dkw)
-    if (start := _init_config(cfg)) is not None and (diff := _config_diff(start, p.drafter_config)):
+    if start is not None and (diff := _config_diff(start, p.drafter_config)):
         raise InputError(f"--init-from {cfg.init_from}: its drafter differs from this run's in " + '; '.join(diff)
                          + " (give the run the drafter's target layers and options)")
     if len(p.train) < cfg.batch_size:
@@ -361,8 +368,11 @@ def build_drafter(cfg: TrainConfig, parts: _RunParts, acc: Accelerator, teacher:
         copied = drafter.init_from_target(_target_layers(cfg, parts))
         if acc.is_main_process: print(f"drafter layers start from the target's top layers: {len(copied)} weights")
     if cfg.init_from is not None:
-        stored = drafter.load_weights(cfg.init_from)
-        if acc.is_main_process: print(f"the drafter starts from --init-from {cfg.init_from} (stored in {stored})")
+        start = _init_config(cfg).num_hidden_layers
+        grows = start < len(drafter.layers)
+        stored = drafter.grow_from(cfg.init_from) if grows else drafter.load_weights(cfg.init_from)
+        new = f"; its {start} layers, then {len(drafter.layers) - start} that start as the identity" if grows else ''
+        if acc.is_main_process: print(f"the drafter starts from --init-from {cfg.init_from} (stored in {stored}){new}")
     set_checkpointing(drafter, policy, budget_bytes=attention_budget)
     fsdp = _fsdp_settings(acc)
     if fsdp is not None:

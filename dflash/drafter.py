@@ -340,3 +340,24 @@ def from_pretrained(cls: DFlashDrafter, path, attention: str = 'eager', dtype: t
     model = cls(DrafterConfig.load(path / 'config.json', mask_token_id), attention, **attention_options)
     stored = model.load_weights(path)                # into float32: a bfloat16 or float16 weight converts exactly
     return model.to(dtype or stored)
+
+# %% ../nbs/05_drafter.ipynb #229f5ad1
+@patch
+def grow_from(self: DFlashDrafter, path) -> torch.dtype:
+    """Load the drafter directory `path`, of fewer decoder layers than this drafter and otherwise the same tensors, into
+    this drafter's first layers; each layer above starts as the identity (its attention's and MLP's output projections
+    zero). Returns the dtype they were stored in."""
+    path = Path(path)
+    state = _load_weights(path)
+    n = len({k.split('.')[1] for k in state if k.startswith('layers.')})
+    if not 0 < n < len(self.layers):
+        raise InputError(f"{path}: {n} decoder layers; growing needs at least 1 and fewer than this drafter's "
+                         f"{len(self.layers)}")
+    kept = {k: v for k, v in self.state_dict().items() if not k.startswith('layers.') or int(k.split('.')[1]) < n}
+    _check_state(kept, state, str(path / 'model.safetensors'))
+    self.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        for layer in self.layers[n:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return next(t.dtype for t in state.values() if t.is_floating_point())

@@ -56,9 +56,10 @@ class TrainConfig:
     init_from_target: bool = option(False, "start the drafter's layers from the target's top layers (weights of the "
                                            "same name and shape) instead of a random initialisation")
     init_from: str | None = option(None, "start from a trained drafter (a directory with config.json and "
-                                         "model.safetensors, as a run exports): its weights and its draft vocabulary; "
-                                         "the run's --num-layers, --block-size, --draft-vocab-size, target layers and "
-                                         "mask token must be its (default: none)", path='dir')
+                                         "model.safetensors, as a run exports): its weights, draft vocabulary, mask "
+                                         "token and target layers; the run's --block-size and --draft-vocab-size must "
+                                         "be its; more --num-layers than it has grow it, each new layer starting as "
+                                         "the identity (default: none)", path='dir')
     mask_token_id: int | None = option(None, "token id of a block's masked positions, written into the drafter's "
                                              "config (default: the tokenizer's mask token, else a free embedding "
                                              "row, else a special token neither the chat template nor the data uses)",

@@ -23,6 +23,11 @@ def losses(out) -> dict[int, float]:
     return {int(r['step']): float(r['loss']) for r in rows}
 
 
+def held_out(run) -> dict[str, float]:
+    "The first held-out evaluation a run logged."
+    return {k: float(v) for k, v in next(csv.DictReader((run / 'eval.csv').read_text().splitlines())).items()}
+
+
 def assert_close(a: dict, b: dict, rel: float):
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     for k in a: assert abs(a[k] - b[k]) <= rel * abs(b[k]), (k, a[k], b[k])
@@ -394,7 +399,6 @@ def test_several_caches_train_as_one_cache_of_them_all(tmp_path):
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
     assert f"the one the caches {a}, {b} were written with" in two.stdout, two.stdout[-2000:]
     assert_close(losses(tmp_path / 'two'), losses(tmp_path / 'one'), rel=1e-5)
-    held_out = lambda run: {k: float(v) for k, v in next(csv.DictReader((run / 'eval.csv').read_text().splitlines())).items()}
     assert_close(held_out(tmp_path / 'two'), held_out(tmp_path / 'one'), rel=1e-5)
     record = json.loads((tmp_path / 'two' / 'run.json').read_text())
     assert record['config']['cache'] == [a, b] and {'cache 1', 'cache 2'} <= record['data'].keys(), record
@@ -407,8 +411,9 @@ def test_several_caches_train_as_one_cache_of_them_all(tmp_path):
 
 def test_a_run_continues_from_a_trained_drafter(tmp_path):
     """--init-from starts a run from the drafter another run exported: its weights (at learning rate 0 the run
-    exports them unchanged) and its draft vocabulary, though the new data would choose another; a drafter of another
-    shape is refused before the target loads, every difference named."""
+    exports them unchanged) and its draft vocabulary, though the new data would choose another; with more layers it
+    grows, the new one adding nothing at first; a drafter of another shape is refused before the target loads, every
+    difference named."""
     from safetensors.torch import load_file
     from dflash.files import toy_data_dir
     lines = (toy_data_dir() / 'train.jsonl').read_text().splitlines(True)
@@ -427,10 +432,18 @@ def test_a_run_continues_from_a_trained_drafter(tmp_path):
     assert wa.keys() == wb.keys()
     for k in wa: assert torch.equal(wa[k], wb[k]), k
     assert not torch.equal(wf['d2t'], wa['d2t']), "the second data chooses another vocabulary on its own"
-    bad = train_cli('--out', tmp_path / 'bad', *override(run, '--num-layers', '3'), '--block-size', '8', '--data',
+    grown = launch(tmp_path / 'grown', *override(run, '--lr', '0', '--num-layers', '3'), '--data', str(second),
+                   '--init-from', str(tmp_path / 'a' / 'drafter'))
+    assert grown.returncode == 0, grown.stdout[-2000:] + grown.stderr[-2000:]
+    assert 'its 2 layers, then 1 that start as the identity' in grown.stdout, grown.stdout[-2000:]
+    wg = load_file(tmp_path / 'grown' / 'drafter' / 'model.safetensors')
+    for k in wa: assert torch.equal(wa[k], wg[k]), k
+    assert not wg['layers.2.self_attn.o_proj.weight'].any() and not wg['layers.2.mlp.down_proj.weight'].any()
+    assert_close(held_out(tmp_path / 'grown'), held_out(tmp_path / 'b'), rel=1e-6)   # it drafts as the 2 layers did
+    bad = train_cli('--out', tmp_path / 'bad', *override(run, '--num-layers', '1'), '--block-size', '8', '--data',
                     second, '--init-from', tmp_path / 'a' / 'drafter')
     assert bad.returncode == 2 and 'Traceback' not in bad.stderr, bad.stderr[-2000:]
-    assert '--num-layers = 3: the drafter of --init-from' in bad.stderr and '--block-size = 8: the drafter of' in bad.stderr
+    assert '--num-layers = 1: the drafter of --init-from' in bad.stderr and '--block-size = 8: the drafter of' in bad.stderr
     both = train_cli('--out', tmp_path / 'both', *run, '--data', second, '--init-from', tmp_path / 'a' / 'drafter',
                      '--init-from-target')
     assert both.returncode == 2 and '--init-from and --init-from-target: choose one' in both.stderr, both.stderr[-2000:]
