@@ -371,7 +371,8 @@ def build_drafter(cfg: TrainConfig, parts: _RunParts, acc: Accelerator, teacher:
         start = _init_config(cfg).num_hidden_layers
         grows = start < len(drafter.layers)
         stored = drafter.grow_from(cfg.init_from) if grows else drafter.load_weights(cfg.init_from)
-        new = f"; its {start} layers, then {len(drafter.layers) - start} that start as the identity" if grows else ''
+        added = len(drafter.layers) - start
+        new = f"; its {start} layers first, {added} new on top starting as the identity" if grows else ''
         if acc.is_main_process: print(f"the drafter starts from --init-from {cfg.init_from} (stored in {stored}){new}")
     set_checkpointing(drafter, policy, budget_bytes=attention_budget)
     fsdp = _fsdp_settings(acc)

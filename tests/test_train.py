@@ -435,7 +435,7 @@ def test_a_run_continues_from_a_trained_drafter(tmp_path):
     grown = launch(tmp_path / 'grown', *override(run, '--lr', '0', '--num-layers', '3'), '--data', str(second),
                    '--init-from', str(tmp_path / 'a' / 'drafter'))
     assert grown.returncode == 0, grown.stdout[-2000:] + grown.stderr[-2000:]
-    assert 'its 2 layers, then 1 that start as the identity' in grown.stdout, grown.stdout[-2000:]
+    assert 'its 2 layers first, 1 new on top starting as the identity' in grown.stdout, grown.stdout[-2000:]
     wg = load_file(tmp_path / 'grown' / 'drafter' / 'model.safetensors')
     for k in wa: assert torch.equal(wa[k], wg[k]), k
     assert not wg['layers.2.self_attn.o_proj.weight'].any() and not wg['layers.2.mlp.down_proj.weight'].any()
