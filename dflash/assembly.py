@@ -368,11 +368,10 @@ def build_drafter(cfg: TrainConfig, parts: _RunParts, acc: Accelerator, teacher:
         copied = drafter.init_from_target(_target_layers(cfg, parts))
         if acc.is_main_process: print(f"drafter layers start from the target's top layers: {len(copied)} weights")
     if cfg.init_from is not None:
-        start = _init_config(cfg).num_hidden_layers
-        grows = start < len(drafter.layers)
-        stored = drafter.grow_from(cfg.init_from) if grows else drafter.load_weights(cfg.init_from)
-        added = len(drafter.layers) - start
-        new = f"; its {start} layers first, {added} new on top starting as the identity" if grows else ''
+        had = _init_config(cfg).num_hidden_layers
+        added = len(drafter.layers) - had                 # never fewer: refused with the options
+        stored = drafter.grow_from(cfg.init_from) if added else drafter.load_weights(cfg.init_from)
+        new = f"; its {had} layers first, {added} new on top starting as the identity" if added else ''
         if acc.is_main_process: print(f"the drafter starts from --init-from {cfg.init_from} (stored in {stored}){new}")
     set_checkpointing(drafter, policy, budget_bytes=attention_budget)
     fsdp = _fsdp_settings(acc)
