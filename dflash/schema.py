@@ -13,8 +13,8 @@ from .threads import threads_option
 from .files import assets_dir
 
 # %% auto #0
-__all__ = ['DTYPES', 'TRACKERS', 'LOSSES', 'CPU_DRAFT_CONFIDENCE', 'TrainConfig', 'PlanOptions', 'toy_profile', 'DataOptions',
-           'CacheOptions', 'RegenConfig', 'SynthConfig', 'SpeculateOptions']
+__all__ = ['DTYPES', 'TRACKERS', 'LOSSES', 'CPU_DRAFT_CONFIDENCE', 'CPU_COPY_NGRAM', 'TrainConfig', 'PlanOptions', 'toy_profile',
+           'DataOptions', 'CacheOptions', 'RegenConfig', 'SynthConfig', 'SpeculateOptions']
 
 # %% ../nbs/00f_schema.ipynb #a512e147
 _SHORT = {'float32': 'fp32', 'bfloat16': 'bf16', 'float16': 'fp16', 'float64': 'fp64'}   # torch's name -> the short one
@@ -281,6 +281,7 @@ class ToyOptions:
 
 # %% ../nbs/00f_schema.ipynb #fd687bef
 CPU_DRAFT_CONFIDENCE = 0.3   # the default --draft-confidence where each verified token costs (a CPU)
+CPU_COPY_NGRAM = 4           # the default --copy-ngram there
 
 @dataclass
 class SpeculateOptions:
@@ -308,6 +309,11 @@ class SpeculateOptions:
                                                   'of all of them so far stays at least this (at least one; 0: the '
                                                   f'whole block; default: {CPU_DRAFT_CONFIDENCE:g} on a CPU, where each '
                                                   'verified token costs, 0 on a GPU)', ge=0, lt=1)
+    copy_ngram: int | None = option(None, 'draft by copying too: where the last N tokens occurred before, in the prompt '
+                                          "or the reply, the tokens that followed them are verified instead of the drafter's "
+                                          'drafts when there are more of them than --draft-confidence keeps (0: the '
+                                          f'drafter alone; default: {CPU_COPY_NGRAM} on a CPU, 0 on a GPU, where the '
+                                          'whole block is verified)', ge=0)
     progress: bool = option(True, 'print a running total after every prompt: tau, tokens/s and speedups so far '
                                   '(--no-progress: none)')
     threads: int | None = threads_option()

@@ -103,3 +103,28 @@ def test_bad_options_are_named_before_anything_runs(tmp_path):
                  "--target-layers = 7: allowed 1..6 (the target has 6 layers)"):
         assert said in r.stderr, r.stderr
     assert not (tmp_path / 'w').exists()                          # nothing ran, nothing written
+
+
+def test_a_drafter_is_measured_as_it_is(tmp_path):
+    """`--drafter` measures a drafter with nothing trained: the report says so, the levers that only decode run, and no
+    drafter/ is written (the one measured is where it was). With --run, or with a lever that trains, it is refused."""
+    from dflash.files import assets_dir
+    out, toy_drafter = tmp_path / 'out', assets_dir() / 'toy-drafter'
+    cmd = [sys.executable, '-m', 'dflash.bench', 'real', '--target', toy_target_dir(), '--drafter', toy_drafter,
+           '--prompts', toy_data_dir() / 'eval.jsonl', '--num-prompts', '2', '--max-new-tokens', '8', '--temperatures',
+           '0', '--levers', 'no-copy', 'whole-block', '--ablation-prompts', '2', '--work', tmp_path / 'w', '--out', out]
+    r = subprocess.run(list(map(str, cmd)), env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    rows = list(csv.DictReader((out / 'real.csv').read_text().splitlines()))
+    assert [x['variant'] for x in rows] == ['base', 'base', 'no-copy', 'whole-block']
+    assert all(int(x['same_output']) == 2 for x in rows)
+    assert f"no training: the drafter {toy_drafter} measured as it is" in (out / 'real.md').read_text()
+    assert 'train' not in json.loads((out / 'real.json').read_text())['phases'] and not (out / 'drafter').exists()
+    copies = lambda lever: [int(x['copied']) for i in (0, 1) for x in
+                            csv.DictReader((tmp_path / 'w' / 'eval' / lever / f'part-{i}' / 'prompts.csv').open())]
+    assert sum(copies('no-copy')) == 0 == sum(copies('whole-block'))
+    bad = [*cmd[:cmd.index('--levers')], '--run', tmp_path / 'w', '--levers', 'one-layer', '--work', tmp_path / 'w2']
+    r = subprocess.run(list(map(str, bad)), env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and not (tmp_path / 'w2').exists(), r.stderr
+    for said in ('--drafter: a drafter to measure, and --run names one too', '--levers one-layer: each trains again'):
+        assert said in r.stderr, r.stderr

@@ -287,3 +287,34 @@ def test_a_draft_vocabulary_drafts_through_d2t_and_stays_lossless(toy, tmp_path)
         assert spec.tokens == greedy_generate(target, p, 48, [tok.eos_token_id])
         accepted += spec.acceptance
     assert max(accepted) > 1, "drafts mapped back by d2t are accepted"
+
+
+@pytest.mark.parametrize('argv,expect', [
+    (['--copy-ngram', '4', '--draft-confidence', '0'], '--copy-ngram = 4: read only with --draft-confidence above 0'),
+    (['--copy-ngram', '-1'], '--copy-ngram'), (['--copy-ngram', '1.5'], '--copy-ngram'),
+    (['--copy-ngram', 'four'], '--copy-ngram')], ids=['whole-block', 'negative', 'fraction', 'word'])
+def test_a_copy_ngram_that_cannot_act_is_refused(tmp_path, capsys, argv, expect):
+    "A negative, fractional or worded --copy-ngram, or one with the whole block verified (no copy outruns it): refused."
+    refused(capsys, speculate_main, ['--target', str(toy_target_dir()), '--drafter', str(assets_dir() / 'toy-drafter'),
+                                     '--data', str(toy_data_dir() / 'eval.jsonl'), '--out', str(tmp_path / 'o'), *argv],
+            expect)
+    assert not (tmp_path / 'o').exists()
+
+
+def test_copies_from_the_context_keep_smollm2_greedy(smollm2, tmp_path):
+    """The committed SmolLM2 drafter on two function stubs whose replies restate them: with copies from the context
+    (`--copy-ngram`, the CPU default), some steps verify a copy, and the tokens are plain greedy's."""
+    from pathlib import Path
+    stubs = ['def add(a: int, b: int) -> int:\n    """Return the sum of a and b.\n    >>> add(2, 3)\n    5\n    """\n',
+             'def is_even(n: int) -> bool:\n    """Return True when n is even.\n    >>> is_even(4)\n    True\n    """\n']
+    data = tmp_path / 'stubs.jsonl'
+    data.write_text(''.join(json.dumps({'messages': [{'role': 'user', 'content': s}]}) + '\n' for s in stubs))
+    drafter = Path(__file__).parents[1] / 'benchmarks' / 'real' / 'drafter'
+    r = speculate_main(['--target', str(smollm2), '--drafter', str(drafter), '--data', str(data), '--num-prompts', '2',
+                        '--max-new-tokens', '48', '--temperature', '0', '--draft-confidence', '0.3', '--copy-ngram', '4',
+                        '--threads', '1', '--no-progress', '--out', str(tmp_path / 'o')])
+    x = r['runs'][0]
+    assert (x['prompts'], x['same_output'], r['copy_ngram']) == (2, 2, 4), x
+    assert 0 < x['copied'] < x['steps'], x
+    rows = list(csv.DictReader((tmp_path / 'o' / 'prompts.csv').read_text().splitlines()))
+    assert sum(int(row['copied']) for row in rows) == x['copied']
