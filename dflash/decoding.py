@@ -4,7 +4,7 @@
 
 # %% ../nbs/09a_decoding.ipynb #3aa57e83
 from __future__ import annotations
-import csv, inspect, io, time
+import inspect, time
 from pathlib import Path
 from dataclasses import dataclass, field
 import torch
@@ -13,20 +13,17 @@ from torch import Tensor
 from transformers import DynamicCache, GenerationConfig
 from .errors import InputError
 from .config import DrafterConfig
-from .options import OptionsError
-from .schema import CPU_COPY_NGRAM, CPU_DRAFT_CONFIDENCE, DTYPES, SpeculateOptions
-from .stops import Preempted, StopRequest
+from .schema import SpeculateOptions
+from .stops import StopRequest
 from .locks import writer_problem
-from .files import (json_problem, is_gguf, pretrained, target_problems, resolve_local, safetensors_problem, dir_write_problem,
-                          write_atomic, write_json)
+from .files import json_problem, target_problems, resolve_local, safetensors_problem, dir_write_problem
 from .drafter import DFlashDrafter, ContextCache
 from .chat import DataError
-from .features import load_target, target_features
-from .threads import use_threads
+from .features import target_features
 
 # %% auto #0
-__all__ = ['speculative_generate', 'greedy_generate', 'sample_generate', 'lookup_generate', 'eval_prompts', 'acceptance_eval',
-           'plot_acceptance', 'context_draft', 'speculate']
+__all__ = ['check_compatible', 'speculative_generate', 'greedy_generate', 'sample_generate', 'lookup_generate', 'eval_prompts',
+           'acceptance_eval', 'plot_acceptance', 'context_draft']
 
 # %% ../nbs/09a_decoding.ipynb #bfab8dcc
 def check_speculate(o: SpeculateOptions) -> list[str]:
@@ -44,19 +41,25 @@ def check_speculate(o: SpeculateOptions) -> list[str]:
         try: _prompt_turns(o.data, n)                              # the turns of the prompts to be run
         except DataError as e: probs.append(f"--data: {e}")
     if o.data is not None and (busy := writer_problem(o.data, '--data')): probs.append(busy)
-    if o.drafter is not None:
-        try: d = resolve_local(o.drafter)                          # a directory, or a hub id's local snapshot
-        except FileNotFoundError as e: return probs + [f"--drafter: {e}"]
-        if busy := writer_problem(d, '--drafter'): return probs + [busy]      # a run still training it
-        conf, bad = json_problem(d / 'config.json', 'config.json')
-        if not d.is_dir(): probs.append(f"--drafter = {o.drafter!r}: not a directory")
-        elif bad: probs.append(f"--drafter: {bad}")
-        else:
-            try: DrafterConfig.from_dict(conf, source=str(d / 'config.json'))
-            except (ValueError, TypeError, KeyError) as e: probs.append(f"--drafter: {e}")
-        w = d / 'model.safetensors'
-        if d.is_dir(): probs += [f"--drafter: {w}: no such file"] if not w.is_file() else \
-            [f"--drafter: {b}" for b in [safetensors_problem(w)] if b]
+    if o.drafter is not None: probs += drafter_problems(o.drafter)
+    return probs
+
+def drafter_problems(drafter: str) -> list[str]:
+    """What keeps `--drafter` from loading, read without loading it: no such directory (or hub id in the local cache),
+    a run still writing it, a config.json or model.safetensors missing or broken."""
+    try: d = resolve_local(drafter)                                # a directory, or a hub id's local snapshot
+    except FileNotFoundError as e: return [f"--drafter: {e}"]
+    if busy := writer_problem(d, '--drafter'): return [busy]         # a run still training it
+    probs = []
+    conf, bad = json_problem(d / 'config.json', 'config.json')
+    if not d.is_dir(): probs.append(f"--drafter = {drafter!r}: not a directory")
+    elif bad: probs.append(f"--drafter: {bad}")
+    else:
+        try: DrafterConfig.from_dict(conf, source=str(d / 'config.json'))
+        except (ValueError, TypeError, KeyError) as e: probs.append(f"--drafter: {e}")
+    w = d / 'model.safetensors'
+    if d.is_dir(): probs += [f"--drafter: {w}: no such file"] if not w.is_file() else \
+        [f"--drafter: {b}" for b in [safetensors_problem(w)] if b]
     return probs
 
 # %% ../nbs/09a_decoding.ipynb #78b6154e
@@ -78,7 +81,7 @@ def _prompt_turns(path, n: int | None = None) -> list[tuple[str, list[dict]]]:
     return prompts
 
 # %% ../nbs/09a_decoding.ipynb #5491609a
-def _check_compatible(drafter_config: DrafterConfig, target_config, block_size: int | None = None,
+def check_compatible(drafter_config: DrafterConfig, target_config, block_size: int | None = None,
                      name: str = 'drafter'):
     "Raise one ValueError listing every way the drafter does not fit the target."
     d, t = drafter_config, target_config
@@ -177,7 +180,7 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
     (`context_draft`) are verified instead when there are more of them than the drafts kept."""
     cfg = drafter.config
     B = block_size or cfg.block_size
-    _check_compatible(cfg, target.config, B)
+    check_compatible(cfg, target.config, B)
     greedy = temperature == 0
     embed, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     stop, dev = set(stop_token_ids), input_ids.device
@@ -386,129 +389,3 @@ def context_draft(seq: list[int], ngram: int, k: int) -> list[int]:
     for s in range(len(seq) - ngram):                                         # the first occurrence: the end's is not
         if seq[s:s + ngram] == tail: return seq[s + ngram:s + ngram + k]
     return []
-
-# %% ../nbs/09a_decoding.ipynb #d1b01d47
-def _check_fit(a: SpeculateOptions, drafter_cfg: DrafterConfig, tdir, tok, prog: str):
-    "An `OptionsError` naming every way the drafter does not fit the target, and a tokenizer with no end of sequence."
-    from transformers import AutoConfig
-    probs = []
-    if tok.eos_token_id is None:
-        probs.append(f"--target {a.target}: its tokenizer has no end-of-sequence token (eos_token), so no reply would "
-                     "end; set eos_token in its tokenizer_config.json to the token that ends the model's turn")
-    try: _check_compatible(drafter_cfg, pretrained(AutoConfig, tdir), a.block_size, name=f"drafter {a.drafter}")
-    except ValueError as e: probs.append(f"--drafter: {e}")
-    if probs: raise OptionsError(probs, prog)
-
-def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> dict:
-    """`python -m dflash.speculate` with checked options `a`: tau, its histogram and the speed against plain decoding
-    (and prompt lookup at T = 0) at each `--temperature`, prompt by prompt with a running total; {'runs': [one
-    `acceptance_eval` result per temperature], ...}. A stop on request (`Preempted`) comes after the results so far
-    are written; a target and drafter that do not fit together: one `OptionsError` naming `prog`."""
-    from transformers import AutoTokenizer
-    dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-    threads, why = use_threads(a.threads, 1) if dev.type == 'cpu' else (torch.get_num_threads(), 'left as is on a GPU')
-    print(f"CPU threads: {threads} ({why})")
-    dtype = getattr(torch, DTYPES[a.dtype]) if a.dtype else (torch.bfloat16 if dev.type == 'cuda' else torch.float32)
-    confidence = a.draft_confidence
-    if confidence is None: confidence = 0. if dev.type == 'cuda' else CPU_DRAFT_CONFIDENCE   # each verify costs on a CPU
-    copy = a.copy_ngram
-    if copy is None: copy = 0 if dev.type == 'cuda' or confidence == 0 else CPU_COPY_NGRAM    # it never outruns a block
-    tdir, ddir = resolve_local(a.target), resolve_local(a.drafter)     # hub ids: their snapshots in the local cache
-    if not is_gguf(tdir) and not (tdir / 'config.json').is_file():
-        raise FileNotFoundError(f"{a.target}: no config.json, not a model")
-    drafter_cfg = DrafterConfig.load(ddir / 'config.json')
-    tok = pretrained(AutoTokenizer, tdir)
-    _check_fit(a, drafter_cfg, tdir, tok, prog)                            # before any weights load
-    target = load_target(tdir, dtype).to(dev).eval()       # a directory or a .gguf file, its weights of its config
-    drafter = DFlashDrafter.from_pretrained(ddir, dtype=dtype).to(dev).eval()
-    prompts = eval_prompts(a.data, tok, a.num_prompts)
-    out = Path(a.out) if a.out else None
-    r = {'threads': threads, 'prompts': len(prompts), 'max_new_tokens': a.max_new_tokens, 'top_p': a.top_p,
-         'seed': a.seed, 'prompt_lookup_num_tokens': a.lookup_tokens, 'copy_ngram': copy,
-         'temperatures': list(a.temperature), 'partial': False, 'done': 0, 'total': len(prompts) * len(a.temperature),
-         'runs': []}
-    rows = []
-    def keep(row, totals):                                           # the CSV follows the run, prompt by prompt
-        rows.append(row)
-        if out: write_atomic(out / 'prompts.csv', _csv_text(rows))
-    lookup = f", then by prompt lookup ({a.lookup_tokens} tokens a step) at T = 0" if a.lookup_tokens else ''
-    print(f"prompts {len(prompts)}, at most {a.max_new_tokens} new tokens each; top-p {a.top_p:g}, seed {a.seed}; "
-          f"drafts verified while the drafter's confidence is at least {confidence:g}"
-          f"{f', or copies of what followed the last {copy} tokens before where they run further' if copy else ''}; "
-          f"each prompt decoded speculatively, then plainly{lookup}, on the same {threads} CPU thread(s)", flush=True)
-    if out: out.mkdir(parents=True, exist_ok=True)
-    with StopRequest() as stop:
-        for t in a.temperature:
-            kw = dict(block_size=a.block_size, stop_token_ids=[tok.eos_token_id], temperature=t, top_p=a.top_p,
-                      seed=a.seed, baseline=True, lookup_tokens=a.lookup_tokens, min_confidence=confidence,
-                      copy_ngram=copy)
-            acceptance_eval(target, drafter, prompts[:1], max_new_tokens=min(8, a.max_new_tokens), **kw)  # warm-up
-            x = acceptance_eval(target, drafter, prompts, max_new_tokens=a.max_new_tokens, progress=a.progress,
-                                stop=stop, on_prompt=keep, **kw)
-            if x['prompts']: r['runs'].append(x)
-            if stop: break
-    r['done'] = len(rows)
-    if r['done'] < r['total']: r.update(partial=True, stopped_by=stop.reason)
-    _print_report(r)
-    if out:
-        write_json(out / 'acceptance.json', r)
-        write_atomic(out / 'prompts.csv', _csv_text(rows))
-        if r['runs']:
-            fig = _plot_runs(r['runs'], len(prompts))
-            write_atomic(out / 'acceptance.png', lambda p: fig.savefig(p, format='png', dpi=120, bbox_inches='tight'))
-        print(f"wrote {out / 'acceptance.json'}, {out / 'prompts.csv'}" +
-              (f" and {out / 'acceptance.png'}" if r['runs'] else ''))
-    if r['partial']:
-        raise Preempted(f"stopped by {stop.reason} after {r['done']} of {r['total']} prompt runs ({len(prompts)} prompts "
-                        f"x {len(a.temperature)} temperatures): " +
-                        (f"the results so far are in {out}, marked partial" if out else "no --out, nothing written"))
-    return r
-
-def _print_report(r: dict):
-    "The totals of each temperature: τ, histogram, each method's seconds and tokens/s, speedups, same output."
-    rate = lambda tokens, s: f"{tokens / s:.1f} tok/s" if s else '-'
-    times = lambda v: '-' if v is None else f"{v:.2f}x"
-    if r['partial']: print(f"partial: stopped by {r['stopped_by']} after {r['done']} of {r['total']} prompt runs")
-    for x in r['runs']:
-        print(f"T={x['temperature']:g}: tau (mean acceptance length) {x['tau']:.3f}  tokens {x['tokens']}  "
-              f"verify steps {x['steps']}  prompts {x['prompts']}")
-        print("  histogram (tokens per step: steps) " + '  '.join(f"{k}:{n}" for k, n in enumerate(x['histogram'], 1)))
-        print(f"  speculative    {x['spec_s']:.2f}s wall, {x['spec_cpu_s']:.2f}s CPU, {rate(x['tokens'], x['spec_s'])} "
-              f"(draft {x['draft_s']:.2f}s, verify {x['verify_s']:.2f}s; {x['verified_per_step']:.2f} drafts verified "
-              f"a step; {x['copied']} steps verified a copy from the context)")
-        print(f"  plain          {x['plain_s']:.2f}s wall, {x['plain_cpu_s']:.2f}s CPU, "
-              f"{rate(x['plain_tokens'], x['plain_s'])}: speedup {times(x['speedup'])} (CPU {times(x['speedup_cpu'])})")
-        if 'lookup_s' in x:
-            print(f"  prompt lookup  {x['lookup_s']:.2f}s wall, {x['lookup_cpu_s']:.2f}s CPU, "
-                  f"{rate(x['lookup_tokens'], x['lookup_s'])}: speedup {times(x['speedup_vs_lookup'])} "
-                  f"(CPU {times(x['speedup_vs_lookup_cpu'])})")
-        if 'same_output' in x:
-            differ = lambda m: f" (differs at prompts {', '.join(map(str, m))})" if m else ''
-            line = f"  same tokens as plain greedy: speculative {x['same_output']}/{x['prompts']}{differ(x['mismatches'])}"
-            if 'lookup_same_output' in x:
-                line += (f", prompt lookup {x['lookup_same_output']}/{x['prompts']}"
-                         f"{differ(x['lookup_mismatches'])}")
-            print(line)
-
-_CSV_COLUMNS = ('prompt', 'temperature', 'new_tokens', 'steps', 'tau', 'spec_s', 'spec_cpu_s', 'draft_s', 'verify_s',
-                'verified', 'copied', 'plain_tokens', 'plain_s', 'plain_cpu_s', 'lookup_tokens', 'lookup_s',
-                'lookup_cpu_s', 'same_output', 'lookup_same_output')
-
-def _csv_text(rows: list[dict]) -> str:
-    "The prompt records as CSV, one row each; a column a record lacks (no prompt lookup at T > 0) is empty."
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, _CSV_COLUMNS, restval='', lineterminator='\n')
-    w.writeheader()
-    w.writerows({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()} for row in rows)
-    return buf.getvalue()
-
-def _plot_runs(runs: list[dict], prompts: int):
-    "One acceptance histogram per temperature, side by side; a run stopped early says how many prompts it has."
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.6), layout='constrained', sharey=True,
-                             squeeze=False)
-    for ax, x in zip(axes[0], runs):
-        part = f" ({x['prompts']} of {prompts} prompts)" if x['prompts'] < prompts else ''
-        plot_acceptance(x['histogram'], ax, f"T = {x['temperature']:g}: tau = {x['tau']:.2f}{part}")
-    return fig
-

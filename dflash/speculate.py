@@ -4,12 +4,150 @@
 
 # %% ../nbs/09c_speculate.ipynb #79f9a6a2
 from __future__ import annotations
+import csv, io
+from pathlib import Path
 from .errors import run_command
-from .options import parse_options
-from .schema import SpeculateOptions
+from .config import DrafterConfig
+from .options import OptionsError, parse_options
+from .schema import CPU_COPY_NGRAM, CPU_DRAFT_CONFIDENCE, DTYPES, SpeculateOptions
+from .stops import Preempted, StopRequest
+from .files import is_gguf, pretrained, resolve_local, write_atomic, write_json
+from .threads import use_threads
 
 # %% auto #0
-__all__ = ['main']
+__all__ = ['speculate', 'main']
+
+# %% ../nbs/09c_speculate.ipynb #92301e79
+def _check_fit(a: SpeculateOptions, drafter_cfg: DrafterConfig, tdir, tok, prog: str):
+    "An `OptionsError` naming every way the drafter does not fit the target, and a tokenizer with no end of sequence."
+    from transformers import AutoConfig
+    from dflash.decoding import check_compatible
+    probs = []
+    if tok.eos_token_id is None:
+        probs.append(f"--target {a.target}: its tokenizer has no end-of-sequence token (eos_token), so no reply would "
+                     "end; set eos_token in its tokenizer_config.json to the token that ends the model's turn")
+    try: check_compatible(drafter_cfg, pretrained(AutoConfig, tdir), a.block_size, name=f"drafter {a.drafter}")
+    except ValueError as e: probs.append(f"--drafter: {e}")
+    if probs: raise OptionsError(probs, prog)
+
+def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> dict:
+    """`python -m dflash.speculate` with checked options `a`: tau, its histogram and the speed against plain decoding
+    (and prompt lookup at T = 0) at each `--temperature`, prompt by prompt with a running total; {'runs': [one
+    `acceptance_eval` result per temperature], ...}. A stop on request (`Preempted`) comes after the results so far
+    are written; a target and drafter that do not fit together: one `OptionsError` naming `prog`."""
+    import torch
+    from transformers import AutoTokenizer
+    from dflash.decoding import acceptance_eval, eval_prompts
+    from dflash.drafter import DFlashDrafter
+    from dflash.features import load_target
+    dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    threads, why = use_threads(a.threads, 1) if dev.type == 'cpu' else (torch.get_num_threads(), 'left as is on a GPU')
+    print(f"CPU threads: {threads} ({why})")
+    dtype = getattr(torch, DTYPES[a.dtype]) if a.dtype else (torch.bfloat16 if dev.type == 'cuda' else torch.float32)
+    confidence = a.draft_confidence
+    if confidence is None: confidence = 0. if dev.type == 'cuda' else CPU_DRAFT_CONFIDENCE   # each verify costs on a CPU
+    copy = a.copy_ngram
+    if copy is None: copy = 0 if dev.type == 'cuda' or confidence == 0 else CPU_COPY_NGRAM    # it never outruns a block
+    tdir, ddir = resolve_local(a.target), resolve_local(a.drafter)     # hub ids: their snapshots in the local cache
+    if not is_gguf(tdir) and not (tdir / 'config.json').is_file():
+        raise FileNotFoundError(f"{a.target}: no config.json, not a model")
+    drafter_cfg = DrafterConfig.load(ddir / 'config.json')
+    tok = pretrained(AutoTokenizer, tdir)
+    _check_fit(a, drafter_cfg, tdir, tok, prog)                            # before any weights load
+    target = load_target(tdir, dtype).to(dev).eval()       # a directory or a .gguf file, its weights of its config
+    drafter = DFlashDrafter.from_pretrained(ddir, dtype=dtype).to(dev).eval()
+    prompts = eval_prompts(a.data, tok, a.num_prompts)
+    out = Path(a.out) if a.out else None
+    r = {'threads': threads, 'prompts': len(prompts), 'max_new_tokens': a.max_new_tokens, 'top_p': a.top_p,
+         'seed': a.seed, 'prompt_lookup_num_tokens': a.lookup_tokens, 'copy_ngram': copy,
+         'temperatures': list(a.temperature), 'partial': False, 'done': 0, 'total': len(prompts) * len(a.temperature),
+         'runs': []}
+    rows = []
+    def keep(row, totals):                                           # the CSV follows the run, prompt by prompt
+        rows.append(row)
+        if out: write_atomic(out / 'prompts.csv', _csv_text(rows))
+    lookup = f", then by prompt lookup ({a.lookup_tokens} tokens a step) at T = 0" if a.lookup_tokens else ''
+    print(f"prompts {len(prompts)}, at most {a.max_new_tokens} new tokens each; top-p {a.top_p:g}, seed {a.seed}; "
+          f"drafts verified while the drafter's confidence is at least {confidence:g}"
+          f"{f', or copies of what followed the last {copy} tokens before where they run further' if copy else ''}; "
+          f"each prompt decoded speculatively, then plainly{lookup}, on the same {threads} CPU thread(s)", flush=True)
+    if out: out.mkdir(parents=True, exist_ok=True)
+    with StopRequest() as stop:
+        for t in a.temperature:
+            kw = dict(block_size=a.block_size, stop_token_ids=[tok.eos_token_id], temperature=t, top_p=a.top_p,
+                      seed=a.seed, baseline=True, lookup_tokens=a.lookup_tokens, min_confidence=confidence,
+                      copy_ngram=copy)
+            acceptance_eval(target, drafter, prompts[:1], max_new_tokens=min(8, a.max_new_tokens), **kw)  # warm-up
+            x = acceptance_eval(target, drafter, prompts, max_new_tokens=a.max_new_tokens, progress=a.progress,
+                                stop=stop, on_prompt=keep, **kw)
+            if x['prompts']: r['runs'].append(x)
+            if stop: break
+    r['done'] = len(rows)
+    if r['done'] < r['total']: r.update(partial=True, stopped_by=stop.reason)
+    _print_report(r)
+    if out:
+        write_json(out / 'acceptance.json', r)
+        write_atomic(out / 'prompts.csv', _csv_text(rows))
+        if r['runs']:
+            fig = _plot_runs(r['runs'], len(prompts))
+            write_atomic(out / 'acceptance.png', lambda p: fig.savefig(p, format='png', dpi=120, bbox_inches='tight'))
+        print(f"wrote {out / 'acceptance.json'}, {out / 'prompts.csv'}" +
+              (f" and {out / 'acceptance.png'}" if r['runs'] else ''))
+    if r['partial']:
+        raise Preempted(f"stopped by {stop.reason} after {r['done']} of {r['total']} prompt runs ({len(prompts)} prompts "
+                        f"x {len(a.temperature)} temperatures): " +
+                        (f"the results so far are in {out}, marked partial" if out else "no --out, nothing written"))
+    return r
+
+def _print_report(r: dict):
+    "The totals of each temperature: τ, histogram, each method's seconds and tokens/s, speedups, same output."
+    rate = lambda tokens, s: f"{tokens / s:.1f} tok/s" if s else '-'
+    times = lambda v: '-' if v is None else f"{v:.2f}x"
+    if r['partial']: print(f"partial: stopped by {r['stopped_by']} after {r['done']} of {r['total']} prompt runs")
+    for x in r['runs']:
+        print(f"T={x['temperature']:g}: tau (mean acceptance length) {x['tau']:.3f}  tokens {x['tokens']}  "
+              f"verify steps {x['steps']}  prompts {x['prompts']}")
+        print("  histogram (tokens per step: steps) " + '  '.join(f"{k}:{n}" for k, n in enumerate(x['histogram'], 1)))
+        print(f"  speculative    {x['spec_s']:.2f}s wall, {x['spec_cpu_s']:.2f}s CPU, {rate(x['tokens'], x['spec_s'])} "
+              f"(draft {x['draft_s']:.2f}s, verify {x['verify_s']:.2f}s; {x['verified_per_step']:.2f} drafts verified "
+              f"a step; {x['copied']} steps verified a copy from the context)")
+        print(f"  plain          {x['plain_s']:.2f}s wall, {x['plain_cpu_s']:.2f}s CPU, "
+              f"{rate(x['plain_tokens'], x['plain_s'])}: speedup {times(x['speedup'])} (CPU {times(x['speedup_cpu'])})")
+        if 'lookup_s' in x:
+            print(f"  prompt lookup  {x['lookup_s']:.2f}s wall, {x['lookup_cpu_s']:.2f}s CPU, "
+                  f"{rate(x['lookup_tokens'], x['lookup_s'])}: speedup {times(x['speedup_vs_lookup'])} "
+                  f"(CPU {times(x['speedup_vs_lookup_cpu'])})")
+        if 'same_output' in x:
+            differ = lambda m: f" (differs at prompts {', '.join(map(str, m))})" if m else ''
+            line = f"  same tokens as plain greedy: speculative {x['same_output']}/{x['prompts']}{differ(x['mismatches'])}"
+            if 'lookup_same_output' in x:
+                line += (f", prompt lookup {x['lookup_same_output']}/{x['prompts']}"
+                         f"{differ(x['lookup_mismatches'])}")
+            print(line)
+
+_CSV_COLUMNS = ('prompt', 'temperature', 'new_tokens', 'steps', 'tau', 'spec_s', 'spec_cpu_s', 'draft_s', 'verify_s',
+                'verified', 'copied', 'plain_tokens', 'plain_s', 'plain_cpu_s', 'lookup_tokens', 'lookup_s',
+                'lookup_cpu_s', 'same_output', 'lookup_same_output')
+
+def _csv_text(rows: list[dict]) -> str:
+    "The prompt records as CSV, one row each; a column a record lacks (no prompt lookup at T > 0) is empty."
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, _CSV_COLUMNS, restval='', lineterminator='\n')
+    w.writeheader()
+    w.writerows({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()} for row in rows)
+    return buf.getvalue()
+
+def _plot_runs(runs: list[dict], prompts: int):
+    "One acceptance histogram per temperature, side by side; a run stopped early says how many prompts it has."
+    import matplotlib.pyplot as plt
+    from dflash.decoding import plot_acceptance
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.6), layout='constrained', sharey=True,
+                             squeeze=False)
+    for ax, x in zip(axes[0], runs):
+        part = f" ({x['prompts']} of {prompts} prompts)" if x['prompts'] < prompts else ''
+        plot_acceptance(x['histogram'], ax, f"T = {x['temperature']:g}: tau = {x['tau']:.2f}{part}")
+    return fig
+
 
 # %% ../nbs/09c_speculate.ipynb #50b8e544
 _PROG = 'python -m dflash.speculate'
@@ -28,7 +166,6 @@ def main(argv=None, prog: str = _PROG) -> dict:
     a full or read-only disk, ends as one `error:` line, exit status 2."""
     def run(argv: list[str], prog: str) -> dict:
         a = parse_options(SpeculateOptions, argv, prog=prog, description=_ABOUT, check=_check)[0]
-        from dflash.decoding import speculate
         return speculate(a, prog)
     return run_command(run, argv, prog)
 

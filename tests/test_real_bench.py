@@ -128,3 +128,7 @@ def test_a_drafter_is_measured_as_it_is(tmp_path):
     assert r.returncode == 2 and not (tmp_path / 'w2').exists(), r.stderr
     for said in ('--drafter: a drafter to measure, and --run names one too', '--levers one-layer: each trains again'):
         assert said in r.stderr, r.stderr
+    empty = [*cmd[:cmd.index('--drafter')], '--drafter', tmp_path / 'w', '--work', tmp_path / 'w3']
+    r = subprocess.run(list(map(str, empty)), env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and not (tmp_path / 'w3').exists(), r.stderr          # a directory with no drafter in it
+    assert f"--drafter: {tmp_path / 'w' / 'config.json'}: no such config.json" in r.stderr, r.stderr
