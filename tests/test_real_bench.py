@@ -24,6 +24,8 @@ def test_the_whole_path_writes_its_report_and_a_bf16_drafter_that_decodes_lossle
     assert all(int(x['prompts']) == 2 for x in rows)
     assert int(rows[0]['same_output']) == 2                       # greedy speculative decoding: greedy's tokens
     assert int(rows[3]['same_output']) == 2 and int(rows[4]['same_output']) == 2
+    assert rows[3]['steps'] == '' and int(rows[4]['steps']) >= 1          # block-4 decodes the base's drafter
+    assert r.stdout.count(f"wrote {out / 'real.csv'}") == 3               # the report kept after the base and each lever
     assert json.loads((work / 'cache' / 'manifest.json').read_text())['final_hidden']   # the teacher of distill
     assert json.loads((work / 'runs' / 'distill' / 'run.json').read_text())['config']['loss'] == 'kl'
     report = json.loads((out / 'real.json').read_text())
