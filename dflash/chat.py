@@ -262,11 +262,38 @@ def _parquet_rows(path: Path, stats: DataStats):
             i += 1
             yield f"{path}:row {i - 1}", rec
 
+def _cut_array(path: Path, raw: bytes, skip_bad_lines: bool, stats: DataStats) -> list:
+    """The complete records of a JSON array cut short in the middle of a record (a download or copy that stopped),
+    with `skip_bad_lines`; else a `DataError` that counts them and names the option. A record malformed before the
+    end is an error either way: nothing after it can be found."""
+    try: text = raw.decode('utf-8')
+    except UnicodeDecodeError as e: raise DataError(f"{path}: not UTF-8 text at byte {e.start:,}") from None
+    dec, records, at, end = json.JSONDecoder(), [], text.index('[') + 1, len(text.rstrip())
+    while True:
+        while at < end and text[at] in ' \t\r\n,': at += 1
+        if at == end: break                                                 # the cut fell between two records
+        if text[at] == ']': raise DataError(f"{path}: text after the JSON array's end (character {at:,})")
+        try: rec, at = dec.raw_decode(text, at)
+        except json.JSONDecodeError as e:
+            if e.pos < end and not e.msg.startswith('Unterminated string'):   # not the end of the file: malformed
+                raise DataError(f"{path}:[{len(records)}]: malformed JSON at character {e.pos:,} ({e.msg})") from None
+            break                                                           # the record the cut fell in
+        records.append(rec)
+    cut = f"{path}: a JSON array cut short after {len(records):,} complete records (at character {at:,} of {end:,})"
+    if not skip_bad_lines:
+        raise DataError(f"{cut}: pass --skip-bad-lines to use those {len(records):,} records (the cut one is skipped "
+                        "and counted)")
+    stats.skip('bad_lines', cut)
+    return records
+
 def _json_rows(path: Path, skip_bad_lines: bool, stats: DataStats):
-    try: data = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError):                   # JSON lines, named .json
-        yield from read_jsonl(path, skip_bad_lines, stats)
-        return
+    raw = path.read_bytes()
+    try: data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        if raw.lstrip()[:1] != b'[':                                        # JSON lines, named .json
+            yield from read_jsonl(path, skip_bad_lines, stats)
+            return
+        data = _cut_array(path, raw, skip_bad_lines, stats)
     if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
         data = next(iter(data.values()))                                # {"train": [...]}
     if not isinstance(data, list): data = [data]

@@ -67,8 +67,14 @@ def _validate(cfg: RegenConfig):
 # %% ../nbs/08b_regenerate.ipynb #57abc4dd
 _ROLES = ('system', 'user', 'assistant')
 
-def load_conversations(path, skip_bad_lines: bool = False) -> tuple[list[tuple[dict, list[dict]]], DataStats]:
-    "`(record, messages)` of every usable line, and what was skipped."
+def first_turns(msgs: list[dict], n: int | None) -> list[dict]:
+    "`msgs` up to its `n`-th user turn and that turn's replies (all of it when `n` is None)."
+    users = [i for i, m in enumerate(msgs) if m['role'] == 'user']
+    return msgs if n is None or len(users) <= n else msgs[:users[n]]
+
+def load_conversations(path, skip_bad_lines: bool = False,
+                       max_turns: int | None = None) -> tuple[list[tuple[dict, list[dict]]], DataStats]:
+    "`(record, messages)` of every usable line, each cut to its first `max_turns` user turns, and what was skipped."
     from dflash.chat import DataError, DataStats, read_records, to_messages
     stats, out = DataStats(), []
     for where, rec in read_records(path, skip_bad_lines, stats):
@@ -81,7 +87,7 @@ def load_conversations(path, skip_bad_lines: bool = False) -> tuple[list[tuple[d
             if not skip_bad_lines: raise
             stats.skip('bad_lines', str(e))
             continue
-        out.append((rec, msgs))
+        out.append((rec, first_turns(msgs, max_turns)))
         stats.samples += 1
     return out, stats
 
@@ -217,18 +223,40 @@ def reply_round(engine, tokenizer, msgs: list[list[dict]], todo: list[tuple[int,
         if not stopped: m['truncated'] = True
     return outs
 
+def _answerable(msgs: list[dict]) -> list[dict]:
+    "`msgs` without the assistant turns before its first user turn (ShareGPT has such fragments): they answer nothing."
+    first = next((i for i, m in enumerate(msgs) if m['role'] == 'user'), len(msgs))
+    return [m for i, m in enumerate(msgs) if i >= first or m['role'] != 'assistant']
+
+def _end_long(tokenizer, msgs: list[list[dict]], turns: list[list[int]], r: int, limit: int | None,
+              template_kw: dict | None) -> int:
+    """End each conversation whose prompt for its reply `r` is over `limit` tokens before that reply's user turn (it
+    and all after it dropped, `turns` cut to match); how many were ended."""
+    if limit is None: return 0
+    ended = 0
+    for n, t in enumerate(turns):
+        if len(t) > r and len(prompt_ids(tokenizer, msgs[n][:t[r]], template_kw or {})) > limit:
+            msgs[n] = msgs[n][:max((j for j in range(t[r]) if msgs[n][j]['role'] == 'user'), default=0)]
+            turns[n] = t[:r]
+            ended += 1
+    return ended
+
 def regenerate_batch(engine, tokenizer, convs: list[list[dict]], *, template_kw: dict | None = None, seed: int = 0,
-                     batch: int = 0) -> tuple[list[list[dict]], dict]:
-    """Every assistant turn of `convs` regenerated, and a reply appended to each that ends on a user turn; also
-    `{'tokens', 'turns', 'appended', 'truncated', 'token_ids'}` of the work."""
-    msgs = [[dict(m) for m in c] for c in convs]
-    info = {'tokens': 0, 'turns': 0, 'appended': 0, 'truncated': 0, 'token_ids': [[] for _ in msgs]}
+                     batch: int = 0, max_prompt_tokens: int | None = None) -> tuple[list[list[dict]], dict]:
+    """Every assistant turn of `convs` regenerated, and a reply appended to each that ends on a user turn; a
+    conversation whose prompt for a reply is over `max_prompt_tokens` ends before that reply's user turn. Also
+    `{'tokens', 'turns', 'appended', 'truncated', 'ended_long', 'unanswered_dropped', 'token_ids'}` of the work; an
+    assistant turn before any user turn answers nothing and is dropped."""
+    msgs = [_answerable([dict(m) for m in c]) for c in convs]
+    info = {'tokens': 0, 'turns': 0, 'appended': 0, 'truncated': 0, 'ended_long': 0,
+            'unanswered_dropped': sum(len(c) - len(m) for c, m in zip(convs, msgs)), 'token_ids': [[] for _ in msgs]}
     for c in msgs:
         if c and c[-1]['role'] == 'user':                                   # a prompt without its reply: answer it
             c.append({'role': 'assistant', 'content': ''})
             info['appended'] += 1
     turns = [[i for i, m in enumerate(c) if m['role'] == 'assistant'] for c in msgs]
     for r in range(max(map(len, turns), default=0)):
+        info['ended_long'] += _end_long(tokenizer, msgs, turns, r, max_prompt_tokens, template_kw)
         todo = [(n, t[r]) for n, t in enumerate(turns) if len(t) > r]
         for (n, _), (toks, stopped) in zip(todo, reply_round(engine, tokenizer, msgs, todo, template_kw,
                                                              round_seed(seed, batch, r))):
@@ -253,6 +281,8 @@ def run_header(cfg: RegenConfig) -> dict:
     from dflash.features import target_identity
     opts = {k: getattr(cfg, k) for k in ('engine', 'batch_size', 'max_new_tokens', 'temperature', 'top_p', 'seed',
                                          'thinking')}
+    for k in ('max_turns', 'max_prompt_tokens'):                       # absent when unset: older indexes still match
+        if getattr(cfg, k) is not None: opts[k] = getattr(cfg, k)
     opts['dtype'] = DTYPES.get(cfg.dtype)                                 # bf16 and bfloat16 alike
     return {'format': _INDEX_FORMAT, 'data': _sha256_file(cfg.data), 'target': target_identity(target_dir(cfg)),
             'options': opts}
@@ -352,6 +382,8 @@ def process_state():
         raise RuntimeError(f"{world} processes were launched but accelerate sees {state.num_processes}")
     return state
 
+_COUNTS = ('tokens', 'turns', 'appended', 'truncated', 'ended_long', 'unanswered_dropped')   # each batch's, in the index
+
 def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
     """Regenerate `cfg.data` into `cfg.out` (resuming what is there); returns counts and timings. When `stop` is set,
     the processes end after the round of batches they are in and `Preempted` says how far the file is: the same call
@@ -362,7 +394,7 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
     from dflash.chat import DataError
     from dflash.features import check_target_dir
     _validate(cfg)
-    convs, stats = load_conversations(cfg.data, cfg.skip_bad_lines)            # every line checked before loading
+    convs, stats = load_conversations(cfg.data, cfg.skip_bad_lines, cfg.max_turns)   # all checked before loading
     if not convs: raise DataError(f"{cfg.data}: no conversation to regenerate")
     if not any(m['role'] == 'assistant' or (i == len(c) - 1 and m['role'] == 'user')
                for _, c in convs for i, m in enumerate(c)):
@@ -384,7 +416,7 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
     todo = list(range(len(done), n_batches))
     res = {'conversations': len(convs), 'skipped_lines': stats.bad_lines, 'batches': n_batches,
            'resumed_batches': len(done), 'regenerated': 0, 'turns': 0, 'appended': 0, 'tokens': 0,
-           'truncated_replies': 0}
+           'truncated_replies': 0, 'ended_long': 0, 'unanswered_dropped': 0}
     first = sum(e['records'] for e in done)
     bar = tqdm(total=len(convs), initial=first, unit='conv', desc='regenerate',
                disable=not (cfg.progress and state.is_main_process))
@@ -395,14 +427,14 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
         part = []
         for k in mine:
             batch = convs[k * cfg.batch_size:(k + 1) * cfg.batch_size]
-            msgs, info = regenerate_batch(engine, tok, [m for _, m in batch], template_kw=tkw, seed=cfg.seed, batch=k)
+            msgs, info = regenerate_batch(engine, tok, [m for _, m in batch], template_kw=tkw, seed=cfg.seed, batch=k,
+                                          max_prompt_tokens=cfg.max_prompt_tokens)
             part.append((k, [_output_record(r, m) for (r, _), m in zip(batch, msgs)],
-                         {x: info[x] for x in ('tokens', 'turns', 'appended', 'truncated')}))
+                         {x: info[x] for x in _COUNTS}))
         for k, recs, info in sorted(gather_object(part) if W > 1 else part, key=lambda x: x[0]):
             if state.is_main_process: append_batch(cfg.out, {'batch': k, 'records': len(recs), **info}, recs)
             res['regenerated'] += len(recs)
-            for x in ('turns', 'appended', 'tokens'): res[x] += info[x]
-            res['truncated_replies'] += info['truncated']
+            for x in _COUNTS: res['truncated_replies' if x == 'truncated' else x] += info[x]
             bar.update(len(recs))
         bar.set_postfix(tok_s=f"{res['tokens'] / (time.perf_counter() - t0):.0f}")
     bar.close()

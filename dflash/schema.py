@@ -206,6 +206,10 @@ class RegenConfig:
     engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(_ENGINES))
     batch_size: int = option(32, 'conversations generated together (left-padded)', ge=1)
     max_new_tokens: int = option(512, 'tokens per assistant turn at most', ge=1)
+    max_turns: int | None = option(None, "user turns kept of each conversation, the first ones with their replies "
+                                         "(ShareGPT's run to dozens; default: all)", ge=1)
+    max_prompt_tokens: int | None = option(None, 'a conversation whose prompt for a reply is longer ends before that '
+                                                 'reply\'s user turn (default: no limit)', ge=1)
     temperature: float = option(0.0, '0: greedy; > 0: sampling', zero_or_ge=TEMPERATURE_MIN)
     top_p: float = option(1.0, 'nucleus sampling mass (with temperature > 0)', gt=0, le=1)
     seed: int = option(0, 'sampling seed (each batch and turn draws its own: reruns sample the same)', ge=0,
