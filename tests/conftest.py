@@ -2,8 +2,8 @@ import hashlib, os, subprocess, sys
 from pathlib import Path
 import numpy as np
 import pytest, torch
-from dflash.config import DrafterConfig
-from dflash.real_bench import smollm2_gguf
+from dflash.model.config import DrafterConfig
+from dflash.bench.real import smollm2_gguf
 
 # --- running the commands in-process ---------------------------------------------------------------------------------
 SMALL = ['--num-layers', '2', '--num-anchors', '16', '--max-length', '128', '--batch-size', '4', '--lr', '3e-3',

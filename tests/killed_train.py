@@ -2,8 +2,8 @@
 the drafter's files are written and before they are renamed into place; `--kill-at final_eval` right after the export,
 before the final evaluation. Launched as a module, like `dflash.train` (`accelerate launch -m killed_train ...`)."""
 import os, runpy, signal, sys
-from dflash.drafter import DFlashDrafter
-from dflash.trainer import Trainer
+from dflash.model.drafter import DFlashDrafter
+from dflash.train.trainer import Trainer
 
 i = sys.argv.index('--kill-at')
 point = sys.argv.pop(i + 1)

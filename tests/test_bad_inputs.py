@@ -5,12 +5,12 @@ import json, os, pickle, shutil, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from safetensors.torch import load_file
-from dflash.files import toy_target_dir, toy_data_dir, assets_dir
-from dflash.train import main as train_main
+from dflash.core.files import toy_target_dir, toy_data_dir, assets_dir
+from dflash.train.command import main as train_main
 from dflash.plan import main as plan_main
-from dflash.speculate import main as speculate_main
-from dflash.chat import DataError, read_jsonl
-from dflash.data import main as data_main
+from dflash.decoding.speculate import main as speculate_main
+from dflash.data.chat import DataError, read_jsonl
+from dflash.data.command import main as data_main
 from conftest import SMALL, override, refused, train_cli, tree
 
 @pytest.fixture(scope='module')
@@ -128,7 +128,7 @@ def test_bad_yaml(tmp_path, capsys, text, expect):
 
 def test_yaml_scientific_notation_is_a_float(tmp_path):
     "PyYAML reads `1e-3` as a string; the options read it as the flag `--lr 1e-3` would be."
-    from dflash.train import parse_config
+    from dflash.train.command import parse_config
     (tmp_path / 'run.yaml').write_text('lr: 1e-3\nweight_decay: 1e-2\nloss: ce\ngamma: null\n')
     c = parse_config(['--config', str(tmp_path / 'run.yaml')])
     assert (c.lr, c.weight_decay, c.gamma) == (1e-3, 1e-2, None)
@@ -136,7 +136,7 @@ def test_yaml_scientific_notation_is_a_float(tmp_path):
 
 def test_yaml_objective(tmp_path):
     "The objective's options read from YAML as from flags; the flags win."
-    from dflash.train import parse_config
+    from dflash.train.command import parse_config
     (tmp_path / 'run.yaml').write_text('loss: kl\nkl_weight: 0.5\nkl_temperature: 2\n')
     c = parse_config(['--config', str(tmp_path / 'run.yaml'), '--kl-temperature', '1.5'])
     assert (c.loss, c.kl_weight, c.kl_temperature) == ('kl', 0.5, 1.5)
@@ -444,7 +444,7 @@ def test_speculate_bad_option(capsys, argv, expect):
 
 
 def test_truncated_drafter_loaded_directly_is_named(tmp_path):
-    from dflash.drafter import DFlashDrafter
+    from dflash.model.drafter import DFlashDrafter
     d = _drafter_case(tmp_path, 'truncated-weights')
     with pytest.raises(ValueError, match='model.safetensors: unreadable, truncated or not safetensors'):
         DFlashDrafter.from_pretrained(d)
@@ -617,8 +617,8 @@ CORRUPT = [('garbage-state', 'trainer_state.json: not valid JSON'), ('state-not-
 @pytest.fixture(scope='module')
 def resumer(finished):
     "A trainer of the finished run's options, to resume from broken copies of it."
-    from dflash.trainer import Trainer
-    from dflash.schema import TrainConfig
+    from dflash.train.trainer import Trainer
+    from dflash.core.schema import TrainConfig
     rec = json.loads((finished / 'run.json').read_text())
     return Trainer(TrainConfig(**{**rec['config'], 'resume': True}))
 
@@ -634,7 +634,7 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path, capsys, finished, resume
 
 
 def test_no_intact_checkpoint_names_each(tmp_path, resumer, finished):
-    from dflash.checkpoints import CheckpointError
+    from dflash.train.checkpoints import CheckpointError
     run = _copy(finished, tmp_path / 'run')
     _corrupt(run / 'checkpoints' / 'step-0000004', 'truncated-model')
     _corrupt(run / 'checkpoints' / 'step-0000002', 'garbage-state')
@@ -695,7 +695,7 @@ def test_allowed_changes_on_resume_are_applied_and_logged(tmp_path, capsys, fini
 
 def test_non_finite_steps_keep_the_last_good_checkpoint(tmp_path, capsys, finished):
     "A resume at a huge learning rate goes non-finite; saves stop, rotation keeps the last good checkpoint, it aborts."
-    from dflash.checkpoints import verify_checkpoint, checkpoint_dirs
+    from dflash.train.checkpoints import verify_checkpoint, checkpoint_dirs
     run = _copy(finished, tmp_path / 'run')
     shutil.rmtree(run / 'checkpoints' / 'step-0000004')
     with pytest.raises(SystemExit) as e:
@@ -711,7 +711,7 @@ def test_non_finite_steps_keep_the_last_good_checkpoint(tmp_path, capsys, finish
 
 
 def test_rotation_never_deletes_the_last_good_checkpoint(tmp_path):
-    from dflash.checkpoints import rotate_checkpoints, checkpoint_dirs
+    from dflash.train.checkpoints import rotate_checkpoints, checkpoint_dirs
     for step, bad in [(2, 0), (4, 0), (6, 2), (8, 3)]:
         d = tmp_path / 'checkpoints' / f'step-{step:07d}'
         d.mkdir(parents=True)
@@ -774,12 +774,12 @@ def test_data_every_bad_option_in_one_error(tmp_path, capsys):
         'batch-split', 'no-measured-step', 'n-text', 'processes-0', 'option-of-another-command', 'unknown-command'])
 def test_bench_bad_option(capsys, argv, expect):
     "`python -m dflash.bench`: each bad value named with what is allowed, before torch or a model loads."
-    from dflash.bench import main as bench_main
+    from dflash.bench.command import main as bench_main
     refused(capsys, bench_main, argv, expect)
 
 
 def test_bench_every_bad_option_in_one_error(capsys):
-    from dflash.bench import main as bench_main
+    from dflash.bench.command import main as bench_main
     err = refused(capsys, bench_main, ['train', '--machines', '0', '--threads', 'x', '--batch-size', '3'],
                   '3 bad options', "--threads = 'x' (command line): not an integer", '--machines = 0: allowed >= 1',
                   '--batch-size = 3: allowed a multiple of every --processes')
@@ -805,7 +805,7 @@ def test_command_exits_2_with_the_error(tmp_path, module, argv, expect):
 def test_report_to_a_tracker_not_installed_is_refused(tmp_path, capsys, monkeypatch):
     "A tracker whose package is missing: exit 2 with the options' error, before the target loads or `out` is made."
     import importlib.util
-    from dflash.schema import TRACKERS
+    from dflash.core.schema import TRACKERS
     missing = [t for t, package in TRACKERS.items() if package and importlib.util.find_spec(package) is None]
     if not missing: pytest.skip("every tracker package accelerate knows is installed here")
     monkeypatch.chdir(tmp_path)

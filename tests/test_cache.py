@@ -4,11 +4,11 @@ from pathlib import Path
 import numpy as np
 import pytest, torch
 from conftest import chat_sentence
-import dflash.features as features
-from dflash.chat import collate
-from dflash.features import CacheDataset, TargetFeatures, write_cache
-from dflash.chat import ChatDataset
-from dflash.data import main
+import dflash.data.features as features
+from dflash.data.chat import collate
+from dflash.data.features import CacheDataset, TargetFeatures, write_cache
+from dflash.data.chat import ChatDataset
+from dflash.data.command import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -216,7 +216,7 @@ def test_help_answers_before_torch_loads(argv):
 @pytest.mark.parametrize('after', [1, 3])
 def test_signal_stops_after_the_shard_in_progress(tmp_path, chat_targets, monkeypatch, signum, after):
     "A real signal while shard `after` is written: that shard is finished and recorded, then the writer stops."
-    from dflash.stops import Preempted, StopRequest
+    from dflash.core.stops import Preempted, StopRequest
     t = TargetFeatures(chat_targets['llama'], num_draft_layers=2)
     ds = ChatDataset.from_jsonl(_jsonl(tmp_path / 'd.jsonl', 9, seed=4), t.tokenizer)
     write_cache(t, ds, tmp_path / 'whole', shard_size=2, progress=False)

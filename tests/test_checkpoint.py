@@ -3,9 +3,9 @@ import json
 import pytest, torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, Qwen3Config, LlamaConfig
-from dflash.config import DrafterConfig
-from dflash.drafter import DFlashDrafter
-from dflash.layout import BlockLayout
+from dflash.model.config import DrafterConfig
+from dflash.model.drafter import DFlashDrafter
+from dflash.model.layout import BlockLayout
 
 
 def _batch(cfg, S=32):

@@ -5,11 +5,11 @@ import numpy as np
 import pytest, torch
 import dflash
 from conftest import END_OF_TURN, chat_sentence
-from dflash.chat import ChatDataset, DataError, DataStats, read_jsonl, to_messages, tokenize_conversation
-from dflash.templates import tokenize_chat
-from dflash.chat import collate
-from dflash.features import TargetFeatures
-from dflash.layout import BlockLayout
+from dflash.data.chat import ChatDataset, DataError, DataStats, read_jsonl, to_messages, tokenize_conversation
+from dflash.data.templates import tokenize_chat
+from dflash.data.chat import collate
+from dflash.data.features import TargetFeatures
+from dflash.model.layout import BlockLayout
 
 
 def _conversation(rng, system=True, turns=3):
@@ -222,7 +222,7 @@ def test_collate_pads_and_keeps_per_sample_blocks(tmp_path, chat_tokenizers):
 
 def test_online_features_feed_the_drafter(chat_targets, tmp_path):
     "End to end: JSONL -> batch -> target features -> layout -> drafter, sizes all agreeing."
-    from dflash.drafter import DFlashDrafter
+    from dflash.model.drafter import DFlashDrafter
     t = TargetFeatures(chat_targets['qwen3'], num_draft_layers=2)
     rng = np.random.default_rng(7)
     convs = [{'messages': _conversation(rng)} for _ in range(2)]
@@ -241,7 +241,7 @@ TOY = Path(dflash.__file__).resolve().parent / 'assets' / 'toy-target'
 
 @pytest.mark.skipif(not (TOY / 'config.json').is_file(), reason='the toy target is not built')
 def test_shipped_toy_target(tmp_path):
-    from dflash.features import CacheDataset, write_cache
+    from dflash.data.features import CacheDataset, write_cache
     t = TargetFeatures(TOY, num_draft_layers=1)
     rng = np.random.default_rng(8)
     convs = [_conversation(rng, system=False, turns=2) for _ in range(2)]
@@ -260,7 +260,7 @@ def test_shipped_toy_target(tmp_path):
 
 def test_tokenize_command(tmp_path, chat_targets, capsys, monkeypatch):
     "`python -m dflash.data tokenize`: counts table, cached result; a dataset with nothing usable fails, naming it."
-    from dflash.data import main
+    from dflash.data.command import main
     monkeypatch.setenv('HF_DATASETS_CACHE', str(tmp_path / 'hf'))
     good = {'messages': [{'role': 'user', 'content': 'yes'}, {'role': 'assistant', 'content': 'no because the cat'}]}
     f = _write(tmp_path / 'd.jsonl', [good, {'messages': [{'role': 'user', 'content': 'x'}]}, good])

@@ -5,7 +5,7 @@ import hashlib, os, subprocess, sys
 from pathlib import Path
 import pytest
 from conftest import override
-from dflash.files import assets_dir, toy_data_dir, toy_target_dir
+from dflash.core.files import assets_dir, toy_data_dir, toy_target_dir
 
 TRAIN = ['--max-steps', '2', '--num-layers', '2', '--batch-size', '4', '--num-anchors', '16', '--max-length', '128',
          '--spec-eval-prompts', '0', '--progress-bar', 'false', '--report-to', 'none', '--seed', '1']

@@ -2,7 +2,7 @@
 import csv, json, os, re, shutil, subprocess, sys
 from pathlib import Path
 import pytest
-from dflash.harness import launch_train
+from dflash.bench.harness import launch_train
 from conftest import override
 
 # one worker runs this file's tests in order (pytest -n with --dist loadgroup): they share the module's runs

@@ -2,7 +2,7 @@
 line (exit 2), a bug shows its traceback and says it is one (exit 1), and `--debug` shows the traceback of a user error
 too. The bugs are deliberate: a real command whose internals are made to fail, in a process of its own."""
 import subprocess, sys
-from dflash.files import toy_target_dir
+from dflash.core.files import toy_target_dir
 
 
 def _run(code: str, *args) -> subprocess.CompletedProcess:
@@ -12,10 +12,10 @@ def _run(code: str, *args) -> subprocess.CompletedProcess:
 
 def test_a_bug_inside_the_trainer_shows_its_traceback_not_an_error_line(tmp_path):
     "A ValueError raised inside `Trainer(cfg)` by dflash itself used to read as bad input: `error: ...`, exit 2."
-    code = ("import sys, dflash.trainer, dflash.train\n"
+    code = ("import sys, dflash.train.trainer, dflash.train.command\n"
             "def broken(self, cfg): raise ValueError('deliberate: a shape the code got wrong')\n"
-            "dflash.trainer.Trainer.__init__ = broken\n"
-            "dflash.train.main(sys.argv[1:])")
+            "dflash.train.trainer.Trainer.__init__ = broken\n"
+            "dflash.train.command.main(sys.argv[1:])")
     r = _run(code, '--out', str(tmp_path / 'run'), '--max-steps', '1')
     assert r.returncode == 1, r.stderr
     assert 'Traceback (most recent call last)' in r.stderr and 'in broken' in r.stderr, r.stderr
@@ -27,10 +27,10 @@ def test_a_bug_in_a_data_command_shows_its_traceback(tmp_path):
     "The data commands caught every ValueError as the user's; a bug in reading the data is dflash's."
     (tmp_path / 'chat.jsonl').write_text('{"messages": [{"role": "user", "content": "hi"}, '
                                          '{"role": "assistant", "content": "hello"}]}\n')
-    code = ("import sys, dflash.chat, dflash.data\n"
+    code = ("import sys, dflash.data.chat, dflash.data.command\n"
             "def broken(*a, **k): raise ValueError('deliberate')\n"
-            "dflash.chat.load_chat_data = broken\n"
-            "dflash.data.main(sys.argv[1:])")
+            "dflash.data.chat.load_chat_data = broken\n"
+            "dflash.data.command.main(sys.argv[1:])")
     r = _run(code, 'tokenize', '--target', str(toy_target_dir()), '--data', str(tmp_path / 'chat.jsonl'))
     assert r.returncode == 1 and 'Traceback' in r.stderr and 'this is a bug in dflash' in r.stderr, r.stderr
 

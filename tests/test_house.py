@@ -4,7 +4,19 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / 'dflash'
-MODULES = sorted(p for p in PKG.glob('*.py') if p.name != '_modidx.py')
+MODULES = sorted(p for p in PKG.rglob('*.py') if p.name != '_modidx.py')
+LAYERS = ('core', 'model', 'data', 'decoding', 'train', 'bench')   # bottom up; the dispatcher and entries on top
+
+
+def _name(path: Path) -> str:
+    "A module's dotted name inside the package: 'data.chat', 'train.__main__', 'cli'."
+    return '.'.join(path.relative_to(PKG).with_suffix('').parts)
+
+
+def _layer(name: str) -> int:
+    "The floor of module `name`: its subpackage's place in `LAYERS`, the top for the modules directly in dflash/."
+    first = name.split('.')[0]
+    return LAYERS.index(first) if first in LAYERS and '.' in name else len(LAYERS)
 
 
 def test_no_module_imports_another_modules_private_names():
@@ -27,7 +39,7 @@ def test_the_public_api_is_at_most_180_names():
 
 def test_model_modules_do_not_import_matplotlib():
     "Every rank imports the model and the trainer; plots import matplotlib only when they draw."
-    code = ("import sys, dflash.drafter, dflash.attention, dflash.trainer, dflash.planner; "
+    code = ("import sys, dflash.model.drafter, dflash.model.attention, dflash.train.trainer, dflash.model.planner; "
             "print('matplotlib' in sys.modules)")
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=PKG.parent)
     assert r.returncode == 0, r.stderr
@@ -51,40 +63,61 @@ def test_help_answers_in_under_3_seconds(command):
 
 
 def _notebook_of(path: Path) -> str:
-    "The notebook a module is exported from, e.g. '08a_features' (from the header nbdev writes)."
-    m = re.search(r"File to edit: \.\./nbs/(\w+)\.ipynb", path.read_text()[:800])
+    "The notebook a module is exported from, e.g. '22_data_features' (from the header nbdev writes)."
+    m = re.search(r"File to edit: (?:\.\./)+nbs/(\w+)\.ipynb", path.read_text()[:800])
     assert m, f"{path.name}: no notebook named in its header"
     return m.group(1)
 
 
 def _dflash_imports(path: Path) -> list[tuple[str, int]]:
-    "(module, line) of every import of a dflash module in `path`, at the top or inside a function."
+    "(module, line) of every import of a dflash module in `path`, at the top or inside a function, as dotted names."
+    names = {_name(p) for p in MODULES}
+    here = _name(path).split('.')[:-1]                                   # the package `path` is in
+    def known(dotted: str) -> str:                                       # `from .data import chat`: the module itself
+        return dotted if dotted in names or not dotted else known(dotted.rsplit('.', 1)[0] if '.' in dotted else '')
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             mod = node.module or ''
-            if node.level == 1: names = [mod.split('.')[0]] if mod else [a.name for a in node.names]
-            elif mod == 'dflash': names = [a.name for a in node.names]
-            elif mod.startswith('dflash.'): names = [mod.split('.')[1]]
-            else: names = []
+            if node.level: base = here[:len(here) - node.level + 1]
+            elif mod == 'dflash' or mod.startswith('dflash.'): base, mod = [], mod[len('dflash.'):] if '.' in mod else ''
+            else: continue
+            stem = '.'.join(base + ([mod] if mod else []))
+            found += [(known(f"{stem}.{a.name}" if stem else a.name), node.lineno) for a in node.names]
         elif isinstance(node, ast.Import):
-            names = [a.name.split('.')[1] for a in node.names if a.name.startswith('dflash.')]
-        else: names = []
-        found += [(n, node.lineno) for n in names]
-    return found
+            found += [(known(a.name[len('dflash.'):]), node.lineno) for a in node.names if a.name.startswith('dflash.')]
+    return [(m, line) for m, line in found if m]
 
 
 def test_every_import_points_to_an_earlier_notebook():
     "The package is one stack in notebook order: a module imports only modules of notebooks before its own."
-    order = {p.stem: _notebook_of(p) for p in MODULES if p.stem != '__init__'}
-    upward = [f"{p.stem} ({order[p.stem]}) line {line} imports {m} ({order[m]})"
-              for p in MODULES if p.stem in order for m, line in _dflash_imports(p)
-              if m in order and order[m] >= order[p.stem]]
+    order = {_name(p): _notebook_of(p) for p in MODULES if p.stem != '__init__'}
+    upward = [f"{_name(p)} ({order[_name(p)]}) line {line} imports {m} ({order[m]})"
+              for p in MODULES if _name(p) in order for m, line in _dflash_imports(p)
+              if m in order and order[m] >= order[_name(p)]]
     assert not upward, upward
 
 
+def test_imports_run_only_down_the_layers():
+    "core, model, data, decoding, train, bench: a module imports its own layer or the ones below, never above."
+    upward = [f"{_name(p)} line {line} imports {m}" for p in MODULES for m, line in _dflash_imports(p)
+              if _layer(m) > _layer(_name(p))]
+    assert not upward, upward
+    assert all(_layer(_name(p)) < len(LAYERS) for p in MODULES if p.parent != PKG)       # every subpackage is a layer
+
+
+def test_only_thin_entries_lie_directly_in_the_package():
+    "Beside the layers: the package's init, nbdev's index, the dispatcher, and command entries of at most 40 lines."
+    loose = {p.name: len(p.read_text().splitlines()) for p in PKG.glob("*.py")}
+    assert set(loose) - {'__init__.py', '_modidx.py', 'cli.py'} == {'plan.py', 'regenerate.py', 'speculate.py', 'toy.py'}
+    long = {n: k for n, k in loose.items() if n != '_modidx.py' and k > 40}
+    assert not long, long
+    for pkg in ('data', 'train', 'bench'):                           # `python -m dflash.X` runs the package's __main__
+        assert len((PKG / pkg / '__main__.py').read_text().splitlines()) <= 40
+
+
 def test_the_import_graph_has_no_cycle():
-    graph = {p.stem: {m for m, _ in _dflash_imports(p) if m != p.stem} for p in MODULES}
+    graph = {_name(p): {m for m, _ in _dflash_imports(p) if m != _name(p)} for p in MODULES}
     done, path = set(), []
     def visit(m):
         assert m not in path, f"import cycle: {' -> '.join(path[path.index(m):] + [m])}"
@@ -117,12 +150,12 @@ def test_dflash_command_help_is_the_modules_help(command):
 def test_notebooks_import_only_earlier_notebooks():
     "A notebook reads top to bottom after the ones before it: no cell, exported or not, imports a later notebook."
     import json
-    order = {p.stem: _notebook_of(p) for p in MODULES if p.stem != '__init__'}
+    order = {_name(p): _notebook_of(p) for p in MODULES if p.stem != '__init__'}
     later = []
     for nb in sorted((PKG.parent / 'nbs').glob('[0-9]*.ipynb')):
         for cell in json.loads(nb.read_text())['cells']:
             code = ''.join(cell['source'])
-            for m in re.finditer(r'(?:from dflash\.(\w+) import|import dflash\.(\w+))', code):
+            for m in re.finditer(r'(?:from dflash\.([\w.]+) import|import dflash\.([\w.]+))', code):
                 mod = m.group(1) or m.group(2)
                 if mod in order and order[mod] > nb.stem: later.append(f"{nb.stem} imports {mod} ({order[mod]})")
     assert not later, later

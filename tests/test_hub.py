@@ -4,12 +4,12 @@ from pathlib import Path
 import numpy as np
 import pytest, torch
 from conftest import override
-from dflash.files import resolve_local, toy_target_dir, toy_data_dir, assets_dir
-from dflash.harness import launch_commands
-from dflash.features import TargetFeatures, CacheDataset
-from dflash.chat import load_chat_data
-from dflash.data import main
-from dflash.drafter import DFlashDrafter
+from dflash.core.files import resolve_local, toy_target_dir, toy_data_dir, assets_dir
+from dflash.bench.harness import launch_commands
+from dflash.data.features import TargetFeatures, CacheDataset
+from dflash.data.chat import load_chat_data
+from dflash.data.command import main
+from dflash.model.drafter import DFlashDrafter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,7 +91,7 @@ def test_missing_id_fails_fast_and_names_where_it_looked(hub, name):
 
 def test_missing_id_cli_fails_fast(hub, tmp_path):
     "The whole command, as a process: a named error in under 5 s of its own run (imports excluded), exit code 2."
-    code = ("import time, sys; from dflash.data import main; t0 = time.perf_counter()\n"
+    code = ("import time, sys; from dflash.data.command import main; t0 = time.perf_counter()\n"
             "try: main(['cache', '--target', 'acme/not-there', '--data', 'acme/chats', '--out', 'x'])\n"
             "except SystemExit as e: print(f'{time.perf_counter() - t0:.3f}', e.code)")
     env = {**os.environ, 'PYTHONPATH': str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', '')}

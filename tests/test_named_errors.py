@@ -6,12 +6,12 @@ a data file without records, and a missing data file taken for a hub id."""
 import json, os, shutil, subprocess, sys
 from dataclasses import replace
 import pytest
-from dflash.config import DrafterConfig
-from dflash.drafter import DFlashDrafter
-from dflash.files import assets_dir, toy_data_dir, toy_target_dir
+from dflash.model.config import DrafterConfig
+from dflash.model.drafter import DFlashDrafter
+from dflash.core.files import assets_dir, toy_data_dir, toy_target_dir
 from dflash.plan import main as plan_main
-from dflash.speculate import main as speculate_main
-from dflash.data import main as data_main
+from dflash.decoding.speculate import main as speculate_main
+from dflash.data.command import main as data_main
 from conftest import CHATML_GENERATION, refused, train_cli, tree
 
 
@@ -167,8 +167,8 @@ def test_tool_calls_under_a_generation_template(tmp_path, capsys, monkeypatch, t
     argv = ['tokenize', '--target', str(toy_target_dir()), '--data', str(data), '--chat-template',
             str(tmp_path / 'chat.jinja')]
     if template == 'writes-tool-calls':
-        from dflash.chat import load_chat_data
-        from dflash.templates import load_tokenizer
+        from dflash.data.chat import load_chat_data
+        from dflash.data.templates import load_tokenizer
         tok = load_tokenizer(toy_target_dir(), chat_template=tmp_path / 'chat.jinja')
         s = load_chat_data(data, tok, cache_dir=tmp_path / 'hf')[0]
         assert tok.decode(s['input_ids'][s['loss_mask']]) == ('<tool_call>\n{"name": "get_weather", "arguments": '

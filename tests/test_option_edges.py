@@ -4,13 +4,13 @@ any model loads, and nothing is written; and one dtype vocabulary, both spelling
 in-process."""
 from pathlib import Path
 import pytest
-from dflash.files import assets_dir, toy_data_dir, toy_target_dir
-from dflash.data import main as data_main
-from dflash.regenerate import main as regenerate_main
-from dflash.speculate import main as speculate_main
-from dflash.train import main as train_main, parse_config
-from dflash.options import OptionParser, parse_options
-from dflash.schema import (DTYPES, AttentionBench, CacheOptions, PlanOptions, RegenConfig, ScalingBench, SpeculateOptions,
+from dflash.core.files import assets_dir, toy_data_dir, toy_target_dir
+from dflash.data.command import main as data_main
+from dflash.data.regenerate import main as regenerate_main
+from dflash.decoding.speculate import main as speculate_main
+from dflash.train.command import main as train_main, parse_config
+from dflash.core.options import OptionParser, parse_options
+from dflash.core.schema import (DTYPES, AttentionBench, CacheOptions, PlanOptions, RegenConfig, ScalingBench, SpeculateOptions,
                            StepBench, SynthConfig)
 from conftest import refused
 
@@ -110,6 +110,6 @@ def test_every_dtype_option_takes_both_spellings(cls):
 
 def test_a_regeneration_records_its_dtype_by_torchs_name(tmp_path):
     "An index written with `--dtype bf16` is continued by `--dtype bfloat16`: the header says `bfloat16` for both."
-    from dflash.regenerate import run_header
+    from dflash.data.regenerate import run_header
     h = [run_header(RegenConfig(data=EVAL, out=str(tmp_path / 'o.jsonl'), dtype=d)) for d in ('bf16', 'bfloat16')]
     assert h[0] == h[1] and h[0]['options']['dtype'] == 'bfloat16'

@@ -29,7 +29,7 @@ def test_unknown_name_is_refused_with_the_shipped_names(tmp_path):
 def test_readme_fits_table_is_current():
     """The README's rows at S = 3072, for every shipped target, are what the planner says now. (Its rows at S = 8192
     run the same code at another length and cost twice the time; `--fits-table` rewrites them all.)"""
-    from dflash.planner import fits_table
+    from dflash.model.planner import fits_table
     text = README.read_text()
     start, end = '<!-- fits-table: written by python -m dflash.plan --fits-table README.md -->', '<!-- /fits-table -->'
     lines = text[text.index(start) + len(start):text.index(end)].strip().splitlines()

@@ -3,8 +3,8 @@ On the toy target, whose speed is the point here; its figures mean nothing, its 
 import csv, json, os, subprocess, sys
 import torch
 from conftest import train_cli
-from dflash.drafter import DFlashDrafter
-from dflash.files import toy_data_dir, toy_target_dir
+from dflash.model.drafter import DFlashDrafter
+from dflash.core.files import toy_data_dir, toy_target_dir
 
 ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
 
@@ -110,7 +110,7 @@ def test_bad_options_are_named_before_anything_runs(tmp_path):
 def test_a_drafter_is_measured_as_it_is(tmp_path):
     """`--drafter` measures a drafter with nothing trained: the report says so, the levers that only decode run, and no
     drafter/ is written (the one measured is where it was). With --run, or with a lever that trains, it is refused."""
-    from dflash.files import assets_dir
+    from dflash.core.files import assets_dir
     out, toy_drafter = tmp_path / 'out', assets_dir() / 'toy-drafter'
     cmd = [sys.executable, '-m', 'dflash.bench', 'real', '--target', toy_target_dir(), '--drafter', toy_drafter,
            '--prompts', toy_data_dir() / 'eval.jsonl', '--num-prompts', '2', '--max-new-tokens', '8', '--temperatures',

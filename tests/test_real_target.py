@@ -5,12 +5,12 @@ import json
 from pathlib import Path
 import pytest, torch
 from conftest import train_cli
-from dflash.real_bench import smollm2_gguf
-from dflash.drafter import DFlashDrafter
-from dflash.features import TargetFeatures, check_target_dir, target_identity
-from dflash.files import target_problems
-from dflash.harness import launch_train
-from dflash.assembly import frozen_head_weights
+from dflash.bench.real import smollm2_gguf
+from dflash.model.drafter import DFlashDrafter
+from dflash.data.features import TargetFeatures, check_target_dir, target_identity
+from dflash.core.files import target_problems
+from dflash.bench.harness import launch_train
+from dflash.train.assembly import frozen_head_weights
 
 TINY = ['--num-layers', '1', '--num-anchors', '8', '--max-length', '128', '--batch-size', '2', '--max-steps', '1',
         '--spec-eval-prompts', '0', '--progress-bar', 'false', '--report-to', 'none']

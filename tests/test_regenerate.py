@@ -2,12 +2,12 @@
 prompts without replies answered, replies cut at the token limit marked (and their false end of turn unsupervised)."""
 import json, os, signal, socket, subprocess, sys, time
 import pytest, torch
-from dflash.regenerate import (TransformersEngine, index_path, load_conversations, regenerate, regenerate_batch,
+from dflash.data.regenerate import (TransformersEngine, index_path, load_conversations, regenerate, regenerate_batch,
                                vllm_unavailable)
-from dflash.schema import RegenConfig
-from dflash.templates import end_of_turn_ids, prompt_ids
-from dflash.toy import load_toy_target
-from dflash.files import toy_data_dir
+from dflash.core.schema import RegenConfig
+from dflash.data.templates import end_of_turn_ids, prompt_ids
+from dflash.data.toy import load_toy_target
+from dflash.core.files import toy_data_dir
 
 ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1'}
 
@@ -177,7 +177,7 @@ def test_rerun_with_other_options_is_refused(small_data, tmp_path):
 
 def test_second_regeneration_into_one_out_is_refused(small_data, tmp_path, capsys):
     "A regeneration holds `OUT.lock` while it writes: another one into the same --out is refused, naming the holder."
-    from dflash.regenerate import main
+    from dflash.data.regenerate import main
     out, lock = tmp_path / 'o.jsonl', tmp_path / 'o.jsonl.lock'
     argv = ['--data', str(small_data), '--out', str(out), '--batch-size', '12', '--max-new-tokens', '4', '--no-progress']
     holder = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
@@ -200,8 +200,8 @@ def test_second_regeneration_into_one_out_is_refused(small_data, tmp_path, capsy
 @pytest.mark.parametrize('after', [1, 4])
 def test_signal_stops_after_the_batch_in_progress(small_data, tmp_path, monkeypatch, signum, after):
     "A real signal while batch `after` is appended: that batch is finished and indexed, then regeneration stops."
-    import dflash.regenerate as R
-    from dflash.stops import Preempted, StopRequest
+    import dflash.data.regenerate as R
+    from dflash.core.stops import Preempted, StopRequest
     kw = dict(data=str(small_data), batch_size=2, max_new_tokens=16, progress=False)
     regenerate(RegenConfig(out=str(tmp_path / 'full.jsonl'), **kw))
     real, calls, sent = R.append_batch, [], []
@@ -283,8 +283,8 @@ def test_regenerate_answers_prompt_only_records(regenerated):
 
 def test_truncated_reply_end_of_turn_is_not_in_the_loss_mask(regenerated, smollm2):
     "A truncated reply's tokens are supervised and the <|im_end|> the template appends after it is not; a finished one's is."
-    from dflash.chat import to_messages
-    from dflash.templates import load_tokenizer, tokenize_chat
+    from dflash.data.chat import to_messages
+    from dflash.data.templates import load_tokenizer, tokenize_chat
     tok = load_tokenizer(smollm2)
     eot = tok.convert_tokens_to_ids('<|im_end|>')
     _, recs = regenerated

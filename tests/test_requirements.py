@@ -13,7 +13,7 @@ def _name(req: str) -> str: return re.split(r'[<>=!~;\[ ]', req.strip(), maxspli
 def imported_packages() -> set[str]:
     "Top-level names the modules of `dflash/` import, without the standard library and the package itself."
     names = set()
-    for f in (ROOT / 'dflash').glob('*.py'):
+    for f in (ROOT / 'dflash').rglob('*.py'):
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Import): names |= {a.name.split('.')[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0: names.add(node.module.split('.')[0])

@@ -8,8 +8,8 @@ import csv, json, shutil
 from pathlib import Path
 import pytest, torch
 from safetensors.torch import load_file, save_file
-from dflash.files import toy_target_dir, toy_data_dir
-from dflash.train import main as train_main
+from dflash.core.files import toy_target_dir, toy_data_dir
+from dflash.train.command import main as train_main
 import conftest
 from conftest import refused, tree, train_cli
 
@@ -162,9 +162,9 @@ def test_run_with_no_finite_step_fails_and_exports_nothing(tmp_path, capsys, fin
 
 def test_cache_samples_are_cut_to_max_length(tmp_path, capsys, finished):
     "A cache written with --max-length 512 read by a run planned for 64 tokens: the run's samples are cut to 64."
-    from dflash.data import main as data_main
-    from dflash.schema import TrainConfig
-    from dflash.trainer import Trainer
+    from dflash.data.command import main as data_main
+    from dflash.core.schema import TrainConfig
+    from dflash.train.trainer import Trainer
     data_main(['cache', '--target', str(toy_target_dir()), '--data', str(finished.parent / 'train.jsonl'), '--out',
                str(tmp_path / 'cache'), '--max-length', '512', '--num-draft-layers', '2', '--no-progress'])
     cached = json.loads((tmp_path / 'cache' / 'manifest.json').read_text())
@@ -203,7 +203,7 @@ def test_read_only_checkpoints_are_named_and_leave_nothing_partial(tmp_path, fin
 
 def test_speculate_checks_its_out_before_it_evaluates(tmp_path):
     "A read-only --out is refused with the options, before the models load, not after minutes of decoding."
-    from dflash.files import assets_dir
+    from dflash.core.files import assets_dir
     ro = tmp_path / 'ro'
     ro.mkdir()
     ro.chmod(0o555)

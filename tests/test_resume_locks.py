@@ -10,12 +10,12 @@ import csv, json, shutil, subprocess, sys
 from contextlib import contextmanager
 from pathlib import Path
 import pytest
-from dflash.files import assets_dir, toy_data_dir, toy_target_dir
-from dflash.train import main as train_main, parse_config
-from dflash.data import main as data_main
-from dflash.speculate import main as speculate_main
-from dflash.bench import COMMANDS as BENCHES, main as bench_main
-from dflash.options import parse_subcommand
+from dflash.core.files import assets_dir, toy_data_dir, toy_target_dir
+from dflash.train.command import main as train_main, parse_config
+from dflash.data.command import main as data_main
+from dflash.decoding.speculate import main as speculate_main
+from dflash.bench.command import COMMANDS as BENCHES, main as bench_main
+from dflash.core.options import parse_subcommand
 from conftest import refused, tree
 from test_resume import RUN, _copy, losses
 
@@ -90,7 +90,7 @@ def test_fewer_steps_than_a_finished_run_are_refused(tmp_path, capsys, finished)
 
 
 # --- an output another process is still writing ----------------------------------------------------------------------
-HOLD = ("import sys; from dflash.locks import take_lock, release_lock; take_lock(sys.argv[1], sys.argv[2]); "
+HOLD = ("import sys; from dflash.core.locks import take_lock, release_lock; take_lock(sys.argv[1], sys.argv[2]); "
         "print('held', flush=True); sys.stdin.read(); release_lock(sys.argv[1])")
 
 

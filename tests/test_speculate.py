@@ -1,17 +1,17 @@
 "Speculative decoding with the trained toy drafter: lossless, and its tau agrees with the training-time estimate."
 import csv, json, os, signal, subprocess, sys, time
 import pytest, torch
-from dflash.config import DrafterConfig
-from dflash.drafter import DFlashDrafter
-from dflash.layout import BlockLayout
-from dflash.objective import dflash_objective
-from dflash.chat import ChatDataset
-from dflash.chat import collate
-from dflash.features import TargetFeatures
-from dflash.decoding import eval_prompts, speculative_generate, greedy_generate, acceptance_eval
-from dflash.speculate import main as speculate_main
-from dflash.toy import load_toy_target
-from dflash.files import assets_dir, toy_data_dir, toy_target_dir
+from dflash.model.config import DrafterConfig
+from dflash.model.drafter import DFlashDrafter
+from dflash.model.layout import BlockLayout
+from dflash.model.objective import dflash_objective
+from dflash.data.chat import ChatDataset
+from dflash.data.chat import collate
+from dflash.data.features import TargetFeatures
+from dflash.decoding.loop import eval_prompts, speculative_generate, greedy_generate, acceptance_eval
+from dflash.decoding.speculate import main as speculate_main
+from dflash.data.toy import load_toy_target
+from dflash.core.files import assets_dir, toy_data_dir, toy_target_dir
 from conftest import refused
 
 ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
@@ -113,7 +113,7 @@ def test_command_line(tmp_path):
 @pytest.fixture
 def logged_calls(monkeypatch):
     "The decoders `acceptance_eval` calls, in the order it calls them."
-    import dflash.decoding as S
+    import dflash.decoding.loop as S
     calls = []
     for name, label in [('speculative_generate', 'speculative'), ('greedy_generate', 'plain'),
                         ('sample_generate', 'plain'), ('lookup_generate', 'lookup')]:
@@ -139,7 +139,7 @@ def test_each_prompt_is_decoded_by_every_method_in_turn(toy, logged_calls):
 
 def test_same_output_check_names_the_prompts_that_differ(toy, monkeypatch):
     "A plain decoder that gets prompts 1 and 3 wrong: two mismatches, listed, for speculative and prompt lookup alike."
-    import dflash.decoding as S
+    import dflash.decoding.loop as S
     target, tok, drafter = toy
     prompts = eval_prompts(toy_data_dir() / 'eval.jsonl', tok, 4)
     right, calls = S.greedy_generate, []
@@ -250,7 +250,7 @@ def test_tied_embeddings_smollm2_greedy_is_exact(smollm2, tmp_path):
 
 def test_histogram_keeps_its_labels():
     "The acceptance plot's x label lies inside the saved figure (it was cut off before)."
-    from dflash.decoding import plot_acceptance
+    from dflash.decoding.loop import plot_acceptance
     ax = plot_acceptance([5, 3, 2, 1], title='tau = 1.82')
     fig = ax.figure
     fig.canvas.draw()
@@ -272,7 +272,7 @@ def test_help_answers_before_torch_loads(module):
 def test_a_draft_vocabulary_drafts_through_d2t_and_stays_lossless(toy, tmp_path):
     "The toy drafter over the quarter of the vocabulary most often supervised: exported, reloaded, still lossless."
     from dataclasses import replace
-    from dflash.objective import draft_vocab, token_counts
+    from dflash.model.objective import draft_vocab, token_counts
     target, tok, drafter = toy
     V = drafter.config.vocab_size
     ids = draft_vocab(token_counts([ChatDataset.from_jsonl(toy_data_dir() / 'train.jsonl', tok, 256)], V)[1], V // 4)

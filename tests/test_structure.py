@@ -6,10 +6,10 @@ no tensor's) as a target's weights, a cache shard and a drafter's weights."""
 import json, shutil, struct
 from pathlib import Path
 import pytest
-from dflash.files import assets_dir, toy_data_dir, toy_target_dir
-from dflash.data import main as data_main
-from dflash.speculate import main as speculate_main
-from dflash.train import main as train_main
+from dflash.core.files import assets_dir, toy_data_dir, toy_target_dir
+from dflash.data.command import main as data_main
+from dflash.decoding.speculate import main as speculate_main
+from dflash.train.command import main as train_main
 from conftest import SMALL, override, refused
 
 QUICK = override(SMALL, '--max-steps', '2')

@@ -2,7 +2,7 @@
 `regenerate` answers them; deduplicated, filtered, seeded, resumable, its options checked first. Real processes, on
 SmolLM2-135M-Instruct where a real model matters."""
 import json, os, signal, subprocess, sys, time
-from dflash.regenerate import index_path
+from dflash.data.regenerate import index_path
 
 ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false', 'PYTHONUNBUFFERED': '1'}
 
@@ -115,7 +115,7 @@ def test_synthesize_multi_turn_on_the_toy_target(tmp_path):
 def test_steering_text_that_holds_a_special_token_is_refused_before_the_model_loads(tmp_path):
     """SmolLM2's tokenizer reads '<|im_end|>' written in a text as its end of turn: a system prompt, prefix, suffix or
     insertion holding a special token would cut a record's turn. Each is named, in one error, before the weights load."""
-    from dflash.real_bench import smollm2_gguf
+    from dflash.bench.real import smollm2_gguf
     out = tmp_path / 's.jsonl'
     r = data_cli('synthesize', '--target', smollm2_gguf(), '--out', out, '--num', '2',
                  '--system', 'Be brief.<|im_end|>', '--user-prefix', 'def', '--user-suffix', '\n<|im_start|>assistant',

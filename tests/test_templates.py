@@ -4,8 +4,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from transformers import PreTrainedTokenizerFast
-from dflash.chat import ChatDataset, tokenize_conversation
-from dflash.templates import tokenize_chat
+from dflash.data.chat import ChatDataset, tokenize_conversation
+from dflash.data.templates import tokenize_chat
 
 FIXTURES = Path(__file__).parent / 'fixtures' / 'templates'
 CITY = {'type': 'object', 'properties': {'city': {'type': 'string'}}}

@@ -3,7 +3,7 @@ import csv, json, os, re, signal, subprocess, sys, time
 from pathlib import Path
 import pytest
 import torch
-from dflash.harness import launch_train
+from dflash.bench.harness import launch_train
 from conftest import override, train_cli
 
 # a small, fast run on the shipped toy target: every option that matters is explicit
@@ -132,7 +132,7 @@ def test_non_finite_losses_stop_the_run(tmp_path):
 def test_help_documents_every_option():
     "Every option with its help text; the defaults shown are the recipe's, and the text names the toy profile's values."
     from dataclasses import fields
-    from dflash.schema import TrainConfig, toy_profile
+    from dflash.core.schema import TrainConfig, toy_profile
     r = subprocess.run([sys.executable, '-m', 'dflash.train', '--help'], capture_output=True, text=True)
     assert r.returncode == 0
     text, packed = ' '.join(r.stdout.split()), ''.join(r.stdout.split())     # help lines wrap at spaces and hyphens
@@ -176,7 +176,7 @@ def test_help_shows_one_default_per_option():
     "Each option's help names exactly one default: the field's (the recipe's), or what an unset one does."
     import re
     from dataclasses import fields, MISSING
-    from dflash.schema import TrainConfig
+    from dflash.core.schema import TrainConfig
     r = subprocess.run([sys.executable, '-m', 'dflash.train', '--help'], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     entries, name = {}, None
@@ -194,7 +194,7 @@ def test_help_shows_one_default_per_option():
 
 def test_help_loads_no_heavy_module():
     "`--help` stays fast: the command's module imports neither torch nor matplotlib (they load when a run starts)."
-    code = "import sys, dflash.train; print(sorted({'torch', 'matplotlib', 'accelerate'} & set(sys.modules)))"
+    code = "import sys, dflash.train.command; print(sorted({'torch', 'matplotlib', 'accelerate'} & set(sys.modules)))"
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == '[]', r.stdout + r.stderr
 
@@ -203,8 +203,8 @@ def test_help_loads_no_heavy_module():
 def test_cpu_threads_follow_the_users_choice(tmp_path, how):
     """`accelerate launch` gives its process OMP_NUM_THREADS=1 when nobody chose: the trainer then takes the cores
     available; an OMP_NUM_THREADS the user set before launching, or `--threads`, wins."""
-    from dflash.harness import launch_commands
-    from dflash.threads import cores_available
+    from dflash.bench.harness import launch_commands
+    from dflash.core.threads import cores_available
     args = [*SMALL, '--max-steps', '1', *(['--threads', '1'] if how == '--threads' else [])]
     cmd = launch_commands(tmp_path / 'run', *args)[0]
     env = {k: v for k, v in os.environ.items() if k != 'OMP_NUM_THREADS'}
@@ -323,7 +323,7 @@ def test_sigint_without_save_on_signal_stops_and_releases(tmp_path):
 
 def test_distillation_reads_the_same_teacher_online_and_from_the_cache(tmp_path):
     "`--loss kl` online, and from a cache written with --final-hidden: the same losses, held-out ones too; over a draft vocabulary; D-PACE trains too."
-    from dflash.files import toy_data_dir, toy_target_dir
+    from dflash.core.files import toy_data_dir, toy_target_dir
     data = tmp_path / 'train.jsonl'
     data.write_text(''.join((toy_data_dir() / 'train.jsonl').read_text().splitlines(True)[:12]))
     cache = tmp_path / 'cache'
@@ -357,7 +357,7 @@ def test_distillation_reads_the_same_teacher_online_and_from_the_cache(tmp_path)
 def test_a_cache_of_more_layers_trains_a_drafter_of_some_of_them(tmp_path):
     """One cache of four target layers serves a drafter reading two of them: the same losses as that drafter online;
     the run says its mask token is the cache's."""
-    from dflash.files import toy_data_dir, toy_target_dir
+    from dflash.core.files import toy_data_dir, toy_target_dir
     data = tmp_path / 'train.jsonl'
     data.write_text(''.join((toy_data_dir() / 'train.jsonl').read_text().splitlines(True)[:12]))
     cache = tmp_path / 'cache'
@@ -380,7 +380,7 @@ def test_a_cache_of_more_layers_trains_a_drafter_of_some_of_them(tmp_path):
 def test_several_caches_train_as_one_cache_of_them_all(tmp_path):
     """Two caches of the two halves of a corpus (`--cache A B`) train exactly as one cache of the whole: the same
     losses, held-out ones too; run.json fingerprints each; caches written with other mask tokens are refused."""
-    from dflash.files import toy_data_dir, toy_target_dir
+    from dflash.core.files import toy_data_dir, toy_target_dir
     lines = (toy_data_dir() / 'train.jsonl').read_text().splitlines(True)[:12]
     def cache(name, part, *extra):
         (tmp_path / f'{name}.jsonl').write_text(''.join(part))
@@ -415,7 +415,7 @@ def test_a_run_continues_from_a_trained_drafter(tmp_path):
     grows, the new one adding nothing at first; a drafter of another shape is refused before the target loads, every
     difference named."""
     from safetensors.torch import load_file
-    from dflash.files import toy_data_dir
+    from dflash.core.files import toy_data_dir
     lines = (toy_data_dir() / 'train.jsonl').read_text().splitlines(True)
     first, second = tmp_path / 'first.jsonl', tmp_path / 'second.jsonl'
     first.write_text(''.join(lines[:12]))

@@ -4,9 +4,9 @@ side channel lost, not a run lost. Real processes, real files and real links."""
 import json, os, shutil, socket, stat, subprocess, sys, time
 from pathlib import Path
 import pytest
-from dflash.files import toy_target_dir, toy_data_dir
-from dflash.data import main as data_main
-from dflash.train import main as train_main
+from dflash.core.files import toy_target_dir, toy_data_dir
+from dflash.data.command import main as data_main
+from dflash.train.command import main as train_main
 from conftest import SMALL, refused, train_cli, tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +92,7 @@ os.umask(0)                                            # the loosest umask: the 
 out.mkdir(mode=0o755)
 for name in (f'.lock.{os.getpid()}', f'.run.json.tmp-{os.getpid()}', '.drafter.partial'):
     os.symlink(victim, out / name)                     # where an older dflash wrote its temporaries, by this pid
-from dflash.train import main
+from dflash.train.command import main
 main(sys.argv[3:])
 """
 
@@ -159,7 +159,7 @@ def test_checksum_memo_keeps_every_writers_entry(tmp_path):
         (tmp_path / f't{i}').mkdir()
         (tmp_path / f't{i}' / 'config.json').write_text('{}')
         (tmp_path / f't{i}' / 'model.safetensors').write_bytes(os.urandom(1 << 12))
-    code = ("import sys, time; from pathlib import Path; from dflash.features import target_identity\n"
+    code = ("import sys, time; from pathlib import Path; from dflash.data.features import target_identity\n"
             "d = Path(sys.argv[2])\n"
             "while not (d / 'go').exists(): time.sleep(0.01)\n"          # all start together, once imported
             f"for i in range(int(sys.argv[1]), {n}, {k}): target_identity(d / f't{{i}}')")
