@@ -199,8 +199,8 @@ def test_prompt_only_records(toy, tmp_path):
 
 
 @pytest.mark.parametrize('lines,expect', [
-    ([], 'nothing to prompt with (0 records;'),
-    ([{'messages': [{'role': 'assistant', 'content': 'hello'}]}] * 2, 'nothing to prompt with (2 records;'),
+    ([], 'nothing to prompt with (0 records, none with a user turn;'),
+    ([{'messages': [{'role': 'assistant', 'content': 'hello'}]}] * 2, 'nothing to prompt with (2 records, none with a user turn;'),
     (['{"messages": [{"role": "us'], ':1: malformed JSON line'),
     ([{'text': 'the cat'}], ":1: no 'messages' or 'conversations' key")], ids=['empty', 'no-prompt', 'torn', 'no-chat'])
 def test_data_without_a_prompt_is_named(tmp_path, capsys, lines, expect):
@@ -318,3 +318,27 @@ def test_copies_from_the_context_keep_smollm2_greedy(smollm2, tmp_path):
     assert 0 < x['copied'] < x['steps'], x
     rows = list(csv.DictReader((tmp_path / 'o' / 'prompts.csv').read_text().splitlines()))
     assert sum(int(row['copied']) for row in rows) == x['copied']
+
+
+def test_mt_bench_second_turn_by_category(tmp_path, capsys):
+    """MT-Bench's questions (`turns` and `category`): --turn 2 asks the second question after the target's own greedy
+    answer to the first, and the report, acceptance.json and prompts.csv give each category apart; a question with no
+    second turn is passed over."""
+    qs = [{'question_id': 81, 'category': 'writing', 'turns': ['the red cat', 'and the dog']},
+          {'question_id': 91, 'category': 'math', 'turns': ['the blue house', 'and the river']},
+          {'question_id': 92, 'category': 'math', 'turns': ['a tree']},
+          {'question_id': 101, 'category': 'writing', 'turns': ['the green bird', 'why']}]
+    data, out = tmp_path / 'question.jsonl', tmp_path / 'out'
+    data.write_text(''.join(json.dumps(q) + '\n' for q in qs))
+    r = speculate_main(['--target', str(toy_target_dir()), '--drafter', str(assets_dir() / 'toy-drafter'),
+                        '--data', str(data), '--turn', '2', '--max-new-tokens', '12', '--temperature', '0',
+                        '--threads', '1', '--no-progress', '--out', str(out)])
+    said = capsys.readouterr().out
+    run = r['runs'][0]
+    assert (r['turn'], r['prompts'], run['same_output']) == (2, 3, 3), r
+    assert {c: x['prompts'] for c, x in run['categories'].items()} == {'writing': 2, 'math': 1}, run['categories']
+    assert sum(x['tokens'] for x in run['categories'].values()) == run['tokens']
+    assert json.loads((out / 'acceptance.json').read_text())['runs'][0]['categories'].keys() == {'writing', 'math'}
+    assert [x['category'] for x in read_rows(out)] == ['writing', 'math', 'writing']
+    assert "user turn 2: an answer a record lacks before it is the target's own, greedy" in said, said
+    assert 'category' in said and '\n  writing ' in said and '\n  math ' in said, said

@@ -293,8 +293,12 @@ class SpeculateOptions:
                                       'cache only); required')
     drafter: str | None = option(None, 'drafter (config.json + model.safetensors): a local directory or a hub id '
                                        '(local cache only); required')
-    data: str | None = option(None, "chat JSONL; a prompt is a record's turns before its first assistant turn, or all "
-                                    'the turns of a record without one; required', path='file')
+    data: str | None = option(None, "chat JSONL (messages, conversations, or MT-Bench's questions: 'turns', a list of "
+                                    "strings, and a 'category'); a prompt is a record's turns up to the answer to its "
+                                    '--turn-th user turn; required', path='file')
+    turn: int = option(1, "the user turn to answer: 1, the first; 2, after the record's own first answer, or the "
+                          "target's own greedy one where a record has questions only; a record with fewer is skipped",
+                       ge=1)
     max_new_tokens: int = option(128, 'tokens to generate per prompt', ge=1)
     block_size: int | None = option(None, "block size (default: the drafter's)", ge=2)
     num_prompts: int = option(32, 'prompts to evaluate', ge=1)
@@ -318,6 +322,9 @@ class SpeculateOptions:
                                           'drafts when there are more of them than --draft-confidence keeps (0: the '
                                           f'drafter alone; default: {CPU_COPY_NGRAM} on a CPU, 0 on a GPU, where the '
                                           'whole block is verified)', ge=0)
+    pace: bool = option(True, "a plain step wherever drafting does not pay, on the decoder's own clock (a drafting "
+                              "step's tokens per second against a plain step's), drafting again later to see; the "
+                              'tokens do not change (--no-pace: draft every step)')
     progress: bool = option(True, 'print a running total after every prompt: tau, tokens/s and speedups so far '
                                   '(--no-progress: none)')
     threads: int | None = threads_option()

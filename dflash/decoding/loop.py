@@ -23,7 +23,7 @@ from ..data.features import target_features
 
 # %% auto #0
 __all__ = ['check_compatible', 'speculative_generate', 'greedy_generate', 'sample_generate', 'lookup_generate', 'eval_prompts',
-           'acceptance_eval', 'plot_acceptance', 'context_draft']
+           'prompt_categories', 'acceptance_eval', 'plot_acceptance', 'Pacer', 'context_draft']
 
 # %% ../../nbs/30_decoding_loop.ipynb #bfab8dcc
 def check_speculate(o: SpeculateOptions) -> list[str]:
@@ -38,7 +38,8 @@ def check_speculate(o: SpeculateOptions) -> list[str]:
     if o.data is not None and Path(o.data).is_file():            # a missing one: named by its own check
         from dflash.data.chat import DataError
         n = o.num_prompts if isinstance(o.num_prompts, int) and o.num_prompts >= 1 else 1
-        try: _prompt_turns(o.data, n)                              # the turns of the prompts to be run
+        turn = o.turn if isinstance(o.turn, int) and o.turn >= 1 else 1
+        try: _prompt_turns(o.data, n, turn)                        # the turns of the prompts to be run
         except DataError as e: probs.append(f"--data: {e}")
     if o.data is not None and (busy := writer_problem(o.data, '--data')): probs.append(busy)
     if o.drafter is not None: probs += drafter_problems(o.drafter)
@@ -63,22 +64,44 @@ def drafter_problems(drafter: str) -> list[str]:
     return probs
 
 # %% ../../nbs/30_decoding_loop.ipynb #78b6154e
-def _prompt_turns(path, n: int | None = None) -> list[tuple[str, list[dict]]]:
-    """(where, turns) of the first `n` prompts of a chat JSONL: a record's turns before its first assistant turn, or
-    all of a record without one; a DataError when there is none, or at a malformed record on the way."""
-    from dflash.data.chat import DataError, read_jsonl, to_messages     # torch with it: for a run about to load it
+def _record_prompt(rec: dict, where: str, turn: int) -> list[dict | None] | None:
+    """The turns of a record that prompt its `turn`-th user turn: a chat record's turns up to the assistant turn that
+    answers it; a record of questions only (`turns`: a list of strings, as MT-Bench's), its first `turn` questions
+    with None for each answer between them, which the target writes. None: the record has fewer user turns, or an
+    assistant turn before its first (an answer to nothing)."""
+    from dflash.data.chat import DataError, to_messages
+    qs = rec.get('turns') if 'messages' not in rec and 'conversations' not in rec else None
+    if qs is not None:
+        if not isinstance(qs, list) or not all(isinstance(q, str) for q in qs):
+            raise DataError(f"{where}: 'turns' must be a list of strings (the user's questions)")
+        if len(qs) < turn: return None
+        asked = [[{'role': 'user', 'content': q}, None] for q in qs[:turn]]
+        return sum(asked, [])[:-1]                                # no answer after the last question
+    msgs = to_messages(rec, where)
+    users = [i for i, m in enumerate(msgs) if m['role'] == 'user']
+    if len(users) < turn or any(m['role'] == 'assistant' for m in msgs[:users[0]]): return None   # or it opens answering
+    end = next((i for i, m in enumerate(msgs) if i > users[turn - 1] and m['role'] == 'assistant'), len(msgs))
+    return msgs[:end]
+
+def _prompt_turns(path, n: int | None = None, turn: int = 1) -> list[tuple[str, list[dict | None], str]]:
+    """(where, turns, category) of the first `n` prompts of a chat JSONL (`_record_prompt` of each record's `turn`-th
+    user turn; category: the record's `category`, or ''); a DataError when there is none, or at a malformed record
+    on the way. A record with fewer user turns is skipped."""
+    from dflash.data.chat import DataError, read_jsonl     # torch with it: for a run about to load it
     prompts, records = [], 0
     for where, rec in read_jsonl(path):
         records += 1
-        msgs = to_messages(rec, where)
-        k = next((i for i, m in enumerate(msgs) if m['role'] == 'assistant'), len(msgs))
-        if k == 0: continue                                       # opens with the assistant: nothing to answer
-        prompts.append((where, msgs[:k]))
+        turns = _record_prompt(rec, where, turn)
+        if turns is None: continue                                # no such turn: nothing to answer
+        prompts.append((where, turns, str(rec.get('category') or '')))
         if n is not None and len(prompts) == n: break
     if not prompts:
-        raise DataError(f"{path}: nothing to prompt with ({records} record{'' if records == 1 else 's'}; a prompt is "
-                        "a record's turns before its first assistant turn, or all the turns of a record without one)")
+        which = 'a user turn' if turn == 1 else f'{turn} user turns'
+        raise DataError(f"{path}: nothing to prompt with ({records} record{'' if records == 1 else 's'}, none with "
+                        f"{which}; a prompt is a record's turns up to the assistant turn that answers its user turn "
+                        f"{turn}, or its first {turn} questions of a 'turns' list)")
     return prompts
+
 
 # %% ../../nbs/30_decoding_loop.ipynb #5491609a
 def check_compatible(drafter_config: DrafterConfig, target_config, block_size: int | None = None,
@@ -140,6 +163,7 @@ class _SpecResult:
     copied: int = 0                                       # passes that verified tokens copied from the context
     draft_s: float = 0.
     verify_s: float = 0.
+    plain_steps: int = 0                                  # steps that drafted nothing (`Pacer`)
     @property
     def tau(self) -> float: return sum(self.acceptance) / max(len(self.acceptance), 1)
 
@@ -167,70 +191,89 @@ def _cache_arg(target) -> str:
 def _sync(device):
     if device.type == 'cuda': torch.cuda.synchronize(device)
 
+# %% ../../nbs/30_decoding_loop.ipynb #95756356
+def _drafts(drafter: DFlashDrafter, feats: Tensor, nxt: Tensor, embed: Tensor, lm_head: Tensor, ctx_cache, B: int,
+            temperature: float, top_p: float, generator, min_confidence: float, copy: list[int]):
+    """One block of drafts after token `nxt` (1,): (draft (1, k), q (1, k, V) the distribution each was drawn from
+    at T > 0, else None, whether it is the `copy` from the context). The drafts are cut where the drafter's
+    probability of all of them so far falls below `min_confidence`; a longer `copy` replaces them."""
+    greedy, q = temperature == 0, None
+    block = torch.cat([nxt[:, None], torch.full((1, B - 1), drafter.config.mask_token_id, device=nxt.device)], 1)
+    h = drafter.draft_block(feats, block, embed, ctx_cache)                  # (1, B, H)
+    logits = drafter.draft_logits(h[:, 1:].to(lm_head.dtype), lm_head)       # (1, B-1, V)
+    if greedy: draft = logits.argmax(-1)                                      # (1, B-1)
+    else:
+        q = _warp(logits, temperature, top_p)                                  # (1, B-1, V)
+        draft = _sample_tokens(q, generator)                                   # (1, B-1)
+    if min_confidence > 0:
+        sure = (logits.softmax(-1) if greedy else q).gather(-1, draft[..., None])[0, :, 0].cumprod(0)   # (B-1,)
+        k = max(1, int((sure >= min_confidence).sum()))                        # the drafts verified
+        draft = draft[:, :k]
+        if not greedy: q = q[:, :k]
+    if len(copy) <= draft.shape[1]: return draft, q, False
+    draft = torch.tensor([copy], device=nxt.device)                            # (1, k): the context runs further
+    if not greedy: q = F.one_hot(draft, q.shape[-1]).to(q.dtype)              # drawn from a point mass
+    return draft, q, True
+
+# %% ../../nbs/30_decoding_loop.ipynb #7c84fa05
 @torch.no_grad()
 def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, max_new_tokens: int = 128,
                          block_size: int | None = None, stop_token_ids=(), temperature: float = 0., top_p: float = 1.,
                          generator: torch.Generator | None = None, min_confidence: float = 0.,
-                         copy_ngram: int = 0) -> _SpecResult:
+                         copy_ngram: int = 0, pacer: Pacer | None = None) -> _SpecResult:
     """DFlash speculative decoding of one prompt (input_ids: (1, P)): greedy at temperature 0, else speculative
-    sampling at `temperature` and `top_p`, with random numbers from `generator`. The target verifies the drafted
-    tokens as far as the drafter's probability of all of them so far stays at least `min_confidence` (at least one;
-    0: the whole block): on a CPU each verified token costs, and the ones the drafter doubts are rarely accepted.
-    With `copy_ngram`, the tokens that followed the last `copy_ngram` tokens where they occurred before
-    (`context_draft`) are verified instead when there are more of them than the drafts kept."""
+    sampling at `temperature` and `top_p`, with random numbers from `generator`; drafts cut by `min_confidence` or
+    copied (`copy_ngram`) as `_drafts` says. With a `pacer`, a plain step wherever it says drafting does not pay."""
     cfg = drafter.config
     B = block_size or cfg.block_size
     check_compatible(cfg, target.config, B)
     greedy = temperature == 0
+    pick = lambda logits: logits.argmax(-1) if greedy else _sample_tokens(_warp(logits, temperature, top_p), generator)
     embed, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     stop, dev = set(stop_token_ids), input_ids.device
     cache, ctx_cache = DynamicCache(), ContextCache()
     out = _forward(target, input_ids, cache)
     feats = target_features(out.hidden_states, cfg.target_layer_ids)          # (1, P, L·H): positions < L
-    last = F.linear(out.last_hidden_state[:, -1], lm_head)                   # (1, V): the prompt's last row only
-    nxt = last.argmax(-1) if greedy else _sample_tokens(_warp(last, temperature, top_p), generator)   # (1,) x_L
+    nxt = pick(F.linear(out.last_hidden_state[:, -1], lm_head))               # (1,) x_L, from the last row only
     res = _SpecResult(tokens=[int(nxt)])
     seq = input_ids[0].tolist() + res.tokens                                  # the prompt and the reply so far
     while len(res.tokens) < max_new_tokens and res.tokens[-1] not in stop:
         t0 = time.perf_counter()
-        block = torch.cat([nxt[:, None], torch.full((1, B - 1), cfg.mask_token_id, device=dev)], 1)   # (1, B)
-        h = drafter.draft_block(feats, block, embed, ctx_cache)             # (1, B, H)
-        logits = drafter.draft_logits(h[:, 1:].to(lm_head.dtype), lm_head)  # (1, B-1, V)
-        if greedy: draft = logits.argmax(-1)                                 # (1, B-1)
+        if pacer is not None and not pacer.drafts():                          # a plain step
+            out = _forward(target, nxt[:, None], cache)
+            nxt = pick(F.linear(out.last_hidden_state[:, -1], lm_head))
+            feats = torch.cat([feats, target_features(out.hidden_states, cfg.target_layer_ids)], 1)   # for the next draft
+            _sync(dev)
+            pacer.plain(time.perf_counter() - t0)
+            res.plain_steps += 1
+            new, drafted = [int(nxt)], False
         else:
-            q = _warp(logits, temperature, top_p)                             # (1, B-1, V)
-            draft = _sample_tokens(q, generator)                              # (1, B-1)
-        if min_confidence > 0:
-            sure = (logits.softmax(-1) if greedy else q).gather(-1, draft[..., None])[0, :, 0].cumprod(0)   # (B-1,)
-            k = max(1, int((sure >= min_confidence).sum()))                   # the drafts verified
-            draft = draft[:, :k]
-            if not greedy: q = q[:, :k]
-        copy = context_draft(seq, copy_ngram, B - 1) if copy_ngram else []
-        if len(copy) > draft.shape[1]:                                       # the context runs further
-            draft = torch.tensor([copy], device=dev)                          # (1, k)
-            if not greedy: q = F.one_hot(draft, q.shape[-1]).to(q.dtype)     # drawn from a point mass
-            res.copied += 1
-        _sync(dev)
-        t1 = time.perf_counter()
-        out = _forward(target, torch.cat([nxt[:, None], draft], 1), cache)
-        if greedy: n, nxt = _greedy_verdict(out.last_hidden_state, lm_head, draft)
-        else:
-            logits = F.linear(out.last_hidden_state, lm_head)               # (1, B, V)
-            accepted, nxt = _verify_block(_warp(logits, temperature, top_p), q, draft, generator)
-            n = int(accepted[0])
-        _sync(dev)
-        res.draft_s += t1 - t0
-        res.verify_s += time.perf_counter() - t1
-        cache.crop(-(draft.shape[1] - n))                                    # keep positions <= L + n
-        feats = target_features(out.hidden_states, cfg.target_layer_ids)[:, :n + 1]
-        new = draft[0, :n].tolist() + [int(nxt)]
+            copy = context_draft(seq, copy_ngram, B - 1) if copy_ngram else []
+            draft, q, copied = _drafts(drafter, feats, nxt, embed, lm_head, ctx_cache, B, temperature, top_p,
+                                       generator, min_confidence, copy)
+            res.copied += copied
+            _sync(dev)
+            t1 = time.perf_counter()
+            out = _forward(target, torch.cat([nxt[:, None], draft], 1), cache)
+            if greedy: n, nxt = _greedy_verdict(out.last_hidden_state, lm_head, draft)
+            else:
+                logits = F.linear(out.last_hidden_state, lm_head)               # (1, B, V)
+                accepted, nxt = _verify_block(_warp(logits, temperature, top_p), q, draft, generator)
+                n = int(accepted[0])
+            _sync(dev)
+            res.draft_s += t1 - t0
+            res.verify_s += time.perf_counter() - t1
+            if pacer is not None: pacer.drafted(time.perf_counter() - t0, n + 1)
+            cache.crop(-(draft.shape[1] - n))                                    # keep positions <= L + n
+            feats = target_features(out.hidden_states, cfg.target_layer_ids)[:, :n + 1]
+            new, drafted = draft[0, :n].tolist() + [int(nxt)], True
+            res.verified.append(draft.shape[1])
         ends = [i for i, t in enumerate(new) if t in stop]
         new = new[:ends[0] + 1] if ends else new                             # a stop token ends generation
         new = new[:max_new_tokens - len(res.tokens)]
         res.tokens += new
         seq += new
-        res.acceptance.append(len(new))
-        res.verified.append(draft.shape[1])
+        if drafted: res.acceptance.append(len(new))
         if ends: break
     return res
 
@@ -267,16 +310,30 @@ def lookup_generate(target, input_ids: Tensor, max_new_tokens: int = 128, stop_t
     return out[0, input_ids.shape[1]:].tolist()
 
 # %% ../../nbs/30_decoding_loop.ipynb #383a0605
-def eval_prompts(path, tokenizer, n: int | None = None) -> list[Tensor]:
-    """Token ids (1, P) of the first `n` prompts of a chat JSONL (`_prompt_turns`), rendered by the tokenizer's chat
-    template with the generation prompt."""
+def eval_prompts(path, tokenizer, n: int | None = None, turn: int = 1, answer=None) -> list[Tensor]:
+    """Token ids (1, P) of the first `n` prompts of a chat JSONL (`_prompt_turns` of user turn `turn`), rendered by
+    the tokenizer's chat template with the generation prompt. An answer the record lacks (MT-Bench's second turn) is
+    the target's own: `answer(ids)` gives its tokens after the turns before it, rendered the same way."""
     from jinja2 import TemplateError
     out = []
-    for where, turns in _prompt_turns(path, n):
-        try: ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True)
+    for where, turns, _ in _prompt_turns(path, n, turn):
+        try:
+            for i, t in enumerate(turns):
+                if t is not None: continue
+                if answer is None: raise DataError(f"{where}: user turn {turn} follows answers the record lacks, and "
+                                                   "nothing writes them")
+                ids = tokenizer.apply_chat_template(turns[:i], add_generation_prompt=True, return_dict=True)
+                reply = answer(torch.tensor(ids['input_ids'])[None])
+                turns[i] = {'role': 'assistant', 'content': tokenizer.decode(reply, skip_special_tokens=True)}
+            ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True)
         except TemplateError as e: raise DataError(f"{where}: the chat template rejects it ({e})") from None
         out.append(torch.tensor(ids['input_ids'])[None])
     return out
+
+def prompt_categories(path, n: int | None = None, turn: int = 1) -> list[str]:
+    "The category of each of `eval_prompts`' prompts: the record's `category` (MT-Bench's eight), or ''."
+    return [c for _, _, c in _prompt_turns(path, n, turn)]
+
 
 # %% ../../nbs/30_decoding_loop.ipynb #d76e88d4
 def _timed(fn, device):
@@ -289,12 +346,15 @@ def _timed(fn, device):
 
 def _ratio(a: float, b: float) -> float | None: return a / b if b else None
 
-def _totals(rows: list[dict], acc: list[int], B: int, plain: bool, lookup: bool, **about) -> dict:
-    "One temperature's figures from its prompt records `rows`; `acc`: the tokens of every verify step."
+def _totals(rows: list[dict], accs: list[list[int]], B: int, plain: bool, lookup: bool, **about) -> dict:
+    """One temperature's figures from its prompt records `rows`; `accs`: each one's tokens per drafting step. Prompts
+    with a category (MT-Bench's) get the same figures per category too, under 'categories'."""
     s = lambda k: sum(r[k] for r in rows)
+    acc = sum(accs, [])
     x = {**about, 'prompts': len(rows), 'tau': sum(acc) / max(len(acc), 1), 'steps': len(acc),
-         'tokens': s('new_tokens'), 'spec_s': s('spec_s'), 'spec_cpu_s': s('spec_cpu_s'), 'draft_s': s('draft_s'),
-         'verify_s': s('verify_s'), 'verified_per_step': s('verified') / max(len(acc), 1), 'copied': s('copied'),
+         'plain_steps': s('plain_steps'), 'tokens': s('new_tokens'), 'spec_s': s('spec_s'),
+         'spec_cpu_s': s('spec_cpu_s'), 'draft_s': s('draft_s'), 'verify_s': s('verify_s'),
+         'verified_per_step': s('verified') / max(len(acc), 1), 'copied': s('copied'),
          'histogram': [acc.count(k) for k in range(1, B + 1)]}
     for name, on in (('plain', plain), ('lookup', lookup)):       # each baseline's tokens, seconds, speedup over it
         if not on: continue
@@ -309,6 +369,10 @@ def _totals(rows: list[dict], acc: list[int], B: int, plain: bool, lookup: bool,
     if lookup:
         x.update(lookup_same_output=sum(r['lookup_same_output'] for r in rows),
                  lookup_mismatches=[r['prompt'] for r in rows if not r['lookup_same_output']])
+    kinds = list(dict.fromkeys(r['category'] for r in rows if r.get('category')))   # in order of appearance
+    if kinds and 'category' not in about:
+        x['categories'] = {c: _totals(*map(list, zip(*[(r, a) for r, a in zip(rows, accs) if r['category'] == c])),
+                                      B, plain, lookup, **about, category=c) for c in kinds}
     return x
 
 def _running_line(x: dict, n: int) -> str:
@@ -324,35 +388,37 @@ def _running_line(x: dict, n: int) -> str:
     if 'same_output' in x: line += f", same output {x['same_output']}/{x['prompts']}"
     return line
 
+# %% ../../nbs/30_decoding_loop.ipynb #6600ae86
 @torch.no_grad()
 def acceptance_eval(target, drafter: DFlashDrafter, prompts: list[Tensor], *, max_new_tokens: int = 64,
                     block_size: int | None = None, stop_token_ids=(), temperature: float = 0., top_p: float = 1.,
                     seed: int = 0, baseline: bool = False, lookup_tokens: int = 0, progress: bool = False,
                     stop: StopRequest | None = None, on_prompt=None, min_confidence: float = 0.,
-                    copy_ngram: int = 0) -> dict:
+                    copy_ngram: int = 0, pace: bool = False, categories: list[str] | None = None) -> dict:
     """τ, the acceptance histogram and timings of speculative decoding over `prompts` at `temperature` (0: greedy) and
     `top_p`, drafts verified as far as `min_confidence` says, or copies from the context (`copy_ngram`) where they run
-    further (`speculative_generate`). With `baseline`, each prompt is decoded plainly right after, and at T = 0 by
+    further, a plain step where drafting does not pay with `pace` (`speculative_generate`, `Pacer`). With `baseline`, each prompt is decoded plainly right after, and at T = 0 by
     prompt lookup drafting `lookup_tokens` a step (0: not), each timed in wall and CPU seconds; `speedup` is the ratio
     of tokens per second, and at T = 0 `same_output` counts the prompts whose speculative tokens are plain greedy's.
     `on_prompt(record, totals)` follows each prompt; `progress` prints the running total; `stop`, if set before a
-    prompt, ends the evaluation."""
+    prompt, ends the evaluation. `categories`: one per prompt, each totalled apart too."""
     dev = next(target.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed)
     B, greedy = block_size or drafter.config.block_size, temperature == 0
     lookup = baseline and greedy and lookup_tokens > 0
-    rows, acc = [], []
-    total = lambda: _totals(rows, acc, B, baseline, lookup, temperature=temperature, top_p=top_p, seed=seed,
-                            min_confidence=min_confidence, copy_ngram=copy_ngram)
+    rows, accs = [], []
+    total = lambda: _totals(rows, accs, B, baseline, lookup, temperature=temperature, top_p=top_p, seed=seed,
+                            min_confidence=min_confidence, copy_ngram=copy_ngram, pace=pace)
     for i, p in enumerate(prompts):
         if stop: break                                                       # at a prompt boundary
         p = p.to(dev)
         spec, wall, cpu = _timed(lambda: speculative_generate(
             target, drafter, p, max_new_tokens=max_new_tokens, block_size=block_size, stop_token_ids=stop_token_ids,
-            temperature=temperature, top_p=top_p, generator=gen, min_confidence=min_confidence, copy_ngram=copy_ngram),
-            dev)
-        row = dict(prompt=i, temperature=temperature, new_tokens=len(spec.tokens), steps=len(spec.acceptance),
-                   tau=spec.tau, spec_s=wall, spec_cpu_s=cpu, draft_s=spec.draft_s, verify_s=spec.verify_s,
+            temperature=temperature, top_p=top_p, generator=gen, min_confidence=min_confidence, copy_ngram=copy_ngram,
+            pacer=Pacer() if pace else None), dev)
+        row = dict(prompt=i, category=categories[i] if categories else '', temperature=temperature,
+                   new_tokens=len(spec.tokens), steps=len(spec.acceptance), plain_steps=spec.plain_steps, tau=spec.tau,
+                   spec_s=wall, spec_cpu_s=cpu, draft_s=spec.draft_s, verify_s=spec.verify_s,
                    verified=sum(spec.verified), copied=spec.copied)
         if baseline:                                                         # the same prompt, right after
             plain, wall, cpu = _timed(lambda: greedy_generate(target, p, max_new_tokens, stop_token_ids) if greedy
@@ -365,7 +431,7 @@ def acceptance_eval(target, drafter: DFlashDrafter, prompts: list[Tensor], *, ma
                                                                lookup_tokens), dev)
             row.update(lookup_tokens=len(looked), lookup_s=wall, lookup_cpu_s=cpu, lookup_same_output=looked == plain)
         rows.append(row)
-        acc += spec.acceptance
+        accs.append(spec.acceptance)
         if on_prompt or progress: so_far = total()
         if on_prompt: on_prompt(row, so_far)
         if progress: print(_running_line(so_far, len(prompts)), flush=True)
@@ -379,6 +445,36 @@ def plot_acceptance(hist: list[int], ax=None, title: str = ''):
     ax.bar(range(1, len(hist) + 1), hist)
     ax.set(xlabel='tokens accepted per verify step', ylabel='steps', title=title, xticks=range(1, len(hist) + 1))
     return ax
+
+# %% ../../nbs/30_decoding_loop.ipynb #125727a4
+@dataclass
+class Pacer:
+    """Whether the next decoding step drafts: while a drafting step's tokens per second is at least a plain step's,
+    each a running mean that weighs the newest step by `weight`. It asks for a plain step until one is timed; after a
+    drafting step that does not pay, for `first_wait` plain steps, twice as many after each such step in a row (at most
+    `most_wait`), then for one drafting step to see again."""
+    weight: float = 0.3
+    first_wait: int = 4
+    most_wait: int = 64
+    plain_s: float | None = None       # a plain step's seconds
+    draft_s: float | None = None       # a drafting step's seconds: draft and verify
+    tokens: float | None = None        # a drafting step's tokens
+    wait: int = 0                      # plain steps after the last drafting step that lost
+    left: int = 0                      # plain steps before the next drafting step
+
+    def drafts(self) -> bool: return self.plain_s is not None and self.left == 0
+    def pays(self) -> bool: return self.tokens * self.plain_s >= self.draft_s
+    def _mean(self, old: float | None, new: float) -> float: return new if old is None else old + self.weight * (new - old)
+
+    def plain(self, seconds: float):
+        self.plain_s = self._mean(self.plain_s, seconds)
+        self.left = max(self.left - 1, 0)
+
+    def drafted(self, seconds: float, tokens: int):
+        self.draft_s = self._mean(self.draft_s, seconds)
+        self.tokens = self._mean(self.tokens, tokens)
+        self.wait = 0 if self.pays() else min(max(2 * self.wait, self.first_wait), self.most_wait)
+        self.left = self.wait
 
 # %% ../../nbs/30_decoding_loop.ipynb #e1268d62
 def context_draft(seq: list[int], ngram: int, k: int) -> list[int]:

@@ -37,7 +37,7 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
     are written; a target and drafter that do not fit together: one `OptionsError` naming `prog`."""
     import torch
     from transformers import AutoTokenizer
-    from dflash.decoding.loop import acceptance_eval, eval_prompts
+    from dflash.decoding.loop import acceptance_eval, eval_prompts, greedy_generate, prompt_categories
     from dflash.model.drafter import DFlashDrafter
     from dflash.data.features import load_target
     dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -56,10 +56,14 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
     _check_fit(a, drafter_cfg, tdir, tok, prog)                            # before any weights load
     target = load_target(tdir, dtype).to(dev).eval()       # a directory or a .gguf file, its weights of its config
     drafter = DFlashDrafter.from_pretrained(ddir, dtype=dtype).to(dev).eval()
-    prompts = eval_prompts(a.data, tok, a.num_prompts)
+    eos = [tok.eos_token_id]
+    if a.turn > 1: print(f"user turn {a.turn}: an answer a record lacks before it is the target's own, greedy", flush=True)
+    answer = lambda ids: greedy_generate(target, ids.to(dev), a.max_new_tokens, eos)
+    prompts = eval_prompts(a.data, tok, a.num_prompts, a.turn, answer)
+    categories = prompt_categories(a.data, a.num_prompts, a.turn)
     out = Path(a.out) if a.out else None
-    r = {'threads': threads, 'prompts': len(prompts), 'max_new_tokens': a.max_new_tokens, 'top_p': a.top_p,
-         'seed': a.seed, 'prompt_lookup_num_tokens': a.lookup_tokens, 'copy_ngram': copy,
+    r = {'threads': threads, 'prompts': len(prompts), 'turn': a.turn, 'max_new_tokens': a.max_new_tokens,
+         'top_p': a.top_p, 'seed': a.seed, 'prompt_lookup_num_tokens': a.lookup_tokens, 'copy_ngram': copy, 'pace': a.pace,
          'temperatures': list(a.temperature), 'partial': False, 'done': 0, 'total': len(prompts) * len(a.temperature),
          'runs': []}
     rows = []
@@ -69,14 +73,15 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
     lookup = f", then by prompt lookup ({a.lookup_tokens} tokens a step) at T = 0" if a.lookup_tokens else ''
     print(f"prompts {len(prompts)}, at most {a.max_new_tokens} new tokens each; top-p {a.top_p:g}, seed {a.seed}; "
           f"drafts verified while the drafter's confidence is at least {confidence:g}"
-          f"{f', or copies of what followed the last {copy} tokens before where they run further' if copy else ''}; "
+          f"{f', or copies of what followed the last {copy} tokens before where they run further' if copy else ''}"
+          f"{'; a plain step wherever drafting does not pay (--no-pace: none)' if a.pace else ''}; "
           f"each prompt decoded speculatively, then plainly{lookup}, on the same {threads} CPU thread(s)", flush=True)
     if out: out.mkdir(parents=True, exist_ok=True)
     with StopRequest() as stop:
         for t in a.temperature:
-            kw = dict(block_size=a.block_size, stop_token_ids=[tok.eos_token_id], temperature=t, top_p=a.top_p,
-                      seed=a.seed, baseline=True, lookup_tokens=a.lookup_tokens, min_confidence=confidence,
-                      copy_ngram=copy)
+            kw = dict(block_size=a.block_size, stop_token_ids=eos, temperature=t, top_p=a.top_p, seed=a.seed,
+                      baseline=True, lookup_tokens=a.lookup_tokens, min_confidence=confidence, copy_ngram=copy,
+                      pace=a.pace, categories=categories)
             acceptance_eval(target, drafter, prompts[:1], max_new_tokens=min(8, a.max_new_tokens), **kw)  # warm-up
             x = acceptance_eval(target, drafter, prompts, max_new_tokens=a.max_new_tokens, progress=a.progress,
                                 stop=stop, on_prompt=keep, **kw)
@@ -124,9 +129,21 @@ def _print_report(r: dict):
                 line += (f", prompt lookup {x['lookup_same_output']}/{x['prompts']}"
                          f"{differ(x['lookup_mismatches'])}")
             print(line)
+        if x['plain_steps']: print(f"  plain steps where drafting did not pay: {x['plain_steps']}")
+        if 'categories' in x: print(_category_table(x['categories']))
 
-_CSV_COLUMNS = ('prompt', 'temperature', 'new_tokens', 'steps', 'tau', 'spec_s', 'spec_cpu_s', 'draft_s', 'verify_s',
-                'verified', 'copied', 'plain_tokens', 'plain_s', 'plain_cpu_s', 'lookup_tokens', 'lookup_s',
+def _category_table(cats: dict) -> str:
+    "Per category: prompts, τ, speculative tokens/s, the speedups over plain decoding and prompt lookup."
+    times = lambda v: '-' if v is None else f"{v:.2f}x"
+    lines = [f"  {'category':<12} {'prompts':>7} {'tau':>5} {'tok/s':>6} {'vs plain':>8} {'vs lookup':>9} {'plain steps':>11}"]
+    for c, x in cats.items():
+        rate = x['tokens'] / x['spec_s'] if x['spec_s'] else 0.
+        lines.append(f"  {c:<12} {x['prompts']:>7} {x['tau']:>5.2f} {rate:>6.1f} {times(x.get('speedup')):>8} "
+                     f"{times(x.get('speedup_vs_lookup')):>9} {x['plain_steps']:>11}")
+    return '\n'.join(lines)
+
+_CSV_COLUMNS = ('prompt', 'category', 'temperature', 'new_tokens', 'steps', 'plain_steps', 'tau', 'spec_s', 'spec_cpu_s',
+                'draft_s', 'verify_s', 'verified', 'copied', 'plain_tokens', 'plain_s', 'plain_cpu_s', 'lookup_tokens', 'lookup_s',
                 'lookup_cpu_s', 'same_output', 'lookup_same_output')
 
 def _csv_text(rows: list[dict]) -> str:
