@@ -9,7 +9,8 @@ from dflash.core.files import toy_target_dir, toy_data_dir, assets_dir
 from dflash.train.command import main as train_main
 from dflash.plan import main as plan_main
 from dflash.decoding.speculate import main as speculate_main
-from dflash.data.chat import DataError, read_jsonl
+from dflash.data.chat import read_jsonl
+from dflash.core.errors import DataError
 from dflash.data.command import main as data_main
 from conftest import SMALL, override, refused, train_cli, tree
 
@@ -634,7 +635,7 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path, capsys, finished, resume
 
 
 def test_no_intact_checkpoint_names_each(tmp_path, resumer, finished):
-    from dflash.train.checkpoints import CheckpointError
+    from dflash.core.errors import CheckpointError
     run = _copy(finished, tmp_path / 'run')
     _corrupt(run / 'checkpoints' / 'step-0000004', 'truncated-model')
     _corrupt(run / 'checkpoints' / 'step-0000002', 'garbage-state')

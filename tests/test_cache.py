@@ -216,7 +216,8 @@ def test_help_answers_before_torch_loads(argv):
 @pytest.mark.parametrize('after', [1, 3])
 def test_signal_stops_after_the_shard_in_progress(tmp_path, chat_targets, monkeypatch, signum, after):
     "A real signal while shard `after` is written: that shard is finished and recorded, then the writer stops."
-    from dflash.core.stops import Preempted, StopRequest
+    from dflash.core.stops import StopRequest
+    from dflash.core.errors import Preempted
     t = TargetFeatures(chat_targets['llama'], num_draft_layers=2)
     ds = ChatDataset.from_jsonl(_jsonl(tmp_path / 'd.jsonl', 9, seed=4), t.tokenizer)
     write_cache(t, ds, tmp_path / 'whole', shard_size=2, progress=False)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest, torch
 import dflash
 from conftest import END_OF_TURN, chat_sentence
-from dflash.data.chat import ChatDataset, DataError, DataStats, read_jsonl, to_messages, tokenize_conversation
+from dflash.data.chat import ChatDataset, DataStats, read_jsonl, to_messages, tokenize_conversation
+from dflash.core.errors import DataError
 from dflash.data.templates import tokenize_chat
 from dflash.data.chat import collate
 from dflash.data.features import TargetFeatures

@@ -171,3 +171,98 @@ def test_notebook_outputs_name_no_machine_paths():
             for prefix in ('/tmp/', '/var/folders/', '/home/', '/root/', '/Users/', str(PKG.parent) + '/'):
                 if prefix in text: found.append(f"{nb.name} cell {i}: {prefix}")
     assert not found, found
+
+
+def _exception_classes(path: Path) -> list[str]:
+    "The classes module `path` defines whose bases name an error or exception (an error class's own subclasses too)."
+    tree = ast.parse(path.read_text())
+    base = lambda b: b.id if isinstance(b, ast.Name) else getattr(b, 'attr', '')
+    return [n.name for n in tree.body if isinstance(n, ast.ClassDef)
+            and any(re.search(r'(Error|Exception|Failed|Preempted|NoFit|TooSmall)$', base(b)) for b in n.bases)]
+
+
+def test_every_error_class_is_defined_in_core_errors():
+    "One home for the errors: a reader finds every class a command can end with, and its exit status, in one module."
+    elsewhere = {_name(p): names for p in MODULES if p.name != 'errors.py' and (names := _exception_classes(p))}
+    assert not elsewhere, elsewhere
+    assert len(_exception_classes(PKG / 'core' / 'errors.py')) >= 13
+
+
+def test_one_main_process_test():
+    "Whether this is the main process, read from the launcher's RANK, is written once: `main_process` in core.errors."
+    found = [_name(p) for p in MODULES if "os.environ.get('RANK'" in p.read_text()]
+    assert found == ['core.errors'], found
+
+
+def _defaults_named(tree, name: str) -> list:
+    "The default values given to parameters and fields called `name` (a field's `option(default, ...)` too)."
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = n.args
+            pos = a.posonlyargs + a.args
+            found += [d for arg, d in zip(pos[len(pos) - len(a.defaults):], a.defaults) if arg.arg == name]
+            found += [d for arg, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None and arg.arg == name]
+        if isinstance(n, ast.AnnAssign) and getattr(n.target, 'id', '') == name and n.value is not None:
+            v = n.value
+            found.append(v.args[0] if isinstance(v, ast.Call) and getattr(v.func, 'id', '') == 'option' and v.args else v)
+    return found
+
+
+def test_one_home_for_each_default():
+    """The block size, the attention's chunk cost and the memory a plan assumes are written once, in core.names; every
+    other default names them, and no GPU size is written in GB where GiB is meant."""
+    literal = {}
+    for p in MODULES:
+        if _name(p) == 'core.names': continue
+        tree = ast.parse(p.read_text())
+        for field, bad in (('block_size', '16'), ('chunk_cost', '2 ** 19'), ('memory', "'80GiB'")):
+            literal.update({f"{_name(p)}: {field} = {bad}": 1 for d in _defaults_named(tree, field)
+                            if ast.unparse(d) == bad})
+        for n in ast.walk(tree):
+            text = ast.unparse(n) if isinstance(n, (ast.BinOp, ast.Constant)) else ''
+            if text in ('2 ** 19', '80 * 2 ** 30') or re.fullmatch(r"'\d+GB'", text):
+                literal[f"{_name(p)}: {text}"] = 1
+    assert not literal, sorted(literal)
+
+
+def test_readme_is_a_front_page():
+    """The README is the front page: at most 250 lines, the manual in the notebooks and the diaries in benchmarks/,
+    and every relative link in it (not inside a code block) names a file or directory that exists."""
+    root = PKG.parent
+    text = (root / 'README.md').read_text()
+    assert len(text.splitlines()) <= 250, f"README.md has {len(text.splitlines())} lines: move details out of it"
+    prose = re.sub(r'^```.*?^```', '', text, flags=re.S | re.M)
+    links = [m for m in re.findall(r'\]\(([^)\s]+)\)', prose) if not m.startswith(('http://', 'https://', '#'))]
+    assert links, 'no relative links found'
+    missing = [link for link in links if not (root / link.split('#')[0]).exists()]
+    assert not missing, missing
+
+
+def test_index_notebook_is_reviewable():
+    """nbs/index.ipynb, the README's notebook, holds it in cells a diff can review: no markdown cell over 3,000
+    characters, and every section of the README starts in one of them."""
+    import json
+    root = PKG.parent
+    cells = json.loads((root / 'nbs' / 'index.ipynb').read_text())['cells']
+    long = [(i, len(''.join(c['source']))) for i, c in enumerate(cells)
+            if c['cell_type'] == 'markdown' and len(''.join(c['source'])) > 3000]
+    assert not long, f"markdown cells over 3,000 characters (index, length): {long}"
+    headings = {line.strip() for c in cells if c['cell_type'] == 'markdown'
+                for line in ''.join(c['source']).splitlines() if line.startswith('#')}
+    sections = [line.strip() for line in (root / 'README.md').read_text().splitlines() if line.startswith('## ')]
+    assert sections, 'README.md has no sections'
+    missing = [s for s in sections if s not in headings]
+    assert not missing, f"README.md sections missing from nbs/index.ipynb: {missing}"
+
+
+def test_every_notebook_opens_clean():
+    """Each notebook names its kernel (no "Select Kernel" dialog; opening and saving changes nothing in git) and commits
+    no widget state: a widget's state is the live kernel's, and a stale copy shows models no output uses."""
+    import json
+    bad = []
+    for nb in sorted((PKG.parent / 'nbs').glob('*.ipynb')):
+        meta = json.loads(nb.read_text())['metadata']
+        if meta.get('kernelspec', {}).get('name') != 'python3': bad.append(f"{nb.name}: no python3 kernelspec")
+        if 'widgets' in meta: bad.append(f"{nb.name}: committed widget state")
+    assert not bad, bad

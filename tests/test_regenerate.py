@@ -201,7 +201,8 @@ def test_second_regeneration_into_one_out_is_refused(small_data, tmp_path, capsy
 def test_signal_stops_after_the_batch_in_progress(small_data, tmp_path, monkeypatch, signum, after):
     "A real signal while batch `after` is appended: that batch is finished and indexed, then regeneration stops."
     import dflash.data.regenerate as R
-    from dflash.core.stops import Preempted, StopRequest
+    from dflash.core.stops import StopRequest
+    from dflash.core.errors import Preempted
     kw = dict(data=str(small_data), batch_size=2, max_new_tokens=16, progress=False)
     regenerate(RegenConfig(out=str(tmp_path / 'full.jsonl'), **kw))
     real, calls, sent = R.append_batch, [], []

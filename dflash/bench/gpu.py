@@ -163,6 +163,7 @@ def _step_once(drafter, opt, ctx, lay, embed, lm_head, objective_budget, dtype):
     opt.zero_grad(set_to_none=True)
     return s.loss.detach()
 
+# %% ../../nbs/51_bench_gpu.ipynb #f4dc9110
 def _real_step(device='cuda', cfg: DrafterConfig | None = None, *, seq_len: int = 8000, anchors: int = 512,
               memory_bytes: int | None = None, repeats: int = 3, dtype: str = 'bf16', seed: int = 0) -> dict:
     "One trainer-like step of a drafter of `cfg` (default Qwen3-8B's): measured peak against the plan, time, MFU."

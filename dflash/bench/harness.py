@@ -117,6 +117,7 @@ def launch_commands(out, *train_args: str, processes: int = 1, machines: int = 1
              *accelerate_args, '--dynamo_backend', 'no', '--main_process_port', port, '-m', module,
              '--out', str(out), *train_args] for node in nodes]
 
+# %% ../../nbs/50_bench_harness.ipynb #2c7926e7
 def launch_train(out, *train_args: str, processes: int = 1, machines: int = 1, device: str = 'cpu',
                  accelerate_args=('--mixed_precision', 'no'), threads: int = 1, env: dict | None = None,
                  timeout: float = 3600, wait: bool = True, module: str = 'dflash.train'):
@@ -176,6 +177,7 @@ def logged_steps(metrics_csv) -> list[dict]:
                          "so the processes did not form one distributed run")
     return rows
 
+# %% ../../nbs/50_bench_harness.ipynb #6d26b7ad
 def throughput(metrics_csv, warmup_steps: int = 1) -> dict:
     "Median tokens/s over the steps after `warmup_steps`, and the largest peak memory (MB), from a run's metrics.csv."
     rows = logged_steps(metrics_csv)

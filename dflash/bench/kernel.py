@@ -21,6 +21,7 @@ from ..model.objective import dflash_objective
 from ..core.files import write_csv
 from .harness import METHODS, bench_many, physical_floor, pinned_threads, progress, sync_device
 from ..core.schema import DTYPES, LAYOUTS, STEP_CONFIGS, AttentionBench, ScalingBench, StepBench
+from ..core.names import BLOCK_SIZE
 
 # %% auto #0
 __all__ = ['run_attention', 'run_scaling', 'run_step']
@@ -98,6 +99,7 @@ def _report(args, rows, floor, inputs, threads):
     write_csv(os.path.join(args.out, 'attention.csv'), rows, keys)
     _plot(rows, floor, os.path.join(args.out, 'attention.png'))
 
+# %% ../../nbs/53_bench_kernel.ipynb #25af4425
 def _plot(rows, floor, path):
     import matplotlib
     import matplotlib.pyplot as plt
@@ -175,7 +177,7 @@ def _reference_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, 
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out * layout.keep.repeat_interleave(layout.block_size, 1)[:, None, :, None]   # padded rows: zeros
 
-def _step_case(name: str, *, seq_len: int | None = None, anchors: int | None = None, block_size: int = 16,
+def _step_case(name: str, *, seq_len: int | None = None, anchors: int | None = None, block_size: int = BLOCK_SIZE,
               device='cpu', dtype: torch.dtype | None = None, seed: int = 0) -> _StepCase:
     "Drafters and random inputs of `STEP_CONFIGS[name]` (`seq_len`, `anchors` override); float32 unless `dtype`."
     dtype = dtype or torch.float32
@@ -295,6 +297,7 @@ def _step_report(args, rows, headers, threads):
     write_csv(os.path.join(args.out, 'step.csv'), rows, list(rows[0]))
     _step_plot(rows, os.path.join(args.out, 'step.png'))
 
+# %% ../../nbs/53_bench_kernel.ipynb #38eedf85
 def _step_plot(rows, path):
     import matplotlib
     import matplotlib.pyplot as plt

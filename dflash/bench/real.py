@@ -53,6 +53,7 @@ _LEVERS = {   # each ablation: the base recipe with one lever changed (train opt
 }
 _INFERENCE_LEVERS = ('block-4', 'whole-block', 'no-copy')   # the same drafter, decoded otherwise: nothing trained
 
+# %% ../../nbs/52_bench_real.ipynb #120deb67
 @dataclass
 class RealBench:
     """The whole path on a real target, from nothing but the target: synthesize chat data with it, cache its hidden
@@ -96,6 +97,7 @@ class RealBench:
     work: str = option('bench_real', 'working directory: data, cache and runs (a rerun continues the synthesis)')
     out: str = option('benchmarks/real', 'directory for real.csv, real.md, real.png and drafter/ (bf16)')
 
+# %% ../../nbs/52_bench_real.ipynb #42f40424
 def _run_problems(runs: list[Path]) -> list[str]:
     """What keeps the runs of --run from being measured: one named twice, one that is not a finished training run, or one
     after the first that did not go on from a drafter (--init-from) or started before the one before it, so that the runs
@@ -430,6 +432,7 @@ def _markdown(o: RealBench, phases: dict, table: list[dict], abl: list[dict], to
                          f"{x(r.get('speedup_vs_lookup'))} |")
     return '\n'.join(lines) + '\n'
 
+# %% ../../nbs/52_bench_real.ipynb #f6ce6514
 def _plot(runs: list[dict], table: list[dict]):
     """τ against training minutes over `runs` (their `dir`, `steps` and `train_s`) one after another, each run's start
     after the first marked: on the training batches and on held-out data where a run had any; and each method's

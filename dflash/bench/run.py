@@ -90,6 +90,7 @@ def run_train(args: TrainBench) -> list[dict]:
     _train_report(args, rows, labels)
     return rows
 
+# %% ../../nbs/54_bench_run.ipynb #8cf6c4d1
 def _train_report(args, rows, labels):
     print(f"training steps through accelerate launch, {args.device}, {args.threads} thread(s) per process: "
           f"{args.steps} steps, median tokens/s after {args.warmup_steps} warm-up step(s); "

@@ -7,7 +7,9 @@ from __future__ import annotations
 import errno, os, sys, traceback
 
 # %% auto #0
-__all__ = ['EXIT_INPUT', 'EXIT_PREEMPTED', 'InputError', 'NoFit']
+__all__ = ['EXIT_INPUT', 'EXIT_PREEMPTED', 'InputError', 'NoFit', 'OptionsError', 'DataError', 'ChatTemplateError',
+           'BudgetTooSmall', 'LockError', 'Preempted', 'RunDirError', 'CheckpointError', 'RunFailed', 'StartupFailed',
+           'TrackerError']
 
 # %% ../../nbs/00_core_errors.ipynb #62b450f5
 _EXIT_BUG = 1            # a bug: the traceback is shown
@@ -22,6 +24,55 @@ class InputError(ValueError):
 class NoFit(MemoryError):
     "The training step and what it needs beside it do not fit the memory; the message gives the figures."
     exit_status = _EXIT_NO_FIT
+
+# %% ../../nbs/00_core_errors.ipynb #f33d597c
+class OptionsError(ValueError):
+    "Bad options, all in one message: each with its value and what is allowed."
+    exit_status = EXIT_INPUT             # argparse's, and every command's for input it cannot use
+    def __init__(self, problems: list[str], prog: str = ''):
+        self.problems = list(problems)
+        n = len(self.problems)
+        super().__init__(f"{prog + ': ' if prog else ''}{n} bad option{'' if n == 1 else 's'}"
+                         + ''.join(f"\n  {p}" for p in self.problems))
+
+class DataError(InputError):
+    "Bad training data; the message names the file and line."
+
+class ChatTemplateError(ValueError):
+    "The chat template cannot be read for assistant spans."
+
+class BudgetTooSmall(ValueError):
+    "A memory budget below the smallest plan of the attention's chunks; `needed`: the bytes that plan takes."
+    def __init__(self, message: str, needed: int):
+        super().__init__(message)
+        self.needed = needed
+
+class LockError(RuntimeError):
+    "A lock that another live process holds, or that cannot be read."
+    exit_status = EXIT_INPUT                 # the user's to resolve: wait for the holder, or remove a stale lock
+
+class Preempted(Exception):
+    "The command stopped at a boundary on a signal or its launcher's exit; the message says what was saved."
+    exit_status = EXIT_PREEMPTED
+
+class RunDirError(RuntimeError):
+    "A run directory that this run may not use as asked."
+    exit_status = EXIT_INPUT
+
+class CheckpointError(RunDirError):
+    "A checkpoint that is missing files, corrupt, or not of this format."
+
+class RunFailed(RuntimeError):
+    "A run that ended without a drafter worth keeping (its steps were not finite); the message says what to do."
+    exit_status = 1                          # no bug: the message says what to change
+
+class StartupFailed(RuntimeError):
+    """A run that could not start: a target, tokenizer, data or cache it cannot use, found before the run is recorded
+    (no run.json: the corrected command starts afresh); the message names the file or option and what to do."""
+    exit_status = EXIT_INPUT
+
+class TrackerError(RuntimeError):
+    "The `--report-to` tracker did not start; the message names it and what to do."
 
 # %% ../../nbs/00_core_errors.ipynb #32c1da62
 _DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
@@ -51,7 +102,9 @@ def _debugging(argv: list[str]) -> tuple[bool, list[str]]:
     head = [a for a in argv[:n] if a != '--debug']
     return len(head) < n, head + argv[n:]
 
-def _main_process() -> bool: return int(os.environ.get('RANK', '0')) == 0
+def main_process() -> bool:
+    "Whether this is the main process of a launched job (RANK 0), or the only one."
+    return int(os.environ.get('RANK', '0')) == 0
 
 def _leave_process_group(status: int):
     """End a launched process (`accelerate launch`, torchrun) that holds a process group with `status`, its output
@@ -75,7 +128,7 @@ def run_command(fn, argv=None, prog: str = '', then: str = ", then run the comma
     except Exception as e:
         status, line, bug = verdict(e, then)
         if debug or bug: traceback.print_exc()
-        if status != EXIT_PREEMPTED or _main_process(): print(line, file=sys.stderr)
+        if status != EXIT_PREEMPTED or main_process(): print(line, file=sys.stderr)
     _leave_process_group(status)
     if status: raise SystemExit(status)
     return result

@@ -71,6 +71,7 @@ def write_atomic(path, data: str | bytes | Callable):
         if tmp is not None: tmp.unlink(missing_ok=True)  # a failed write leaves the old file and no temporary
     fsync_path(path.parent)
 
+# %% ../../nbs/02_core_files.ipynb #de70dea6
 def temp_dir_beside(path) -> Path:
     "A new directory beside `path`, named as `temp_beside` names a file, created exclusively, with `make_dir`'s mode."
     path = Path(path)
@@ -252,6 +253,7 @@ def config_num_layers(d: dict | None) -> int | None:
     T = d.get('num_hidden_layers') or (d.get('text_config') or {}).get('num_hidden_layers')
     return T if isinstance(T, int) and not isinstance(T, bool) else None
 
+# %% ../../nbs/02_core_files.ipynb #488fd1a0
 def causal_lm_problem(config) -> str | None:
     "Why the model of transformers `config` is not a decoder-only causal LM (tokens see only earlier ones), or None."
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING

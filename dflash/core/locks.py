@@ -6,7 +6,7 @@
 from __future__ import annotations
 import json, os, socket, threading, time
 from pathlib import Path
-from .errors import EXIT_INPUT
+from .errors import LockError
 from .files import json_problem, temp_beside, write_json
 
 # %% auto #0
@@ -44,10 +44,6 @@ def _stale(held: dict) -> str | None:
                 f"(stale after {_LOCK_STALE_S} s)")
     return None
 
-class LockError(RuntimeError):
-    "A lock that another live process holds, or that cannot be read."
-    exit_status = EXIT_INPUT                 # the user's to resolve: wait for the holder, or remove a stale lock
-
 def take_lock(lock, what) -> Path:
     """Take lock file `lock` for this process, for `what` (the directory or file it guards, named in errors); a live
     holder is refused, a stale one's lock is taken over (`_stale`)."""
@@ -75,6 +71,7 @@ def take_lock(lock, what) -> Path:
         raise LockError(f"{lock}: could not take the lock")
     finally: tmp.unlink(missing_ok=True)
 
+# %% ../../nbs/04_core_locks.ipynb #3096add2
 _LOCK_FILES = threading.RLock()                 # the heartbeat's rewrite and the release never interleave
 _BEATING: dict[Path, threading.Event] = {}
 

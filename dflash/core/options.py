@@ -10,20 +10,12 @@ from pathlib import Path
 from typing import Callable
 import yaml
 from fastcore.basics import patch_to
+from .errors import OptionsError
 
 # %% auto #0
 __all__ = []
 
 # %% ../../nbs/01_core_options.ipynb #38d158e5
-class OptionsError(ValueError):
-    "Bad options, all in one message: each with its value and what is allowed."
-    exit_status = 2                      # argparse's, and every command's for input it cannot use
-    def __init__(self, problems: list[str], prog: str = ''):
-        self.problems = list(problems)
-        n = len(self.problems)
-        super().__init__(f"{prog + ': ' if prog else ''}{n} bad option{'' if n == 1 else 's'}"
-                         + ''.join(f"\n  {p}" for p in self.problems))
-
 def option(default=None, help: str = '', *, ge=None, gt=None, le=None, lt=None, choices=None, path: str | None = None,
            zero_or_ge=None, read_with: tuple | None = None):
     """A dataclass field with its help text and its allowed values; `path`: 'file', 'dir' or 'exists'; `zero_or_ge`:
@@ -212,6 +204,7 @@ def read_mapping(self, d: dict, source: str) -> dict:
         else: tokens.append(f"{flag(k)}={_text(v)}")
     return {**self._parse(tokens, source), **values}
 
+# %% ../../nbs/01_core_options.ipynb #41a7abac
 @patch_to(OptionParser)
 def read_yaml(self, path) -> dict:
     "Options from a YAML file; an unreadable file or bad YAML is a problem that names it."

@@ -5,16 +5,11 @@
 # %% ../../nbs/05_core_stops.ipynb #d5700003
 from __future__ import annotations
 import os, signal, threading, time
-from .errors import EXIT_PREEMPTED
 
 # %% auto #0
-__all__ = ['Preempted', 'StopRequest', 'any_stop']
+__all__ = ['StopRequest', 'any_stop']
 
 # %% ../../nbs/05_core_stops.ipynb #556d377e
-class Preempted(Exception):
-    "The command stopped at a boundary on a signal or its launcher's exit; the message says what was saved."
-    exit_status = EXIT_PREEMPTED
-
 _LAUNCHER_VARS = ('ACCELERATE_DYNAMO_BACKEND', 'TORCHELASTIC_RUN_ID')   # what accelerate launch, torchrun set
 
 class StopRequest:

@@ -12,17 +12,14 @@ import torch
 from torch.utils.data import Dataset
 from torch import Tensor
 from ..model.layout import valid_anchors
-from ..core.errors import InputError
+from ..core.errors import DataError, ChatTemplateError
 from ..core.files import disk_error, file_sha256, hf_hub_cache, resolve_local
-from .templates import ChatTemplateError, template_text, tokenize_chat
+from .templates import template_text, tokenize_chat
 
 # %% auto #0
-__all__ = ['DataError', 'DataStats', 'tokenize_conversation', 'ChatDataset', 'load_chat_data']
+__all__ = ['DataStats', 'tokenize_conversation', 'ChatDataset', 'load_chat_data']
 
 # %% ../../nbs/21_data_chat.ipynb #e33fbecc
-class DataError(InputError):
-    "Bad training data; the message names the file and line."
-
 _SKIPS = {'bad_lines': 'malformed line (--skip-bad-lines)', 'no_supervised': 'no assistant reply',
           'template_rejected': 'the chat template rejects it', 'no_anchor': 'no two supervised tokens in max_length'}
 
@@ -286,6 +283,7 @@ def _cut_array(path: Path, raw: bytes, skip_bad_lines: bool, stats: DataStats) -
     stats.skip('bad_lines', cut)
     return records
 
+# %% ../../nbs/21_data_chat.ipynb #270fc363
 def _json_rows(path: Path, skip_bad_lines: bool, stats: DataStats):
     raw = path.read_bytes()
     try: data = json.loads(raw)
@@ -372,6 +370,7 @@ def _tokenized_stats(tok, read: DataStats) -> DataStats:
     st.truncated, st.truncated_tokens = int((cut > 0).sum()), int(cut.sum())
     return st
 
+# %% ../../nbs/21_data_chat.ipynb #0e34d256
 def load_chat_data(path, tokenizer, *, max_length: int = 3072, skip_bad_lines: bool = False, num_proc: int = 1,
                    cache_dir=None, report: bool = False, **template_kw) -> ChatDataset:
     """Chat data tokenized once with `datasets` (`map(num_proc=...)`) and cached on disk by the fingerprint of the data,

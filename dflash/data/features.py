@@ -14,11 +14,11 @@ from filelock import FileLock, Timeout
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
-from ..core.errors import InputError
+from ..core.errors import InputError, Preempted
 from ..model.config import DrafterConfig, default_target_layer_ids
 from ..core.files import (causal_lm_problem, file_sha256, gguf_problem, is_gguf, json_problem, make_dir, pretrained,
                           remove_temporaries, resolve_local, safetensors_problem, write_atomic, write_json)
-from ..core.stops import Preempted, StopRequest, any_stop
+from ..core.stops import StopRequest, any_stop
 from .chat import DataStats
 
 # %% auto #0
@@ -78,6 +78,7 @@ def _weights_sha256(f: Path) -> str:
     except (OSError, Timeout): pass                                          # a read-only or busy cache: hashed again later
     return digest
 
+# %% ../../nbs/22_data_features.ipynb #82707962
 def target_identity(path) -> str:
     """Fingerprint of a target: a model directory's config.json and each weight file's name and whole content
     (sha256); a GGUF file's content, which holds config, tokenizer and weights."""
@@ -121,6 +122,7 @@ def load_target(path, dtype: torch.dtype):
     if bad := _load_problem(loaded, type(model).__name__): raise InputError(f"target {path}: {bad}")
     return model
 
+# %% ../../nbs/22_data_features.ipynb #27eed040
 class TargetFeatures:
     "A frozen target causal LM that yields the DFlash context features (N, S, L·H)."
     def __init__(self, path, *, layer_ids=None, num_draft_layers: int = 5, dtype: torch.dtype | None = None,
@@ -280,6 +282,7 @@ def _stopped(out: Path, manifest: dict, stop: StopRequest | None, main: bool):
     raise Preempted(f"stopped by {(stop and stop.reason) or 'a signal to another process'} with {len(done)} of "
                     f"{manifest['num_shards']} shards in {out}; run the same command again to continue")
 
+# %% ../../nbs/22_data_features.ipynb #19b6d018
 def write_cache(features: TargetFeatures, dataset, out, *, shard_size: int = 64, progress: bool = True,
                 data_info: dict | None = None, batch_tokens: int = 8192, final_hidden: bool = False,
                 stop: StopRequest | None = None) -> dict:
@@ -355,6 +358,7 @@ def _manifest_problem(m: dict) -> str | None:
             return f"shard_size is {size}, but shard {s['file']} holds {s['num_samples']} samples"
     return None
 
+# %% ../../nbs/22_data_features.ipynb #8018c97e
 class CacheDataset(Dataset):
     """Samples of an offline cache: `{'input_ids', 'loss_mask', 'context' (S, L·H), 'sample_id'}` (+ `final_hidden`).
     `layer_ids` reads some of the cache's target layers, in that order (default: all it holds)."""

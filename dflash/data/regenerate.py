@@ -7,13 +7,13 @@ from __future__ import annotations
 import hashlib, importlib.util, json, os, time
 from dataclasses import fields
 from pathlib import Path
-from ..core.errors import InputError, run_command
+from ..core.errors import InputError, run_command, Preempted
 from ..core.options import Command, build_options, parse_options
 from ..core.files import (disk_error, file_sha256, pretrained, resolve_local, target_problems,
                           toy_target_dir, write_atomic)
 from ..core.threads import use_threads
 from ..core.locks import take_lock, start_heartbeat, release_lock, writer_locks, writer_problem
-from ..core.stops import Preempted, StopRequest, any_stop
+from ..core.stops import StopRequest, any_stop
 from ..core.schema import DTYPES, RegenConfig
 from .templates import end_of_turn_ids, prompt_ids, template_kwargs, tokenize_chat
 from typing import TYPE_CHECKING
@@ -75,7 +75,8 @@ def first_turns(msgs: list[dict], n: int | None) -> list[dict]:
 def load_conversations(path, skip_bad_lines: bool = False,
                        max_turns: int | None = None) -> tuple[list[tuple[dict, list[dict]]], DataStats]:
     "`(record, messages)` of every usable line, each cut to its first `max_turns` user turns, and what was skipped."
-    from dflash.data.chat import DataError, DataStats, read_records, to_messages
+    from dflash.data.chat import DataStats, read_records, to_messages
+    from dflash.core.errors import DataError
     stats, out = DataStats(), []
     for where, rec in read_records(path, skip_bad_lines, stats):
         try:
@@ -107,17 +108,7 @@ def _cache_kw(model, cache) -> dict:
     import inspect
     return {'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values': cache}
 
-def _sample_next(logits, temperature: float = 0., top_p: float = 1., generator=None):
-    "Next tokens (n,) from last-position logits (n, V): argmax when greedy, else temperature and nucleus sampling."
-    import torch
-    if temperature <= 0: return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, -1)                  # (n, V)
-    if top_p < 1:
-        p, order = probs.sort(-1, descending=True)
-        drop = p.cumsum(-1) - p > top_p                                # beyond the nucleus (the top token stays)
-        probs = torch.zeros_like(probs).scatter(-1, order, p.masked_fill(drop, 0.))
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
-
+# %% ../../nbs/23_data_regenerate.ipynb #03db58df
 class TransformersEngine:
     "Batched generation with a transformers causal LM: left padding, KV cache, finished rows leave the batch."
     def __init__(self, model, stop_ids, pad_id: int, *, max_new_tokens: int = 512, temperature: float = 0.,
@@ -138,6 +129,7 @@ class TransformersEngine:
         import torch
         from transformers import DynamicCache
         from dflash.data.features import target_features
+        from dflash.model.sampling import sample_tokens, warp
         keep = layer_ids is not None                                        # read the features too
         with torch.no_grad():
             dev = next(self.model.parameters()).device
@@ -159,7 +151,8 @@ class TransformersEngine:
             live, nxt_pos = torch.arange(N, device=dev), pos[:, -1] + 1    # rows still generating, their next position
             out, ended = [[] for _ in range(N)], [None] * N
             for step in range(self.max_new_tokens):
-                tok = _sample_next(logits, self.temperature, self.top_p, gen)        # (n,)
+                if gen is None: tok = logits.argmax(-1)                                 # (n,) greedy
+                else: tok = sample_tokens(warp(logits, self.temperature, self.top_p), gen)   # (n,) sampled
                 done = torch.isin(tok, stops)
                 for j, (r, t, d) in enumerate(zip(live.tolist(), tok.tolist(), done.tolist())):
                     if d: ended[r] = t
@@ -241,6 +234,7 @@ def _end_long(tokenizer, msgs: list[list[dict]], turns: list[list[int]], r: int,
             ended += 1
     return ended
 
+# %% ../../nbs/23_data_regenerate.ipynb #6ee447c7
 def regenerate_batch(engine, tokenizer, convs: list[list[dict]], *, template_kw: dict | None = None, seed: int = 0,
                      batch: int = 0, max_prompt_tokens: int | None = None) -> tuple[list[list[dict]], dict]:
     """Every assistant turn of `convs` regenerated, and a reply appended to each that ends on a user turn; a
@@ -326,6 +320,7 @@ def repair_output(out, header: dict, done: list[dict]):
     text = ''.join(json.dumps(x) + '\n' for x in [header, *done])
     write_atomic(idx, text)
 
+# %% ../../nbs/23_data_regenerate.ipynb #9efe0b4d
 def _append(path: Path, data: bytes) -> int:
     "Append `data` to `path`, flushed to the disk; its size after. A failed append is cut off again, named."
     size = path.stat().st_size if path.exists() else 0
@@ -384,6 +379,7 @@ def process_state():
 
 _COUNTS = ('tokens', 'turns', 'appended', 'truncated', 'ended_long', 'unanswered_dropped')   # each batch's, in the index
 
+# %% ../../nbs/23_data_regenerate.ipynb #bf17d87f
 def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
     """Regenerate `cfg.data` into `cfg.out` (resuming what is there); returns counts and timings. When `stop` is set,
     the processes end after the round of batches they are in and `Preempted` says how far the file is: the same call
@@ -391,7 +387,7 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
     from accelerate.utils import gather_object
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
-    from dflash.data.chat import DataError
+    from dflash.core.errors import DataError
     from dflash.data.features import check_target_dir
     _validate(cfg)
     convs, stats = load_conversations(cfg.data, cfg.skip_bad_lines, cfg.max_turns)   # all checked before loading

@@ -7,10 +7,10 @@ from __future__ import annotations
 import copy, json, re, time
 from dataclasses import fields
 from pathlib import Path
-from ..core.errors import InputError
+from ..core.errors import InputError, Preempted
 from ..core.options import Command, build_options
 from ..core.files import config_max_positions, config_num_layers, pretrained, target_config_dict
-from ..core.stops import Preempted, StopRequest
+from ..core.stops import StopRequest
 from ..core.schema import DTYPES, SynthConfig
 from .templates import prompt_ids, special_after, special_texts, template_kwargs, template_messages
 from .regenerate import (
@@ -97,6 +97,7 @@ def _user_messages(prompter, tokenizer, heads: list[list[int]], pre: list[int], 
             else: out[j] = (text[:end.end()] if end else text, toks, stopped)
     return out, written
 
+# %% ../../nbs/24_data_synthesize.ipynb #44d9d462
 def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, needed: int | None = None, seen=(),
                       template_kw: dict | None = None, seed: int = 0, batch: int = 0,
                       system: str | None = None, reply_system: str | None = None, user_prefix: str | None = None,
@@ -279,6 +280,7 @@ def _first_user(rec: dict) -> str: return next(m['content'] for m in rec['messag
 
 _SUMMED = ('records', 'prompts', *_FILTERS, 'truncated', 'looping_replies', 'prompt_tokens', 'tokens')
 
+# %% ../../nbs/24_data_synthesize.ipynb #3be7c0ce
 def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
     """Write `cfg.num` records into `cfg.out` with the target alone (continuing what is there); returns the counts of
     the whole file and this run's speed. When `stop` is set, it ends after the batch in progress and `Preempted` says
@@ -348,6 +350,7 @@ def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
                              'tokens': grow.manifest['num_tokens'], 'left_out_now': left_out}
     return res
 
+# %% ../../nbs/24_data_synthesize.ipynb #2aeb4786
 def _synth_table(r: dict, out: str = 'out') -> str:
     "The counts of a synthesis as a small table: records, user messages sampled, drops by filter, truncated replies."
     rows = [('records written', r['records']), ('user messages sampled', r['prompts'])]

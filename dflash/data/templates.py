@@ -6,19 +6,16 @@
 from __future__ import annotations
 import json, re
 from pathlib import Path
-from ..core.errors import InputError
+from ..core.errors import InputError, ChatTemplateError
 from ..core.files import pretrained, resolve_local
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:         # for annotations: torch and numpy load inside the functions that use them, so the commands
     from torch import Tensor   # that import this module answer `--help` at once
 
 # %% auto #0
-__all__ = ['ChatTemplateError', 'template_text', 'template_messages', 'special_texts', 'tokenize_chat', 'load_tokenizer']
+__all__ = ['template_text', 'template_messages', 'special_texts', 'tokenize_chat', 'load_tokenizer']
 
 # %% ../../nbs/20_data_templates.ipynb #b3506a14
-class ChatTemplateError(ValueError):
-    "The chat template cannot be read for assistant spans."
-
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PROBE = ('dflash-probe-user-1', 'dflash-probe-reply-1', 'dflash-probe-user-2', 'dflash-probe-reply-2')
 
@@ -78,6 +75,7 @@ def _visible(content) -> str:
     c = content or ''
     return c.split('</think>')[-1].strip() if '</think>' in c else c.strip()
 
+# %% ../../nbs/20_data_templates.ipynb #f47a3298
 def _assistant_spans(tokenizer, messages: list[dict], where: str = 'conversation', tools=None, **template_kw):
     """The conversation rendered once by the chat template, and the character spans `(start, end)` of its assistant
     replies there: from the end of the turn's header to the end of its end-of-turn token (of a `truncated` reply: to

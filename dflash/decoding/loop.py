@@ -11,15 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache, GenerationConfig
-from ..core.errors import InputError
+from ..core.errors import InputError, DataError
 from ..model.config import DrafterConfig
 from ..core.schema import SpeculateOptions
 from ..core.stops import StopRequest
 from ..core.locks import writer_problem
 from ..core.files import json_problem, target_problems, resolve_local, safetensors_problem, dir_write_problem
 from ..model.drafter import DFlashDrafter, ContextCache
-from ..data.chat import DataError
 from ..data.features import target_features
+from ..model.sampling import sample_tokens, warp
 
 # %% auto #0
 __all__ = ['check_compatible', 'speculative_generate', 'greedy_generate', 'sample_generate', 'lookup_generate', 'eval_prompts',
@@ -36,7 +36,7 @@ def check_speculate(o: SpeculateOptions) -> list[str]:
     if o.out is not None and (bad := dir_write_problem(o.out, '--out')): probs.append(bad)   # before minutes of work
     if o.target is not None: probs += target_problems(o.target, '--target')
     if o.data is not None and Path(o.data).is_file():            # a missing one: named by its own check
-        from dflash.data.chat import DataError
+        from dflash.core.errors import DataError
         n = o.num_prompts if isinstance(o.num_prompts, int) and o.num_prompts >= 1 else 1
         turn = o.turn if isinstance(o.turn, int) and o.turn >= 1 else 1
         try: _prompt_turns(o.data, n, turn)                        # the turns of the prompts to be run
@@ -69,7 +69,8 @@ def _record_prompt(rec: dict, where: str, turn: int) -> list[dict | None] | None
     answers it; a record of questions only (`turns`: a list of strings, as MT-Bench's), its first `turn` questions
     with None for each answer between them, which the target writes. None: the record has fewer user turns, or an
     assistant turn before its first (an answer to nothing)."""
-    from dflash.data.chat import DataError, to_messages
+    from dflash.data.chat import to_messages
+    from dflash.core.errors import DataError
     qs = rec.get('turns') if 'messages' not in rec and 'conversations' not in rec else None
     if qs is not None:
         if not isinstance(qs, list) or not all(isinstance(q, str) for q in qs):
@@ -87,7 +88,8 @@ def _prompt_turns(path, n: int | None = None, turn: int = 1) -> list[tuple[str, 
     """(where, turns, category) of the first `n` prompts of a chat JSONL (`_record_prompt` of each record's `turn`-th
     user turn; category: the record's `category`, or ''); a DataError when there is none, or at a malformed record
     on the way. A record with fewer user turns is skipped."""
-    from dflash.data.chat import DataError, read_jsonl     # torch with it: for a run about to load it
+    from dflash.data.chat import read_jsonl     # torch with it: for a run about to load it
+    from dflash.core.errors import DataError
     prompts, records = [], 0
     for where, rec in read_jsonl(path):
         records += 1
@@ -120,22 +122,6 @@ def check_compatible(drafter_config: DrafterConfig, target_config, block_size: i
                         f"(the drafter was trained with {d.block_size})")
     if problems: raise InputError(f"{name} does not fit the target: " + '; '.join(problems))
 
-# %% ../../nbs/30_decoding_loop.ipynb #161c1162
-def _warp(logits: Tensor, temperature: float, top_p: float = 1.) -> Tensor:
-    """Sampling probabilities (..., V) from logits (..., V): softmax(logits / T), cut to its top-p nucleus and
-    renormalised. T = 0: one-hot on the argmax, the limit."""
-    if temperature == 0: return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    probs = torch.softmax(logits.float() / temperature, -1)                     # (..., V)
-    if top_p >= 1: return probs
-    ranked, order = probs.sort(-1, descending=True)                             # (..., V)
-    ranked = ranked.masked_fill(ranked.cumsum(-1) - ranked >= top_p, 0.)        # the tokens above already hold P
-    return torch.zeros_like(probs).scatter_(-1, order, ranked / ranked.sum(-1, keepdim=True))
-
-# %% ../../nbs/30_decoding_loop.ipynb #155ed480
-def _sample_tokens(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    "One token from each distribution: probs (..., V) -> token ids (...), drawn with `generator`."
-    return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
-
 # %% ../../nbs/30_decoding_loop.ipynb #ff1169f1
 def _verify_block(p: Tensor, q: Tensor, draft: Tensor,
                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
@@ -151,7 +137,7 @@ def _verify_block(p: Tensor, q: Tensor, draft: Tensor,
     pn, qn = p[rows, n], F.pad(q, (0, 0, 0, 1))[rows, n]                        # (N, V): q is 0 after the last draft
     residual = (pn - qn).clamp_min(0)                                           # (N, V) max(0, p - q), or p: the bonus
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, pn)   # p = q: rejection has probability 0
-    return n, _sample_tokens(residual, generator)
+    return n, sample_tokens(residual, generator)
 
 # %% ../../nbs/30_decoding_loop.ipynb #7499721f
 @dataclass
@@ -203,8 +189,8 @@ def _drafts(drafter: DFlashDrafter, feats: Tensor, nxt: Tensor, embed: Tensor, l
     logits = drafter.draft_logits(h[:, 1:].to(lm_head.dtype), lm_head)       # (1, B-1, V)
     if greedy: draft = logits.argmax(-1)                                      # (1, B-1)
     else:
-        q = _warp(logits, temperature, top_p)                                  # (1, B-1, V)
-        draft = _sample_tokens(q, generator)                                   # (1, B-1)
+        q = warp(logits, temperature, top_p)                                  # (1, B-1, V)
+        draft = sample_tokens(q, generator)                                   # (1, B-1)
     if min_confidence > 0:
         sure = (logits.softmax(-1) if greedy else q).gather(-1, draft[..., None])[0, :, 0].cumprod(0)   # (B-1,)
         k = max(1, int((sure >= min_confidence).sum()))                        # the drafts verified
@@ -228,7 +214,7 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
     B = block_size or cfg.block_size
     check_compatible(cfg, target.config, B)
     greedy = temperature == 0
-    pick = lambda logits: logits.argmax(-1) if greedy else _sample_tokens(_warp(logits, temperature, top_p), generator)
+    pick = lambda logits: logits.argmax(-1) if greedy else sample_tokens(warp(logits, temperature, top_p), generator)
     embed, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     stop, dev = set(stop_token_ids), input_ids.device
     cache, ctx_cache = DynamicCache(), ContextCache()
@@ -258,7 +244,7 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
             if greedy: n, nxt = _greedy_verdict(out.last_hidden_state, lm_head, draft)
             else:
                 logits = F.linear(out.last_hidden_state, lm_head)               # (1, B, V)
-                accepted, nxt = _verify_block(_warp(logits, temperature, top_p), q, draft, generator)
+                accepted, nxt = _verify_block(warp(logits, temperature, top_p), q, draft, generator)
                 n = int(accepted[0])
             _sync(dev)
             res.draft_s += t1 - t0

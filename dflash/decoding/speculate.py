@@ -6,11 +6,11 @@
 from __future__ import annotations
 import csv, io
 from pathlib import Path
-from ..core.errors import run_command
+from ..core.errors import run_command, OptionsError, Preempted
 from ..model.config import DrafterConfig
-from ..core.options import OptionsError, parse_options
+from ..core.options import parse_options
 from ..core.schema import CPU_COPY_NGRAM, CPU_DRAFT_CONFIDENCE, DTYPES, SpeculateOptions
-from ..core.stops import Preempted, StopRequest
+from ..core.stops import StopRequest
 from ..core.files import is_gguf, pretrained, resolve_local, write_atomic, write_json
 from ..core.threads import use_threads
 
@@ -30,6 +30,7 @@ def _check_fit(a: SpeculateOptions, drafter_cfg: DrafterConfig, tdir, tok, prog:
     except ValueError as e: probs.append(f"--drafter: {e}")
     if probs: raise OptionsError(probs, prog)
 
+# %% ../../nbs/31_decoding_speculate.ipynb #01f4e91e
 def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> dict:
     """`python -m dflash.speculate` with checked options `a`: tau, its histogram and the speed against plain decoding
     (and prompt lookup at T = 0) at each `--temperature`, prompt by prompt with a running total; {'runs': [one
@@ -104,6 +105,7 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
                         (f"the results so far are in {out}, marked partial" if out else "no --out, nothing written"))
     return r
 
+# %% ../../nbs/31_decoding_speculate.ipynb #b61ab1ee
 def _print_report(r: dict):
     "The totals of each temperature: τ, histogram, each method's seconds and tokens/s, speedups, same output."
     rate = lambda tokens, s: f"{tokens / s:.1f} tok/s" if s else '-'
@@ -154,6 +156,7 @@ def _csv_text(rows: list[dict]) -> str:
     w.writerows({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()} for row in rows)
     return buf.getvalue()
 
+# %% ../../nbs/31_decoding_speculate.ipynb #0364ef2e
 def _plot_runs(runs: list[dict], prompts: int):
     "One acceptance histogram per temperature, side by side; a run stopped early says how many prompts it has."
     import matplotlib.pyplot as plt
@@ -164,7 +167,6 @@ def _plot_runs(runs: list[dict], prompts: int):
         part = f" ({x['prompts']} of {prompts} prompts)" if x['prompts'] < prompts else ''
         plot_acceptance(x['histogram'], ax, f"T = {x['temperature']:g}: tau = {x['tau']:.2f}{part}")
     return fig
-
 
 # %% ../../nbs/31_decoding_speculate.ipynb #50b8e544
 _PROG = 'python -m dflash.speculate'

@@ -13,6 +13,7 @@ from .layout import BlockLayout, HeadShape
 from .testing import eager_attention
 import weakref
 from .chunking import ChunkPlan, plan_chunks, shared_keys
+from ..core.names import CHUNK_COST
 
 # %% auto #0
 __all__ = ['BACKENDS', 'register_backend', 'get_backend', 'sdpa_attention']
@@ -194,7 +195,7 @@ def _autocast(*ts: Tensor) -> tuple[Tensor, ...]:
 
 def sdpa_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, sliding_window: int | None = None,
                    plan: ChunkPlan | None = None, budget_bytes=None, kernel: str = 'auto',
-                   chunk_cost: int = 2**19) -> Tensor:
+                   chunk_cost: int = CHUNK_COST) -> Tensor:
     "Block attention by planned chunks: shared context unmasked, the rest masked, merged by log-sum-exp; GQA folded."
     q, k_ctx, v_ctx, k_blk, v_blk = _autocast(q, k_ctx, v_ctx, k_blk, v_blk)   # the kernels are called directly
     N, Hq, T, D = q.shape
@@ -207,7 +208,7 @@ def sdpa_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, *, slidin
     return _Chunks.apply(work, plan.kernel, q, k_ctx, v_ctx, k_blk, v_blk)   # (N, Hq, T, D)
 
 @register_backend('sdpa')
-def _sdpa(budget_bytes=None, kernel: str = 'auto', chunk_cost: int = 2**19) -> _AttentionFn:
+def _sdpa(budget_bytes=None, kernel: str = 'auto', chunk_cost: int = CHUNK_COST) -> _AttentionFn:
     "sdpa backend: plans once per (layout, window, shapes) and reuses the plan across layers."
     cache = {}
     def attend(q, k_ctx, v_ctx, k_blk, v_blk, layout, *, sliding_window=None):

@@ -10,6 +10,8 @@ import torch
 from torch.nn.attention import SDPBackend
 from .layout import BlockLayout, HeadShape
 from .memory import fmt_bytes
+from ..core.errors import BudgetTooSmall
+from ..core.names import CHUNK_COST
 
 # %% auto #0
 __all__ = ['probe_kernel', 'shared_keys', 'ChunkPlan', 'free_bytes', 'plan_chunks', 'explorer']
@@ -196,7 +198,7 @@ def _frugal_cap(tables: list, cap: float, lowest: float, slack: float) -> float:
 
 # %% ../../nbs/14_model_chunking.ipynb #6ae21af1
 def plan_chunks(layout: BlockLayout, shape: HeadShape, *, budget_bytes: int | float | None = None, kernel: str = 'auto',
-                sliding_window: int | None = None, device='cpu', chunk_cost: int = 2**19,
+                sliding_window: int | None = None, device='cpu', chunk_cost: int = CHUNK_COST,
                 slack: float = 0.05) -> ChunkPlan:
     """Chunks of the sorted blocks of every row of attention with heads `shape`, each fitting `budget_bytes` (bytes,
     or a fraction of free memory): the least memory costing at most `1 + slack` x the least work."""
@@ -221,11 +223,10 @@ def plan_chunks(layout: BlockLayout, shape: HeadShape, *, budget_bytes: int | fl
     if isinstance(budget_bytes, float) and budget_bytes <= 1: budget_bytes = int(budget_bytes * free_bytes(device))
     budget_bytes = int(budget_bytes)
     if budget_bytes < fixed + smallest:
-        raise ValueError(f"budget {budget_bytes} bytes ({fmt_bytes(budget_bytes)}) is below the smallest "
-                         f"feasible plan: "
-                         f"{fixed + smallest} bytes ({fmt_bytes(fixed + smallest)}) = output, gradients "
-                         f"{fmt_bytes(fixed)} + one block's temporaries "
-                         f"{fmt_bytes(smallest)}")
+        raise BudgetTooSmall(f"budget {budget_bytes} bytes ({fmt_bytes(budget_bytes)}) is below the smallest "
+                             f"feasible plan: {fixed + smallest} bytes ({fmt_bytes(fixed + smallest)}) = output, "
+                             f"gradients {fmt_bytes(fixed)} + one block's temporaries {fmt_bytes(smallest)}",
+                             fixed + smallest)
     cap = budget_bytes - fixed
     rows = [(n, np.asarray(a, dtype=np.int64)) for n, a in enumerate(srt) if a]
     tables = [_row_tables(a, B=B, Hq=Hq, W=sliding_window, chunk_cost=chunk_cost, cost_bytes=cost_bytes)

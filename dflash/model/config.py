@@ -8,6 +8,7 @@ import json, math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from fastcore.basics import patch
+from ..core.names import BLOCK_SIZE
 
 # %% auto #0
 __all__ = ['default_target_layer_ids', 'DrafterConfig', 'mlp_width', 'choose_mask_token']
@@ -38,7 +39,7 @@ class DrafterConfig:
     num_target_layers: int                        # layers of the target model
     mask_token_id: int
     num_hidden_layers: int = 5                    # drafter layers
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     target_layer_ids: list[int] | None = None     # None: `default_target_layer_ids`
     layer_types: list[str] | None = None          # None: all 'full_attention'
     sliding_window: int | None = None
@@ -228,6 +229,7 @@ def from_dict(cls: DrafterConfig, d: dict, source: str = 'config', mask_token_id
     return cls(**kw, rope_parameters=_rope_parameters(_Attrs(d)), mask_token_id=mask,
                target_layer_ids=dc.get('target_layer_ids'))
 
+# %% ../../nbs/10_model_config.ipynb #ac4b2342
 @patch
 def save(self: DrafterConfig, path):
     Path(path).write_text(json.dumps(self.to_dict(), indent=2) + '\n')
@@ -238,4 +240,3 @@ def load(cls: DrafterConfig, path, mask_token_id: int | None = None) -> DrafterC
     except (UnicodeDecodeError, json.JSONDecodeError) as e: raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(d, dict): raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
     return cls.from_dict(d, source=str(path), mask_token_id=mask_token_id)
-

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 from torch import Tensor
+from ..core.names import BLOCK_SIZE
 
 # %% auto #0
 __all__ = ['valid_anchors', 'BlockLayout', 'HeadShape']
@@ -62,7 +63,7 @@ def _decay(block_size: int, gamma: float | None) -> Tensor:
     return w
 
 @patch(cls_method=True)
-def from_batch(cls: BlockLayout, input_ids: Tensor, loss_mask: Tensor, *, mask_token_id: int, block_size: int = 16,
+def from_batch(cls: BlockLayout, input_ids: Tensor, loss_mask: Tensor, *, mask_token_id: int, block_size: int = BLOCK_SIZE,
                 num_anchors: int = 512, gamma: float | None = 7.0, seed: int = 0, epoch: int = 0,
                 sample_ids=None) -> BlockLayout:
     "Sample the blocks of a batch. input_ids, loss_mask: (N, S), right-padded (loss_mask 0 on padding)."

@@ -14,6 +14,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _WeakR
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch._subclasses.fake_tensor import FakeTensorMode
 import textwrap
+from ..core.names import POLICIES
 
 # %% auto #0
 __all__ = ['MemoryTracker', 'fmt_bytes', 'measure', 'saved_bytes', 'plot_peaks', 'policy_peaks']
@@ -211,6 +212,7 @@ def plot_peaks(peaks: dict, budget=None, ax=None, title: str = '', log: bool = F
     _untangle_xticks(ax, [str(k) for k in groups])
     return ax
 
+# %% ../../nbs/13_model_memory.ipynb #75dc261e
 def _plot_sweep(xs, series: dict, *, budget=None, ax=None, xlabel: str = 'sequence length', title: str = '',
                log: bool = True):
     "Lines of peak bytes across `xs`: `{variant: [bytes per x]}`."
@@ -226,7 +228,7 @@ def _plot_sweep(xs, series: dict, *, budget=None, ax=None, xlabel: str = 'sequen
     return ax
 
 # %% ../../nbs/13_model_memory.ipynb #e0a10002
-def policy_peaks(run, policies=('none', 2, 'all')) -> dict:
+def policy_peaks(run, policies=POLICIES) -> dict:
     "{policy: {forward no_grad, forward autograd, forward+backward}} from `run(policy, backward)` -> MemStats."
     out = {}
     for p in policies:

@@ -4,15 +4,14 @@
 
 # %% ../../nbs/18_model_objective.ipynb #dd1c3759
 from __future__ import annotations
-import os
 from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from .layout import BlockLayout
-from ..core.schema import LOSSES
-from ..core.errors import InputError
+from ..core.names import LOSSES, TEACHER_LOSSES
+from ..core.errors import InputError, main_process
 from .config import choose_mask_token
 from .drafter import compute_dtype
 
@@ -171,7 +170,7 @@ class Objective:
     @property
     def teacher(self) -> bool:
         "Whether the loss reads the target's final hidden states."
-        return self.loss == 'kl'
+        return self.loss in TEACHER_LOSSES
     @property
     def dpace(self) -> bool: return self.loss.startswith('dpace')
 
@@ -286,5 +285,5 @@ def data_mask_token(tokenizer, vocab_size: int, used: set[int], requested: int |
         raise InputError(f"mask token id {mask} ({tokenizer.convert_ids_to_tokens(mask)!r}): the training data uses "
                          "it, so the drafter could not tell a masked position from that token; pass --mask-token-id "
                          "with a token the data never uses")
-    if say and int(os.environ.get('RANK', '0')) == 0: print(why)
+    if say and main_process(): print(why)
     return mask

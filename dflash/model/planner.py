@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from ..core.errors import InputError
+from ..core.errors import InputError, BudgetTooSmall
 from ..core.schema import DTYPES, PlanOptions
 from ..core.files import (assets_dir, causal_lm_problem, config_vocab_size, is_gguf, json_problem, pretrained,
                           resolve_local, target_config_dict, write_atomic)
@@ -19,6 +19,7 @@ from .drafter import DFlashDrafter
 from .recompute import checkpointed_layers, parse_policy, set_checkpointing
 from .objective import dflash_objective, objective_bytes_per_row, Objective
 from .memory import MemoryTracker, fmt_bytes
+from ..core.names import GPU_MEMORY, POLICIES, TEACHER_LOSSES
 
 # %% auto #0
 __all__ = ['plan_layout', 'budgets', 'step_memory', 'recommend_policy', 'fits_table']
@@ -118,15 +119,15 @@ def step_memory(cfg: DrafterConfig, seq_len: int, num_anchors: int, *, policy='n
     t0 = time.perf_counter()
     dt = _TORCH_DTYPES[dtype]
     if attention_budget is None or objective_budget is None:
-        a, o = budgets(cfg, seq_len, memory_bytes or 80 * 2**30, dtype, micro_batch_size, teacher)
+        a, o = budgets(cfg, seq_len, memory_bytes or _parse_memory(GPU_MEMORY), dtype, micro_batch_size, teacher)
         attention_budget, objective_budget = attention_budget or a, objective_budget or o
     try: return _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_size, attention_budget,
                              objective_budget, optimizer, t0, teacher)
-    except ValueError as e:                  # the memory left is below one attention chunk: plan without a budget,
-        if 'smallest feasible plan' not in str(e): raise     # the step then shows by how much it misses
+    except BudgetTooSmall:        # below one attention chunk: plan without a budget; the step shows by how much it misses
         return _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_size, None,
                             objective_budget, optimizer, t0, teacher)
 
+# %% ../../nbs/19_model_planner.ipynb #a685c084
 def _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_size, attention_budget, objective_budget,
                  optimizer, t0, teacher=False) -> _StepMemory:
     opts = dict(budget_bytes=attention_budget, chunk_cost=_FAKE_CHUNK_COST) if attention == 'sdpa' else {}
@@ -173,11 +174,9 @@ def _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_s
                       attention_budget or 0, objective_budget, time.perf_counter() - t0)
 
 # %% ../../nbs/19_model_planner.ipynb #549a5f60
-_POLICIES = ('none', 2, 'all')
-
 def recommend_policy(drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int, *,
                      dtype: str = 'bf16', attention: str = 'sdpa', micro_batch_size: int = 1, optimizer: str = 'fused',
-                     policies=_POLICIES, full_table: bool = False,
+                     policies=POLICIES, full_table: bool = False,
                      teacher: bool = False) -> tuple[object, list[_StepMemory]]:
     "(cheapest checkpointing policy whose step fits `budget_bytes`, else the most frugal one; the rows measured)"
     a, o = budgets(drafter_config, seq_len, budget_bytes, dtype, micro_batch_size, teacher)
@@ -276,14 +275,14 @@ def _fit_cell(cfg: DrafterConfig, seq_len: int, anchors: int, budget: int, extra
         policy, table = recommend_policy(cfg, seq_len, anchors, budget - extra)
         r = next(t for t in table if t.policy == policy)
     except ValueError:                                   # not even the weights and moments fit: the most frugal step
-        r = step_memory(cfg, seq_len, anchors, policy=_POLICIES[-1])
-    total = f"{(r.total + extra) / 1e9:.1f} GB"
+        r = step_memory(cfg, seq_len, anchors, policy=POLICIES[-1])
+    total = f"{(r.total + extra) / 2**30:.1f} GiB"
     return f"`{policy}` · {total}" if r.total <= budget - extra else f"✗ {total}"
 
 def fits_table(*, targets=None, seq_lens=(3072, 8192), anchors: int = 512,
-               memories=('24GB', '48GB', '80GB', '141GB'), layers: int = 5) -> str:
+               memories=('24GiB', '48GiB', '80GiB', '141GiB'), layers: int = 5) -> str:
     "A Markdown table: per shipped target (smallest first), sequence length and mode, the policy and peak per GPU size."
-    head = ['target', 'S', 'mode', *(m.replace('GB', ' GB') for m in memories)]
+    head = ['target', 'S', 'mode', *(m.replace('GiB', ' GiB') for m in memories)]
     rows = [head, ['---'] * len(head)]
     configs = {name: _target_config(name) for name in targets or _shipped_targets()}
     for name, tc in sorted(configs.items(), key=lambda kv: online_target_bytes(kv[1], 1)['weights']):   # small first
@@ -352,6 +351,7 @@ def check_plan(o: PlanOptions) -> list[str]:
         except (ValueError, TypeError) as e: probs.append(f"--policies: {e}")
     return probs
 
+# %% ../../nbs/19_model_planner.ipynb #291b67a7
 def run_plan(a: PlanOptions) -> int:
     "`python -m dflash.plan` with checked options `a`: 0 when the recommended step fits the memory, 3 when none does."
     if a.fits_table:
@@ -359,7 +359,7 @@ def run_plan(a: PlanOptions) -> int:
         print(f"wrote the fits table of {len(_shipped_targets())} targets into {a.fits_table}")
         return 0
     budget = _parse_memory(a.memory)
-    a.policies = [parse_policy(p) for p in a.policies] if a.policies else list(_POLICIES)
+    a.policies = [parse_policy(p) for p in a.policies] if a.policies else list(POLICIES)
     tc = _target_config(a.target_config)
     mask = a.mask_token_id if a.mask_token_id is not None else tc.vocab_size - 1
     cfg = DrafterConfig.from_target(tc, mask_token_id=mask, num_hidden_layers=a.layers, block_size=a.block_size)
@@ -369,7 +369,7 @@ def run_plan(a: PlanOptions) -> int:
           f"{a.anchors} blocks of {a.block_size}, x{a.micro_batch_size}; "
           f"{a.dtype} autocast, fp32 weights, {a.optimizer} AdamW; loss {a.loss}")
     opts = dict(dtype=a.dtype, attention=a.attention, micro_batch_size=a.micro_batch_size, optimizer=a.optimizer,
-                teacher=a.loss == 'kl')
+                teacher=a.loss in TEACHER_LOSSES)
     try: policy, table = recommend_policy(cfg, a.seq_len, a.anchors, budget, policies=a.policies, full_table=True, **opts)
     except ValueError as e:                      # not even the weights and moments fit: the steps at a budget that does
         print(f"does not fit: {e}")
@@ -389,7 +389,7 @@ def run_plan(a: PlanOptions) -> int:
 _SIZES = ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads',
           'head_dim', 'vocab_size')
 _TARGET_PRESETS = {name: {k: getattr(_target_config(name), k) for k in _SIZES} for name in _shipped_targets()}
-_GPU_SIZES = ('24GB', '40GB', '48GB', '80GB', '94GB', '141GB', '192GB')
+_GPU_SIZES = ('24GiB', '40GiB', '48GiB', '80GiB', '94GiB', '141GiB', '192GiB')   # cards' sizes as sold, read as GiB
 
 def _target_drafter_config(sizes: dict, layers: int = 5) -> DrafterConfig:
     "The drafter config training would derive for a Qwen3-shaped target of these sizes."
@@ -423,7 +423,7 @@ def _fit_figure(table: list[_StepMemory], budget_bytes: int, chosen=None, title:
     return fig
 
 # %% ../../nbs/19_model_planner.ipynb #bc49df7d
-def _fit_widget(*, target: str = 'qwen3-8b', memory: str = '80GB', seq_len: int = 8000, anchors: int = 512,
+def _fit_widget(*, target: str = 'qwen3-8b', memory: str = GPU_MEMORY, seq_len: int = 8000, anchors: int = 512,
                policy: str = 'auto', layers: int = 5):
     """Will my run fit? Pick a target (preset or sizes), GPU memory, sequence length, anchors and a policy: the table,
     the recommendation and a chart of each policy's step against the budget. Shows its first state at once."""
@@ -438,7 +438,7 @@ def _fit_widget(*, target: str = 'qwen3-8b', memory: str = '80GB', seq_len: int 
     seq = W.IntText(seq_len, description='seq len', layout=box('180px'))
     anc = W.IntText(anchors, description='anchors', layout=box('180px'))
     lay = W.IntText(layers, description='layers', layout=box('180px'))
-    pol = W.Dropdown(options=['auto', *map(str, _POLICIES)], value=str(policy), description='policy',
+    pol = W.Dropdown(options=['auto', *map(str, POLICIES)], value=str(policy), description='policy',
                      layout=box('200px'))
     out = W.Output()
 

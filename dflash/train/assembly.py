@@ -14,7 +14,7 @@ from safetensors import safe_open
 from accelerate import Accelerator
 from accelerate.utils import parse_flag_from_env
 from transformers import AutoConfig, AutoTokenizer
-from ..core.errors import InputError, NoFit
+from ..core.errors import InputError, NoFit, main_process
 from ..model.config import DrafterConfig
 from ..model.layout import valid_anchors
 from ..model.drafter import DFlashDrafter
@@ -27,6 +27,7 @@ from ..data.features import CacheDataset, TargetFeatures, check_target_dir, load
 from ..core.files import is_gguf, pretrained, toy_target_dir, toy_data_dir, resolve_local
 from ..core.schema import TrainConfig
 from .rundirs import cache_flags, launch_problems
+from ..core.names import TEACHER_LOSSES
 
 # %% auto #0
 __all__ = ['Drafting', 'build_drafter']
@@ -133,7 +134,7 @@ def _vocabulary(cfg: TrainConfig, tok, V: int, trains: list, ev, mask_token_id: 
         d2t = DFlashDrafter.from_pretrained(cfg.init_from).d2t
         ids, which = d2t + torch.arange(len(d2t)), f"the {len(d2t)} tokens of the drafter of --init-from"
     else: ids, which = draft_vocab(supervised, cfg.draft_vocab_size), f"the {cfg.draft_vocab_size} tokens most often supervised"
-    if int(os.environ.get('RANK', '0')) == 0:
+    if main_process():
         share = supervised[ids].sum() / supervised.sum().clamp(min=1)
         print(f"draft vocabulary: {which}, {share:.1%} of the supervised tokens")
     return mask, ids
@@ -187,7 +188,7 @@ def _cut_cache(cache: CacheDataset, max_length: int):
         raise InputError(f"--max-length {max_length}: no sample of the cache {cache.path} (written with max_length "
                          f"{written or '(not recorded)'}) has two consecutive supervised tokens in its first "
                          f"{max_length}; raise --max-length")
-    if int(os.environ.get('RANK', '0')) == 0:
+    if main_process():
         skipped = f"; {n - len(keep)} of {n} skipped (no two consecutive supervised tokens left)" * (len(keep) < n)
         print(f"cache {cache.path}: written with max_length {written or '(not recorded)'}; its samples are cut to "
               f"--max-length {max_length}{skipped}")
@@ -214,7 +215,7 @@ def _cache_parts(cfg: TrainConfig, target: Path, tok, tc, V: int, eval_data, dev
     said, origin = _mask_said(cfg, caches)
     dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, caches, ev, said, **origin)
     teacher = all(c.manifest.get('final_hidden') for c in caches)
-    if cfg.loss == 'kl' and not teacher:
+    if cfg.loss in TEACHER_LOSSES and not teacher:
         bare = next(c.path for c in caches if not c.manifest.get('final_hidden'))
         raise InputError(f"--loss kl: the cache {bare} holds no final hidden state of the target (the "
                          "teacher); write one with `python -m dflash.data cache ... --final-hidden`")
@@ -248,6 +249,7 @@ def _config_diff(theirs: DrafterConfig, mine: DrafterConfig) -> list[str]:
     return [f"{f.name} ({getattr(theirs, f.name)}; the run: {getattr(mine, f.name)})" for f in fields(DrafterConfig)
             if getattr(theirs, f.name) != getattr(mine, f.name)]
 
+# %% ../../nbs/44_train_assembly.ipynb #2ab0cb55
 def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     """Resolve the target and data of `cfg` (defaults: the toy) and build the datasets. With --init-from and no
     --target-layer-ids, the drafter reads the target layers its start read, at any depth."""
@@ -306,7 +308,7 @@ def _refuse_online_misfit(cfg: TrainConfig, acc: Accelerator):
     fits, why = _online_fit(tc, dcfg, cfg.max_length, cfg.num_anchors, budget,
                            dtype=_PLAN_DTYPE.get(acc.mixed_precision, 'fp32'), attention=cfg.attention,
                            micro_batch_size=cfg.micro_batch_size, policy=parse_policy(cfg.checkpointing),
-                           teacher=cfg.loss == 'kl')
+                           teacher=cfg.loss in TEACHER_LOSSES)
     if not fits: raise NoFit(f"online training does not fit on {acc.device}: {why}")
 
 # %% ../../nbs/44_train_assembly.ipynb #fabd60c7

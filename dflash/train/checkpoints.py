@@ -14,16 +14,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from safetensors.torch import save_file, load_file
 from ..core.files import (json_problem, file_sha256, write_json, fsync_path, make_dir, remove_temporaries, temp_dir_beside,
                     disk_error)
-from .rundirs import RunDirError
+from ..core.errors import CheckpointError
 
 # %% auto #0
 __all__ = []
 
 # %% ../../nbs/41_train_checkpoints.ipynb #04d5e059
 _CKPT = re.compile(r'^step-(\d+)$')
-
-class CheckpointError(RunDirError):
-    "A checkpoint that is missing files, corrupt, or not of this format."
 
 def checkpoint_dirs(out) -> list[Path]:
     "Checkpoint directories `out/checkpoints/step-N`, oldest first (whole or not: `verify_checkpoint` tells)."

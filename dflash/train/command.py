@@ -4,15 +4,16 @@
 
 # %% ../../nbs/46_train_command.ipynb #e61e91ca
 from __future__ import annotations
-import csv, io, os, sys, time
+import csv, io, sys, time
 from dataclasses import asdict, replace
 from pathlib import Path
-from ..core.errors import EXIT_PREEMPTED, InputError, run_command
-from ..core.options import OptionParser, OptionsError, build_options, flag
-from ..core.stops import StopRequest, Preempted
+from ..core.errors import (EXIT_PREEMPTED, InputError, run_command, main_process, OptionsError, Preempted,
+                                RunDirError, StartupFailed)
+from ..core.options import OptionParser, build_options, flag
+from ..core.stops import StopRequest
 from ..core.schema import TrainConfig, toy_profile
-from .rundirs import (check_train, read_run, resume_changes, claim_run, unlock_run, RunDirError,
-                         RUN_ACTIONS, StartupFailed, absolute_paths, data_checksums, data_changes)
+from .rundirs import (check_train, read_run, resume_changes, claim_run, unlock_run, RUN_ACTIONS,
+                                  absolute_paths, data_checksums, data_changes)
 from ..core.files import write_json, write_atomic, toy_data_dir
 
 
@@ -83,11 +84,13 @@ def _sampled_text(r: dict) -> str:
 
 _SCHEDULE = ('max_steps', 'epochs', 'lr', 'warmup_ratio', 'schedule', 'decay_ratio')   # what lays out the rates
 
+# %% ../../nbs/46_train_command.ipynb #d4cb5ee2
 def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, stop: StopRequest | None = None) -> dict:
     t_start = time.perf_counter()
     import torch                                         # torch, transformers, accelerate: only now
     from dflash.train.trainer import Trainer
-    from dflash.train.metrics import TrackerError, timed
+    from dflash.train.metrics import timed
+    from dflash.core.errors import TrackerError
     from dflash.train.schedule import run_steps, steps_change
     from dflash.core.threads import use_threads
     gpu = torch.cuda.is_available()
@@ -147,6 +150,7 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
     trainer.acc.wait_for_everyone()                      # no process leaves while another still needs the group
     return summary
 
+# %% ../../nbs/46_train_command.ipynb #a1a298ad
 def _finished_work(out: Path, rec: dict, cfg: TrainConfig) -> str | None:
     "What a resume of the run in `out`, finished as `rec` records, has to do (as a sentence), or None: nothing."
     step, before = rec.get('step'), rec['config']
@@ -171,7 +175,7 @@ def _fewer_steps(rec: dict, cfg: TrainConfig) -> str | None:
 
 def _main(argv: list[str], prog: str) -> dict:
     cfg, rec, changed = _configure(argv, prog)
-    out, is_main = Path(cfg.out), int(os.environ.get('RANK', '0')) == 0
+    out, is_main = Path(cfg.out), main_process()
     if is_main and cfg.target is None: print("no --target: the toy profile (the toy target and corpus shipped in the package, "
                                              "dflash/assets/toy-run.yaml's options; flags given override them)")
     if cfg.resume and rec and rec.get('status') == 'finished':
@@ -197,7 +201,6 @@ def main(argv=None, prog: str = _PROG) -> dict:
     step that does not fit as 3, a stop on request after a checkpoint as 75."""
     return run_command(_main, argv, prog, then=" (or choose another --out), then run the command again (with --resume "
                                                "once the run has started)")
-
 
 # %% ../../nbs/46_train_command.ipynb #cd897561
 def _rows(path) -> list[dict]:
@@ -251,6 +254,7 @@ def _draw_acceptance(out, before: dict | None, after: dict | None) -> Path | Non
     for ax, (name, r) in zip(axes, runs): plot_acceptance(r['histogram'], ax, f"{name}: τ = {r['tau']:.2f}")
     return _save_png(fig, Path(out) / 'acceptance.png')
 
+# %% ../../nbs/46_train_command.ipynb #6c66c4c8
 def _draw_run(out, before: dict | None = None, after: dict | None = None) -> dict[str, Path]:
     "Draw the pictures of the run in `out`: {what: path} of those drawn; one that fails is named on stderr."
     drawn = {}

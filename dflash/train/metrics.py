@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from ..core.files import write_atomic
 from ..model.objective import ObjectiveSums
-from .rundirs import RunDirError
+from ..core.errors import RunDirError, TrackerError
 
 # %% auto #0
 __all__ = []
@@ -85,9 +85,6 @@ def truncate_csv(path, last_step: int):
     write_atomic(path, buf.getvalue())
 
 # %% ../../nbs/42_train_metrics.ipynb #80ab6958
-class TrackerError(RuntimeError):
-    "The `--report-to` tracker did not start; the message names it and what to do."
-
 class Trackers:
     "The `--report-to` trackers of accelerator `acc` for a run of options `config`: started once, then a side channel."
     def __init__(self, acc, report_to: str, config: dict):

@@ -6,13 +6,14 @@
 from __future__ import annotations
 import dataclasses, importlib.util, json, os, time
 from pathlib import Path
-from ..core.errors import EXIT_INPUT
+from ..core.errors import RunDirError, LockError
 from ..core.options import flag
 from ..model.config import DrafterConfig
 from ..core.schema import TRACKERS, TrainConfig
 from ..core.files import (config_max_positions, config_vocab_size, file_sha256, json_problem, make_dir, out_problems,
                           resolve_local, target_config_dict, target_problems, toy_target_dir)
-from ..core.locks import LockError, take_lock, start_heartbeat, release_lock, writer_problem
+from ..core.locks import take_lock, start_heartbeat, release_lock, writer_problem
+from ..core.names import TEACHER_LOSSES
 
 # %% auto #0
 __all__ = []
@@ -67,7 +68,7 @@ def _cache_problems(c: TrainConfig) -> list[str]:
                          f"choose among them, leave --target-layer-ids out to train on all of them, or write a cache "
                          f"of these layers (`python -m dflash.data cache ... --layers "
                          f"{','.join(map(str, c.target_layer_ids))}`)")
-        elif c.loss == 'kl' and not manifest.get('final_hidden'):
+        elif c.loss in TEACHER_LOSSES and not manifest.get('final_hidden'):
             probs.append(f"--loss = 'kl': the cache {d} holds no final hidden state of the target (the "
                          "teacher); write one with `python -m dflash.data cache ... --final-hidden`, or train online")
         elif isinstance(ids, list): held[d] = ids
@@ -104,6 +105,7 @@ def _layer_problems(c: TrainConfig, n) -> list[str]:
                 f"layer reads its own layer of the target, which has {n})"]
     return []
 
+# %% ../../nbs/40_train_rundirs.ipynb #0b7eeec5
 def check_train(c: TrainConfig) -> list[str]:
     "Problems that involve two options or the disk (each option's own range is checked by its field)."
     probs, world = [], int(os.environ.get('WORLD_SIZE', '1'))
@@ -155,6 +157,7 @@ def check_train(c: TrainConfig) -> list[str]:
 _AS_INIT_FROM = (('--num-layers', 'num_layers', 'num_hidden_layers'), ('--block-size', 'block_size', 'block_size'),
                  ('--draft-vocab-size', 'draft_vocab_size', 'draft_vocab_size'))   # flag, option, DrafterConfig field
 
+# %% ../../nbs/40_train_rundirs.ipynb #ba54915d
 def _init_from_problems(c: TrainConfig, conf: dict | None) -> list[str]:
     """What keeps the drafter of --init-from from starting this run: no drafter there, or not the run's shape (its
     layers, block size and draft vocabulary as the options say, its sizes the target's, `conf`). Fewer layers than
@@ -186,19 +189,6 @@ def _init_from_problems(c: TrainConfig, conf: dict | None) -> list[str]:
 
 # %% ../../nbs/40_train_rundirs.ipynb #0da2b238
 _RUN_FILES = ('run.json', 'checkpoints', 'metrics.csv', 'eval.csv', 'drafter', 'summary.json')
-
-class RunDirError(RuntimeError):
-    "A run directory that this run may not use as asked."
-    exit_status = EXIT_INPUT
-
-class RunFailed(RuntimeError):
-    "A run that ended without a drafter worth keeping (its steps were not finite); the message says what to do."
-    exit_status = 1                          # no bug: the message says what to change
-
-class StartupFailed(RuntimeError):
-    """A run that could not start: a target, tokenizer, data or cache it cannot use, found before the run is recorded
-    (no run.json: the corrected command starts afresh); the message names the file or option and what to do."""
-    exit_status = EXIT_INPUT
 
 def _run_files(out) -> list[str]:
     "The files of a run in `out` (empty: `out` holds no run)."

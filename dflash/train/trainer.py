@@ -20,9 +20,9 @@ from ..model.drafter import DFlashDrafter
 from ..model.objective import dflash_objective, draft_labels, Objective, ObjectiveSums
 from ..data.chat import collate
 from ..core.files import make_dir
-from ..core.stops import Preempted, StopRequest
+from ..core.stops import StopRequest
+from ..core.errors import Preempted, RunDirError, RunFailed
 from ..core.schema import TrainConfig
-from .rundirs import RunDirError, RunFailed
 from .checkpoints import save_checkpoint, load_newest, gathered_weights, write_drafter
 from .metrics import peak_memory_mb, append_csv, sums_metrics, csv_steps, last_row, truncate_csv, timed, Trackers
 from .schedule import step_samples, rank_micro_batches, run_steps, lr_schedule
@@ -246,6 +246,7 @@ def _preempt(self: Trainer, stop: StopRequest, saved_at: int):
     raise Preempted(f"stopped by {stop.reason or 'a signal to another process'} after step {self.step} of "
                     f"{self.total_steps}: {what}")
 
+# %% ../../nbs/45_train_trainer.ipynb #75415ee1
 @patch
 def fit(self: Trainer, stop: StopRequest | None = None) -> dict:
     """Train to `total_steps`, save, export, evaluate; returns the last train and eval metrics. `stop`: checked at each
