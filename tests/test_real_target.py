@@ -44,6 +44,22 @@ def test_a_gguf_target_is_the_model_its_directory_holds(smollm2, gguf_features):
     assert target_identity(smollm2_gguf()) == target_identity(smollm2_gguf()) != target_identity(smollm2)
 
 
+@pytest.mark.parametrize('command', [['dflash.speculate', '--drafter', 'DRAFTER'], ['dflash.data', 'cache', '--out', 'OUT'],
+                                     ['dflash.train', '--out', 'OUT']], ids=['speculate', 'data-cache', 'train'])
+def test_a_gguf_with_no_architecture_is_named_in_every_command(tmp_path, command):
+    "A GGUF header whose metadata lacks general.architecture: exit 2 and one line naming the file and the remedy."
+    import struct, subprocess, sys
+    from dflash.core.files import assets_dir
+    bad = tmp_path / 'model.gguf'
+    bad.write_bytes(b'GGUF' + struct.pack('<IQQ', 3, 0, 0))               # version 3, no tensors, no metadata
+    args = [str(assets_dir() / 'toy-drafter') if a == 'DRAFTER' else str(tmp_path / 'out') if a == 'OUT' else a
+            for a in command[1:]]
+    r = subprocess.run([sys.executable, '-m', command[0], *args, '--target', str(bad), '--data',
+                        str(chats(tmp_path / 'd.jsonl'))], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"{bad}: its metadata has no general.architecture" in r.stderr and 'Traceback' not in r.stderr, r.stderr
+
+
 def test_a_file_that_is_no_gguf_is_named_before_anything_loads(tmp_path):
     (tmp_path / 'model.gguf').write_bytes(b'\x00' * 64)
     (bad,) = target_problems(tmp_path / 'model.gguf')

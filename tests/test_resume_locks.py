@@ -186,3 +186,13 @@ def test_quality_bench_refuses_to_replace_earlier_results(tmp_path, capsys):
     assert (name, opts.overwrite) == ('quality', True)
     shutil.rmtree(out)
     assert parse_subcommand(BENCHES, argv)[1].out == str(out), "an --out without results: no --overwrite needed"
+
+
+def test_quality_bench_refuses_a_file_for_out(tmp_path, capsys):
+    "An --out that is a file: a named error before anything trains, and the file as it was."
+    out = tmp_path / 'quality.txt'
+    out.write_text('notes\n')
+    argv = ['quality', '--objectives', 'ce', '--seeds', '0', '--max-steps', '1', '--prompts', '1', '--new-tokens', '4',
+            '--temperatures', '0', '--threads', '1', '--out', str(out)]
+    refused(capsys, bench_main, argv, f"--out = {str(out)!r}: cannot write there (Not a directory")
+    assert out.read_text() == 'notes\n' and sorted(p.name for p in tmp_path.iterdir()) == ['quality.txt']

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import importlib
 from ..core.errors import run_command
+from ..core.files import dir_write_problem
 from ..core.options import Command, parse_subcommand, usage_text
 from ..train.rundirs import policy_problem
 from ..core.schema import (AttentionBench, DataBench, GpuBench, QualityBench, RegenerateBench, ScalingBench, StepBench,
@@ -31,7 +32,9 @@ def _check_train(o: TrainBench) -> list[str]:
     return probs
 
 def _check_quality(o: QualityBench) -> list[str]:
-    "An --out holding an earlier run's results, refused unless --overwrite: never replaced without a word."
+    """An --out it cannot write into (a file, say), and one holding an earlier run's results unless --overwrite: never
+    replaced without a word."""
+    if bad := dir_write_problem(o.out, '--out'): return [bad]                 # before anything trains
     if o.overwrite or not (found := quality_found(o.out)): return []
     return [f"--out = {o.out!r}: holds the results of an earlier quality run ({', '.join(found)}); pass --overwrite "
             f"to move them aside (to {o.out}.replaced-TIME) and measure again, or choose another --out"]

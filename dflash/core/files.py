@@ -199,7 +199,8 @@ def is_gguf(path) -> bool:
     return str(path).lower().endswith('.gguf')
 
 def gguf_problem(path) -> str | None:
-    "What keeps the `.gguf` file `path` from loading as a target (missing, unreadable, not GGUF, no `gguf`), or None."
+    """What keeps the `.gguf` file `path` from loading as a target (missing, unreadable, not GGUF, no `gguf`, no
+    architecture in its metadata), or None."""
     p = Path(path)
     if not p.is_file(): return f"{p}: no such file"
     if bad := _read_problem(p): return bad
@@ -208,6 +209,12 @@ def gguf_problem(path) -> str | None:
     if importlib.util.find_spec('gguf') is None:
         return (f"{p}: transformers reads a GGUF file with the gguf package, which is not installed: "
                 "pip install 'dflash[gguf]' (or pip install gguf)")
+    from gguf import GGUFReader
+    try: fields = GGUFReader(p).fields                                 # the header only: the tensors stay on disk
+    except Exception as e: return f"{p}: its GGUF header cannot be read ({type(e).__name__}: {e})"
+    if 'general.architecture' not in fields:
+        return (f"{p}: its metadata has no general.architecture, so no reader can tell which model it holds; "
+                "convert the model to GGUF again (llama.cpp's convert_hf_to_gguf.py writes it)")
     return None
 
 def pretrained(cls, target, **kw):

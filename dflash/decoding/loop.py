@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache, GenerationConfig
 from ..core.errors import InputError, DataError
-from ..model.config import DrafterConfig
+from ..model.config import DrafterConfig, embed_scale
 from ..core.schema import SpeculateOptions
 from ..core.stops import StopRequest
 from ..core.locks import writer_problem
 from ..core.files import json_problem, target_problems, resolve_local, safetensors_problem, dir_write_problem
-from ..model.drafter import DFlashDrafter, ContextCache
+from ..model.drafter import DFlashDrafter, ContextCache, TokenEmbedding
 from ..data.features import target_features
 from ..model.sampling import sample_tokens, warp
 
@@ -215,7 +215,8 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
     check_compatible(cfg, target.config, B)
     greedy = temperature == 0
     pick = lambda logits: logits.argmax(-1) if greedy else sample_tokens(warp(logits, temperature, top_p), generator)
-    embed, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    embed = TokenEmbedding(target.get_input_embeddings().weight, embed_scale(target.config))   # as the target embeds
+    lm_head = target.get_output_embeddings().weight
     stop, dev = set(stop_token_ids), input_ids.device
     cache, ctx_cache = DynamicCache(), ContextCache()
     out = _forward(target, input_ids, cache)

@@ -5,6 +5,7 @@
 # %% ../../nbs/16_model_drafter.ipynb #e67332a6
 from __future__ import annotations
 import json
+from dataclasses import dataclass
 from pathlib import Path
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,8 @@ from .attention import get_backend
 from ..core.files import resolve_local, safetensors_problem, write_atomic
 
 # %% auto #0
-__all__ = ['compute_dtype', 'RMSNorm', 'DFlashDecoderLayer', 'ContextCache', 'DFlashDrafter', 'check_semantics']
+__all__ = ['compute_dtype', 'RMSNorm', 'DFlashDecoderLayer', 'ContextCache', 'TokenEmbedding', 'embedded', 'DFlashDrafter',
+           'check_semantics']
 
 # %% ../../nbs/16_model_drafter.ipynb #edb55883
 def _qwen3_config(cfg: DrafterConfig) -> Qwen3Config:
@@ -143,6 +145,21 @@ class ContextCache:
         self.k[layer], self.v[layer] = k, v
         return k, v
 
+# %% ../../nbs/16_model_drafter.ipynb #36f270b7
+@dataclass
+class TokenEmbedding:
+    "A target's token embedding as the target applies it: rows `weight` (V, H) times `scale` (Gemma: √H; else 1)."
+    weight: Tensor
+    scale: float = 1.
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        x = F.embedding(ids, self.weight)                                           # (..., H)
+        return x if self.scale == 1 else x * torch.tensor(self.scale, dtype=x.dtype)   # in the rows' dtype, as Gemma
+
+def embedded(ids: Tensor, embed) -> Tensor:
+    "Token ids (...) embedded by `embed`: a weight matrix (V, H), a `TokenEmbedding` or the target's embedding module."
+    return F.embedding(ids, embed) if isinstance(embed, Tensor) else embed(ids)
+
 # %% ../../nbs/16_model_drafter.ipynb #286ac37e
 class DFlashDrafter(nn.Module):
     "A DFlash drafter: fc + hidden_norm over target features, Qwen3-style layers, final norm."
@@ -186,9 +203,9 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def forward(self, context: Tensor, layout: BlockLayout, embed: Tensor) -> Tensor:
-        "Hidden states of every block token. context: (N, S, L·H); embed: (V, H) -> (N, A·B, H)."
+        "Hidden states of every block token. context: (N, S, L·H); embed: `embedded`'s -> (N, A·B, H)."
         N, S = context.shape[:2]
-        x = F.embedding(layout.block_ids.flatten(1), embed).to(self.fc.weight.dtype)      # (N, A·B, H)
+        x = embedded(layout.block_ids.flatten(1), embed).to(self.fc.weight.dtype)         # (N, A·B, H)
         ctx_pos = torch.arange(S, device=context.device).expand(N, S)
         def attend(q, kc, vc, kb, vb, *, sliding_window, layer_idx):
             return self.attn_fn(q, kc, vc, kb, vb, layout, sliding_window=sliding_window)
@@ -202,7 +219,7 @@ class DFlashDrafter(nn.Module):
         N, new = context.shape[:2]
         start = cache.length if cache is not None else 0
         a, B = start + new, block_ids.shape[1]
-        x = F.embedding(block_ids, embed).to(self.fc.weight.dtype)
+        x = embedded(block_ids, embed).to(self.fc.weight.dtype)
         pos = torch.arange(a + B, device=context.device).expand(N, a + B)
         def attend(q, kc, vc, kb, vb, *, sliding_window, layer_idx):
             if cache is not None: kc, vc = cache.extend(layer_idx, kc, vc)

@@ -15,9 +15,9 @@ from accelerate import Accelerator
 from accelerate.utils import parse_flag_from_env
 from transformers import AutoConfig, AutoTokenizer
 from ..core.errors import InputError, NoFit, main_process
-from ..model.config import DrafterConfig
+from ..model.config import DrafterConfig, embed_scale
 from ..model.layout import valid_anchors
-from ..model.drafter import DFlashDrafter
+from ..model.drafter import DFlashDrafter, TokenEmbedding
 from ..model.recompute import set_checkpointing, parse_policy
 from ..model.planner import budgets, recommend_policy, step_memory, online_target_bytes, online_advice
 from ..model.chunking import free_bytes
@@ -74,7 +74,7 @@ class _RunParts:
     "Everything a process needs to train: tokenizer, target features or cache, datasets, drafter config."
     tokenizer: object
     features: TargetFeatures | None      # None in offline mode without --eval-data
-    embed: Tensor                        # (V, H) frozen
+    embed: TokenEmbedding                # (V, H) frozen rows, with the target's scale
     lm_head: Tensor                      # (V, H) frozen
     train: object                        # ChatDataset or CacheDataset
     eval: object | None
@@ -226,7 +226,7 @@ def _cache_parts(cfg: TrainConfig, target: Path, tok, tc, V: int, eval_data, dev
                                   tokenizer=tok)
     cut = [_cut_cache(c, cfg.max_length) for c in caches]
     train = cut[0] if len(cut) == 1 else _Joined(cut, [c.starts[-1] for c in caches], teacher)
-    return _RunParts(tok, features, embed.to(device), lm_head.to(device), train, ev,
+    return _RunParts(tok, features, TokenEmbedding(embed.to(device), embed_scale(tc)), lm_head.to(device), train, ev,
                     DrafterConfig.from_target(tc, target_layer_ids=ids, **dkw), draft_ids)
 
 def _online_parts(cfg: TrainConfig, target: Path, tok, data, eval_data, V: int, device, dkw: dict) -> _RunParts:
@@ -237,7 +237,8 @@ def _online_parts(cfg: TrainConfig, target: Path, tok, data, eval_data, V: int, 
     dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, [train], ev, cfg.mask_token_id)
     features = TargetFeatures(target, layer_ids=cfg.target_layer_ids, num_draft_layers=cfg.num_layers,
                               device=device, tokenizer=tok)
-    return _RunParts(tok, features, features.embed_weight, features.lm_head_weight, train, ev,
+    return _RunParts(tok, features, TokenEmbedding(features.embed_weight, embed_scale(features.model.config)),
+                     features.lm_head_weight, train, ev,
                     features.drafter_config(**dkw), draft_ids)
 
 def _config_diff(theirs: DrafterConfig, mine: DrafterConfig) -> list[str]:
