@@ -7,10 +7,11 @@ import pytest, torch
 from conftest import train_cli
 from dflash.bench.real import smollm2_gguf
 from dflash.model.drafter import DFlashDrafter
-from dflash.data.features import TargetFeatures, check_target_dir, target_identity
-from dflash.core.files import target_problems
+from dflash.data.features import TargetFeatures
+from dflash.model.target import check_target_dir, target_identity
+from dflash.model.target import target_problems
 from dflash.bench.harness import launch_train
-from dflash.train.assembly import frozen_head_weights
+from dflash.model.target import frozen_head_weights
 
 TINY = ['--num-layers', '1', '--num-anchors', '8', '--max-length', '128', '--batch-size', '2', '--max-steps', '1',
         '--spec-eval-prompts', '0', '--progress-bar', 'false', '--report-to', 'none']

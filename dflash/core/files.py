@@ -143,7 +143,7 @@ def resolve_local(name, kind: str = 'model') -> Path:
                             f"({how}), or set HF_HUB_CACHE (or HF_HOME) to the cache that holds it")
 
 # %% ../../nbs/02_core_files.ipynb #3656bb5a
-def _read_problem(path) -> str | None:
+def read_problem(path) -> str | None:
     "What keeps this process from reading `path`, a file or a directory (its permissions), naming it; or None."
     return f"{path}: {why}" if (why := unreadable(path)) else None
 
@@ -163,28 +163,12 @@ def safetensors_problem(path) -> str | None:
     """What is wrong with a safetensors file (garbage, truncated, a hostile header), found by the safetensors library
     reading its header and checking every tensor's offsets against the file, without reading the tensors; or None."""
     from safetensors import SafetensorError, safe_open
-    if bad := _read_problem(path): return bad
+    if bad := read_problem(path): return bad
     try:
         with safe_open(path, framework='numpy'): return None
     except SafetensorError as e: why = str(e).removeprefix('Error while deserializing header: ')
     if 'not fully covered' in why: return f"{path}: truncated: its tensors do not cover the file exactly (safetensors: {why})"
     return f"{path}: not a safetensors file (safetensors: {why})"
-
-def _model_dir_problems(path, name: str) -> list[str]:
-    """What is wrong with a transformers model named by option `name` (a local directory or a hub id in the local
-    cache, `resolve_local`), read without loading it: config.json and safetensors headers."""
-    try: p = resolve_local(path)
-    except FileNotFoundError as e: return [f"{name}: {e}"]
-    if not p.is_dir(): return [f"{name} = {str(path)!r}: not a directory"]
-    if bad := _read_problem(p): return [f"{name}: {bad}"]
-    if locked := [b for f in sorted(p.iterdir()) if (b := _read_problem(f))]: return [f"{name}: {b}" for b in locked]
-    d, bad = json_problem(p / 'config.json', 'config.json')
-    probs = [f"{name}: {bad}"] if bad else []
-    if d is not None and 'model_type' not in d: probs.append(f"{name}: {p / 'config.json'}: no 'model_type' field")
-    weights = sorted(p.glob('*.safetensors'))
-    if not weights: probs.append(f"{name}: {p}: no *.safetensors weights")
-    probs += [f"{name}: {b}" for w in weights if (b := safetensors_problem(w))]
-    return probs
 
 def file_sha256(path, chunk: int = 1 << 22) -> str:
     "The SHA-256 of a file's bytes, read in chunks."
@@ -192,88 +176,6 @@ def file_sha256(path, chunk: int = 1 << 22) -> str:
     with open(path, 'rb') as f:
         while b := f.read(chunk): h.update(b)
     return h.hexdigest()
-
-# %% ../../nbs/02_core_files.ipynb #b087ba41
-def is_gguf(path) -> bool:
-    "Whether `path` names a GGUF file (one file: config, tokenizer and weights), by its suffix."
-    return str(path).lower().endswith('.gguf')
-
-def gguf_problem(path) -> str | None:
-    """What keeps the `.gguf` file `path` from loading as a target (missing, unreadable, not GGUF, no `gguf`, no
-    architecture in its metadata), or None."""
-    p = Path(path)
-    if not p.is_file(): return f"{p}: no such file"
-    if bad := _read_problem(p): return bad
-    with open(p, 'rb') as f: magic = f.read(4)
-    if magic != b'GGUF': return f"{p}: not a GGUF file (it starts with {magic!r}, not b'GGUF')"
-    if importlib.util.find_spec('gguf') is None:
-        return (f"{p}: transformers reads a GGUF file with the gguf package, which is not installed: "
-                "pip install 'dflash[gguf]' (or pip install gguf)")
-    from gguf import GGUFReader
-    try: fields = GGUFReader(p).fields                                 # the header only: the tensors stay on disk
-    except Exception as e: return f"{p}: its GGUF header cannot be read ({type(e).__name__}: {e})"
-    if 'general.architecture' not in fields:
-        return (f"{p}: its metadata has no general.architecture, so no reader can tell which model it holds; "
-                "convert the model to GGUF again (llama.cpp's convert_hf_to_gguf.py writes it)")
-    return None
-
-def pretrained(cls, target, **kw):
-    """`cls.from_pretrained(target, **kw)` for a transformers config, tokenizer or model class `cls`, where `target` is
-    a model directory or a GGUF file (read and dequantized by transformers)."""
-    p = Path(target)
-    if is_gguf(p): return cls.from_pretrained(p.parent, gguf_file=p.name, **kw)
-    return cls.from_pretrained(p, **kw)
-
-def target_problems(target, name: str = '--target') -> list[str]:
-    "What is wrong with target `target` (option `name`): a GGUF file, else `_model_dir_problems`."
-    p = Path(target).expanduser()
-    if p.is_file() and not is_gguf(p):
-        return [f"{name} = {str(target)!r}: a file, not a model directory or a .gguf file"]
-    if is_gguf(p) and p.exists(): return [f"{name}: {bad}"] if (bad := gguf_problem(p)) else []
-    return _model_dir_problems(target, name)
-
-def target_config_dict(target) -> tuple[dict | None, str | None]:
-    """(the config of model `target`, None) or (None, what is wrong with it): a directory's `config.json`, or the
-    config transformers reads from a GGUF file's metadata."""
-    if not is_gguf(target): return json_problem(Path(target) / 'config.json', 'config.json')
-    if bad := gguf_problem(target): return None, bad
-    from transformers import AutoConfig
-    try: return pretrained(AutoConfig, target).to_dict(), None
-    except Exception as e:                              # transformers' own words: an architecture it cannot read
-        return None, f"{target}: transformers cannot read its config ({type(e).__name__}: {e})"
-
-def config_vocab_size(d: dict | None) -> int | None:
-    "The vocabulary size a config dict gives (a multimodal model's: its text config's), or None."
-    d = d or {}
-    V = d.get('vocab_size') or (d.get('text_config') or {}).get('vocab_size')
-    return V if isinstance(V, int) and not isinstance(V, bool) else None
-
-def config_max_positions(d: dict | None) -> int | None:
-    "The positions a config dict's model takes (max_position_embeddings; a multimodal model's text config's), or None."
-    d = d or {}
-    P = d.get('max_position_embeddings') or (d.get('text_config') or {}).get('max_position_embeddings')
-    return P if isinstance(P, int) and not isinstance(P, bool) else None
-
-def config_num_layers(d: dict | None) -> int | None:
-    "The layers of a config dict's model (num_hidden_layers; a multimodal model's text config's), or None."
-    d = d or {}
-    T = d.get('num_hidden_layers') or (d.get('text_config') or {}).get('num_hidden_layers')
-    return T if isinstance(T, int) and not isinstance(T, bool) else None
-
-# %% ../../nbs/02_core_files.ipynb #488fd1a0
-def causal_lm_problem(config) -> str | None:
-    "Why the model of transformers `config` is not a decoder-only causal LM (tokens see only earlier ones), or None."
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
-    kind = f"model_type {config.model_type!r}"
-    if 'DFlashDraftModel' in (config.architectures or []):
-        return "a DFlash drafter (architectures DFlashDraftModel), not a target: pass the model it drafts for"
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        return f"{kind} is not a causal LM (AutoModelForCausalLM cannot load it)"
-    if getattr(config, 'is_encoder_decoder', False):
-        return f"{kind} is an encoder-decoder (config.json: is_encoder_decoder), not a decoder-only causal LM"
-    if type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, 'is_decoder', False):
-        return f"{kind} is an encoder (config.json: is_decoder false: every token sees the whole text), not a causal LM"
-    return None
 
 # %% ../../nbs/02_core_files.ipynb #8dcfcfca
 def make_dir(path) -> Path:

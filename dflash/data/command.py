@@ -6,8 +6,8 @@
 from __future__ import annotations
 from pathlib import Path
 from ..core.errors import InputError, run_command
-from ..core.files import (config_max_positions, config_num_layers, config_vocab_size, out_problems, pretrained,
-                          resolve_local, target_config_dict, target_problems)
+from ..core.files import out_problems, resolve_local
+from ..model.target import config_max_positions, config_num_layers, config_vocab_size, pretrained, target_config_dict, target_problems
 from ..core.options import Command, parse_subcommand, usage_text
 from ..core.locks import release_lock, start_heartbeat, take_lock, writer_locks, writer_problem
 from .regenerate import REGENERATE

@@ -4,123 +4,30 @@
 
 # %% ../../nbs/22_data_features.ipynb #fea70003
 from __future__ import annotations
-import bisect, hashlib, json, os
+import bisect, hashlib, json
 from pathlib import Path
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
-from filelock import FileLock, Timeout
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 from ..core.errors import InputError, Preempted
 from ..model.config import DrafterConfig, default_target_layer_ids
-from ..core.files import (causal_lm_problem, file_sha256, gguf_problem, is_gguf, json_problem, make_dir, pretrained,
-                          remove_temporaries, resolve_local, safetensors_problem, write_atomic, write_json)
+from ..core.files import (file_sha256, make_dir, remove_temporaries, resolve_local, safetensors_problem, write_atomic,
+                               write_json)
+from ..model.target import check_target_dir, is_gguf, load_target, pretrained, target_identity
 from ..core.stops import StopRequest, any_stop
 from .chat import DataStats
 
 # %% auto #0
-__all__ = ['target_features', 'load_target', 'TargetFeatures', 'write_cache', 'CacheDataset']
-
-# %% ../../nbs/22_data_features.ipynb #3bfa4cc6
-_WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pt', '.pth')
-
-def _weight_files(path: Path) -> list[Path]:
-    return sorted(f for f in path.iterdir()
-                  if f.is_file() and (f.suffix in _WEIGHT_SUFFIXES or f.name.endswith('.index.json')))
-
-def _config_problem(path: Path) -> str | None:
-    "Why transformers cannot read the config.json in `path` by its `model_type` (unreadable, unknown), or None."
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    d, bad = json_problem(path / 'config.json', 'config.json')
-    if bad: return bad
-    if (t := d.get('model_type')) not in CONFIG_MAPPING_NAMES:
-        return (f"config.json: model_type {t!r} is not one this transformers knows: a model with code of its own "
-                f"(trust_remote_code, which dflash does not run) or of a newer transformers")
-    return None
-
-def check_target_dir(path: Path):
-    """The config of target `path` (a model directory, or a GGUF file), after checking it is a local decoder-only
-    causal LM with weights."""
-    from transformers import AutoConfig
-    if is_gguf(path):
-        if bad := gguf_problem(path): raise InputError(f"target {bad}")
-    elif not path.is_dir(): raise FileNotFoundError(f"target {path}: no such directory")
-    elif not (path / 'config.json').is_file():
-        raise InputError(f"target {path}: no config.json, not a transformers model directory (nor a .gguf file)")
-    elif bad := _config_problem(path): raise InputError(f"target {path}: {bad}")
-    try: config = pretrained(AutoConfig, path)
-    except Exception as e:                              # transformers' own checks of the config's fields
-        raise InputError(f"target {path}: its config does not load ({type(e).__name__}: {e})") from None
-    if bad := causal_lm_problem(config):
-        raise InputError(f"target {path}: {bad}; DFlash drafts for decoder-only causal LMs (Qwen3, Llama, ...)")
-    if not is_gguf(path) and not _weight_files(path):
-        raise InputError(f"target {path}: no weight files ({', '.join(_WEIGHT_SUFFIXES)})")
-    return config
-
-def _checksum_memo() -> Path:
-    "Where weights checksums are remembered between processes and runs: the user's cache directory."
-    return Path(os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache') / 'dflash' / 'weights-sha256.json'
-
-def _weights_sha256(f: Path) -> str:
-    "sha256 of a weights file, hashed once per machine: remembered by its path, size and modification time."
-    st, memo = f.stat(), _checksum_memo()
-    key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    if known := (json_problem(memo)[0] or {}).get(key): return known
-    digest = file_sha256(f)
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(f"{memo}.lock", timeout=60):                           # one writer at a time: none loses another's
-            now = json_problem(memo)[0] or {}                               # read again: others may have added theirs
-            write_json(memo, {**{k: v for k, v in now.items() if Path(k.split('|')[0]).exists()}, key: digest})
-    except (OSError, Timeout): pass                                          # a read-only or busy cache: hashed again later
-    return digest
-
-# %% ../../nbs/22_data_features.ipynb #82707962
-def target_identity(path) -> str:
-    """Fingerprint of a target: a model directory's config.json and each weight file's name and whole content
-    (sha256); a GGUF file's content, which holds config, tokenizer and weights."""
-    path, h = Path(path), hashlib.sha256()
-    if is_gguf(path): return hashlib.sha256(f"gguf:{_weights_sha256(path)}".encode()).hexdigest()[:16]
-    h.update((path / 'config.json').read_bytes())
-    for f in _weight_files(path):
-        h.update(f"{f.name}:{f.stat().st_size}:{_weights_sha256(f)}".encode())
-    return h.hexdigest()[:16]
+__all__ = ['target_features', 'TargetFeatures', 'write_cache', 'CacheDataset']
 
 # %% ../../nbs/22_data_features.ipynb #d1f8a1b6
 def target_features(hidden_states, layer_ids) -> Tensor:
     "Concatenated outputs of target layers `layer_ids` from a forward's hidden_states -> (N, T, L·H)."
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
-
-def _load_problem(loaded: dict, arch: str) -> str | None:
-    """What transformers' loading report says is wrong with the weights of a target that config.json makes an `arch`:
-    weights missing, of other shapes, or with no place in it (which transformers would drop); or None."""
-    if wrong := sorted(loaded['mismatched_keys']):
-        k, saved, wanted = wrong[0]
-        return (f"{len(wrong)} weights have other shapes than config.json gives (like {k}: {list(saved)} in the "
-                f"files, {list(wanted)} by config.json); config.json and the weights are not of one model")
-    if missing := sorted(loaded['missing_keys']):
-        return (f"its files lack weights of the model config.json describes ({len(missing)}, like "
-                f"{', '.join(missing[:3])}): they hold another architecture's weights")
-    if unexpected := sorted(loaded['unexpected_keys']):
-        return (f"its files hold {len(unexpected)} weights the {arch} of config.json has no place for (like "
-                f"{', '.join(unexpected[:3])}): another architecture's weights, which transformers would drop")
-    return None
-
-def load_target(path, dtype: torch.dtype):
-    """The causal LM of target `path` (a model directory or a GGUF file, `pretrained`) in `dtype`, refused with a
-    `ValueError` naming the weights when its files and its config.json are not of one model (`_load_problem`)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()                  # transformers' table of the keys: what is wrong is said below
-    try: model, loaded = pretrained(AutoModelForCausalLM, path, dtype=dtype, output_loading_info=True,
-                                    ignore_mismatched_sizes=True)
-    finally: hf_logging.set_verbosity(level)
-    if bad := _load_problem(loaded, type(model).__name__): raise InputError(f"target {path}: {bad}")
-    return model
 
 # %% ../../nbs/22_data_features.ipynb #27eed040
 class TargetFeatures:

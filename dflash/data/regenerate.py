@@ -9,8 +9,8 @@ from dataclasses import fields
 from pathlib import Path
 from ..core.errors import InputError, run_command, Preempted
 from ..core.options import Command, build_options, parse_options
-from ..core.files import (disk_error, file_sha256, pretrained, resolve_local, target_problems,
-                          toy_target_dir, write_atomic)
+from ..core.files import disk_error, file_sha256, resolve_local, toy_target_dir, write_atomic
+from ..model.target import pretrained, target_problems
 from ..core.threads import use_threads
 from ..core.locks import take_lock, start_heartbeat, release_lock, writer_locks, writer_problem
 from ..core.stops import StopRequest, any_stop
@@ -272,7 +272,7 @@ def _sha256_file(path) -> str:
 
 def run_header(cfg: RegenConfig) -> dict:
     "What the output is a regeneration of: the first line of the index."
-    from dflash.data.features import target_identity
+    from dflash.model.target import target_identity
     opts = {k: getattr(cfg, k) for k in ('engine', 'batch_size', 'max_new_tokens', 'temperature', 'top_p', 'seed',
                                          'thinking')}
     for k in ('max_turns', 'max_prompt_tokens'):                       # absent when unset: older indexes still match
@@ -354,7 +354,7 @@ def engine_dtype(cfg: RegenConfig, device) -> torch.dtype:
 def make_engine(cfg: RegenConfig, tokenizer, device):
     "The engine `cfg` asks for, with its stop ids."
     from transformers import GenerationConfig
-    from dflash.data.features import load_target
+    from dflash.model.target import load_target
     target = target_dir(cfg)
     try: gen_cfg = pretrained(GenerationConfig, target)
     except (OSError, ValueError): gen_cfg = None            # none saved: the tokenizer's end of turn
@@ -388,7 +388,7 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
     from dflash.core.errors import DataError
-    from dflash.data.features import check_target_dir
+    from dflash.model.target import check_target_dir
     _validate(cfg)
     convs, stats = load_conversations(cfg.data, cfg.skip_bad_lines, cfg.max_turns)   # all checked before loading
     if not convs: raise DataError(f"{cfg.data}: no conversation to regenerate")

@@ -9,7 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 from ..core.errors import InputError, Preempted
 from ..core.options import Command, build_options
-from ..core.files import config_max_positions, config_num_layers, pretrained, target_config_dict
+from ..model.target import config_max_positions, config_num_layers, pretrained, target_config_dict
 from ..core.stops import StopRequest
 from ..core.schema import DTYPES, SynthConfig
 from .templates import prompt_ids, special_after, special_texts, template_kwargs, template_messages
@@ -191,10 +191,6 @@ def _special_text_problems(texts: list[tuple[str, str]], tokenizer) -> list[str]
             for flag, text in texts for s in special_texts(tokenizer) if s and s in text]
 
 # %% ../../nbs/24_data_synthesize.ipynb #86620ee5
-def _target_config(cfg) -> dict:
-    "The target's config (config.json, or a GGUF file's) as a dict, empty when there is none to read."
-    return target_config_dict(target_dir(cfg))[0] or {}
-
 def _check_synth(cfg: SynthConfig) -> list[str]:
     """Problems beyond each option's own range: required options, the output path, the target, vLLM, the lengths, the
     steering texts."""
@@ -227,7 +223,7 @@ def _check_synth(cfg: SynthConfig) -> list[str]:
         p.append(f"--num-draft-layers = {cfg.num_draft_layers}: read only with --cache (the layers it holds); leave it "
                  "out, or give --cache")
     need = cfg.turns * (cfg.max_prompt_tokens + cfg.max_new_tokens)
-    conf = {} if p else _target_config(cfg)
+    conf = {} if p else target_config_dict(target_dir(cfg))[0] or {}       # config.json, or a GGUF file's
     if (n := config_max_positions(conf)) and need > n:
         p.append(f"--turns x (--max-prompt-tokens + --max-new-tokens) = {cfg.turns} x ({cfg.max_prompt_tokens} + "
                  f"{cfg.max_new_tokens}) = {need}: more tokens than the target's {n} positions; lower one of them")
@@ -251,7 +247,7 @@ _SYNTH_FORMAT, _STALL = 'dflash-synthesize/1', 8
 def _synth_header(cfg: SynthConfig) -> dict:
     """What the output is a synthesis of: the first line of the index (the target, and every option that changes the
     records; not `num`, so that a larger `--num` continues the file)."""
-    from dflash.data.features import target_identity
+    from dflash.model.target import target_identity
     keep = ('system', 'turns', 'max_prompt_tokens', 'max_new_tokens', 'prompt_temperature', 'prompt_top_p', 'temperature',
             'top_p', 'seed', 'batch_size', 'engine', 'thinking')
     steer = {k: getattr(cfg, k) for k in ('user_prefix', 'user_stop', 'user_insert_after', 'user_insert', 'user_suffix')
@@ -264,7 +260,8 @@ def _growing_cache(cfg: SynthConfig, target, config, batches: int, device):
     """The cache `--cache` grows with the data (`CacheAppender`): it holds the batches the data holds, or one more,
     written before a stop that came before the data's, which it forgets. Anything else is another data's cache."""
     from dflash.model.config import default_target_layer_ids
-    from dflash.data.features import CacheAppender, target_identity
+    from dflash.data.features import CacheAppender
+    from dflash.model.target import target_identity
     ids = default_target_layer_ids(config.num_hidden_layers, cfg.num_draft_layers)
     grow = CacheAppender(cfg.cache, target_path=target, identity=target_identity(target), config=config,
                          layer_ids=ids, dtype=engine_dtype(cfg, device), shard_size=cfg.batch_size,
@@ -287,7 +284,7 @@ def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
     how far the file is: the same call again continues."""
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
-    from dflash.data.features import check_target_dir
+    from dflash.model.target import check_target_dir
     _validate_synth(cfg)
     state = process_state()
     if state.num_processes > 1:

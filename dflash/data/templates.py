@@ -7,7 +7,8 @@ from __future__ import annotations
 import json, re
 from pathlib import Path
 from ..core.errors import InputError, ChatTemplateError
-from ..core.files import pretrained, resolve_local
+from ..core.files import resolve_local
+from ..model.target import pretrained
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:         # for annotations: torch and numpy load inside the functions that use them, so the commands
     from torch import Tensor   # that import this module answer `--help` at once

@@ -12,11 +12,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache, GenerationConfig
 from ..core.errors import InputError, DataError
-from ..model.config import DrafterConfig, embed_scale
+from ..model.config import DrafterConfig
+from ..model.target import embed_scale
 from ..core.schema import SpeculateOptions
 from ..core.stops import StopRequest
 from ..core.locks import writer_problem
-from ..core.files import json_problem, target_problems, resolve_local, safetensors_problem, dir_write_problem
+from ..core.files import json_problem, resolve_local, safetensors_problem, dir_write_problem
+from ..model.target import target_problems
 from ..model.drafter import DFlashDrafter, ContextCache, TokenEmbedding
 from ..data.features import target_features
 from ..model.sampling import sample_tokens, warp

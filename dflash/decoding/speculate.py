@@ -11,7 +11,8 @@ from ..model.config import DrafterConfig
 from ..core.options import parse_options
 from ..core.schema import CPU_COPY_NGRAM, CPU_DRAFT_CONFIDENCE, DTYPES, SpeculateOptions
 from ..core.stops import StopRequest
-from ..core.files import is_gguf, pretrained, resolve_local, write_atomic, write_json
+from ..core.files import resolve_local, write_atomic, write_json
+from ..model.target import is_gguf, pretrained
 from ..core.threads import use_threads
 
 # %% auto #0
@@ -40,7 +41,7 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
     from transformers import AutoTokenizer
     from dflash.decoding.loop import acceptance_eval, eval_prompts, greedy_generate, prompt_categories
     from dflash.model.drafter import DFlashDrafter
-    from dflash.data.features import load_target
+    from dflash.model.target import load_target
     dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     threads, why = use_threads(a.threads, 1) if dev.type == 'cpu' else (torch.get_num_threads(), 'left as is on a GPU')
     print(f"CPU threads: {threads} ({why})")

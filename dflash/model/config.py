@@ -11,7 +11,7 @@ from fastcore.basics import patch
 from ..core.names import BLOCK_SIZE
 
 # %% auto #0
-__all__ = ['default_target_layer_ids', 'DrafterConfig', 'embed_scale', 'mlp_width', 'choose_mask_token']
+__all__ = ['default_target_layer_ids', 'DrafterConfig', 'mlp_width', 'choose_mask_token']
 
 # %% ../../nbs/10_model_config.ipynb #2292cdbd
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -98,13 +98,6 @@ def validate(self: DrafterConfig):
     _check(c.rms_norm_eps > 0, 'rms_norm_eps', c.rms_norm_eps, "must be > 0")
     _check('rope_type' in c.rope_parameters and 'rope_theta' in c.rope_parameters, 'rope_parameters',
            c.rope_parameters, "must hold 'rope_type' and 'rope_theta'")
-
-# %% ../../nbs/10_model_config.ipynb #81eb3da7
-def embed_scale(target_config) -> float:
-    "The factor the target multiplies its token embeddings by: √hidden_size for the Gemma family, else 1."
-    tc = getattr(target_config, 'text_config', None) or target_config        # a multimodal target: its language model
-    kind = getattr(tc, 'model_type', '') or ''
-    return float(tc.hidden_size) ** 0.5 if kind.startswith('gemma') or kind == 'recurrent_gemma' else 1.
 
 # %% ../../nbs/10_model_config.ipynb #be558e5e
 def _rope_parameters(tc) -> dict:

@@ -4,15 +4,16 @@
 
 # %% ../../nbs/19_model_planner.ipynb #500a9cad
 from __future__ import annotations
-import json, re, time
+import re, time
 from dataclasses import dataclass
 from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from ..core.errors import InputError, BudgetTooSmall
 from ..core.schema import DTYPES, PlanOptions
-from ..core.files import (assets_dir, causal_lm_problem, config_vocab_size, is_gguf, json_problem, pretrained,
-                          resolve_local, target_config_dict, write_atomic)
+from ..core.files import json_problem, write_atomic
+from .target import (causal_lm_problem, config_vocab_size, is_gguf, shipped_targets, target_config_dict,
+                                 target_config_path, target_text_config)
 from .config import DrafterConfig, mlp_width
 from .layout import BlockLayout
 from .drafter import DFlashDrafter
@@ -242,30 +243,6 @@ def online_advice(online: dict, step_total: int, budget_bytes: int) -> str:
     return head + (f"does not fit in {_gb(budget_bytes)} GB; write the offline cache once "
                    "(python -m dflash.data cache --target T --data D --out CACHE) and train with --cache CACHE")
 
-# %% ../../nbs/19_model_planner.ipynb #43839bb6
-def _shipped_targets() -> dict[str, Path]:
-    "The targets whose published `config.json` ships with dflash (sizes only, no weights), by name."
-    return {p.parent.name: p for p in sorted((assets_dir() / 'targets').glob('*/config.json'))}
-
-def _config_path(target_config) -> Path:
-    """The `config.json` that `--target-config` names: a JSON file, a shipped target's name, or that of a model directory
-    or hub id in the local Hugging Face cache (`FileNotFoundError`, naming where it looked, when there is none)."""
-    p = Path(target_config).expanduser()
-    if p.is_file() or p.suffix == '.json' or is_gguf(p): return p
-    name = str(target_config).lower()
-    if not p.exists() and name in _shipped_targets(): return _shipped_targets()[name]
-    return resolve_local(target_config) / 'config.json'
-
-def _target_config(path):
-    "The (text) config of a `config.json` file, a directory holding one, or a shipped target's name."
-    from transformers import AutoConfig
-    p = _config_path(path)
-    if is_gguf(p): return pretrained(AutoConfig, p).get_text_config()         # the config in a GGUF file's metadata
-    if not p.is_file(): raise FileNotFoundError(f"--target-config {path}: no such config.json")
-    d = json.loads(p.read_text())
-    if 'model_type' not in d: raise InputError(f"--target-config {path}: no 'model_type', not a transformers config")
-    return AutoConfig.for_model(**d).get_text_config()          # a multimodal target: its language model
-
 # %% ../../nbs/19_model_planner.ipynb #1cbf7548
 _FITS_MARKERS = ('<!-- fits-table: written by python -m dflash.plan --fits-table README.md -->', '<!-- /fits-table -->')
 
@@ -284,7 +261,7 @@ def fits_table(*, targets=None, seq_lens=(3072, 8192), anchors: int = 512,
     "A Markdown table: per shipped target (smallest first), sequence length and mode, the policy and peak per GPU size."
     head = ['target', 'S', 'mode', *(m.replace('GiB', ' GiB') for m in memories)]
     rows = [head, ['---'] * len(head)]
-    configs = {name: _target_config(name) for name in targets or _shipped_targets()}
+    configs = {name: target_text_config(name) for name in targets or shipped_targets()}
     for name, tc in sorted(configs.items(), key=lambda kv: online_target_bytes(kv[1], 1)['weights']):   # small first
         cfg = DrafterConfig.from_target(tc, mask_token_id=tc.vocab_size - 1, num_hidden_layers=layers)
         for s in seq_lens:
@@ -307,7 +284,7 @@ def _target_problems(o: PlanOptions) -> list[str]:
     model is no decoder-only causal LM, it reads fewer positions than `--seq-len` (the plan would hold tensors that
     long), or it has fewer layers than the drafter reads (one each)."""
     name = f"--target-config {o.target_config}"
-    try: t = _target_config(o.target_config)                   # a multimodal target: its language model
+    try: t = target_text_config(o.target_config)                   # a multimodal target: its language model
     except Exception as e: return [f"{name}: transformers cannot read it ({type(e).__name__}: {e})"]
     if bad := causal_lm_problem(t):
         return [f"{name}: {bad}; DFlash drafts for decoder-only causal LMs (Qwen3, Llama, ...)"]
@@ -335,9 +312,9 @@ def check_plan(o: PlanOptions) -> list[str]:
     elif o.target_config is None: probs.append("--target-config is required (or --fits-table FILE)")
     else:
         try:
-            p = _config_path(o.target_config)
+            p = target_config_path(o.target_config)
             d, bad = target_config_dict(p) if is_gguf(p) else json_problem(p, 'config.json')
-        except FileNotFoundError as e: d, bad = None, f"{e}; the shipped targets are {', '.join(_shipped_targets())}"
+        except FileNotFoundError as e: d, bad = None, f"{e}; the shipped targets are {', '.join(shipped_targets())}"
         if bad: probs.append(f"--target-config: {bad}")
         elif 'model_type' not in d:
             probs.append(f"--target-config {o.target_config}: no 'model_type', not a transformers config")
@@ -356,11 +333,11 @@ def run_plan(a: PlanOptions) -> int:
     "`python -m dflash.plan` with checked options `a`: 0 when the recommended step fits the memory, 3 when none does."
     if a.fits_table:
         _write_fits_table(a.fits_table, fits_table())
-        print(f"wrote the fits table of {len(_shipped_targets())} targets into {a.fits_table}")
+        print(f"wrote the fits table of {len(shipped_targets())} targets into {a.fits_table}")
         return 0
     budget = _parse_memory(a.memory)
     a.policies = [parse_policy(p) for p in a.policies] if a.policies else list(POLICIES)
-    tc = _target_config(a.target_config)
+    tc = target_text_config(a.target_config)
     mask = a.mask_token_id if a.mask_token_id is not None else tc.vocab_size - 1
     cfg = DrafterConfig.from_target(tc, mask_token_id=mask, num_hidden_layers=a.layers, block_size=a.block_size)
     print(f"drafter: {a.layers} layers, hidden {cfg.hidden_size}, "
@@ -388,7 +365,7 @@ def run_plan(a: PlanOptions) -> int:
 # %% ../../nbs/19_model_planner.ipynb #bfda98e7
 _SIZES = ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads',
           'head_dim', 'vocab_size')
-_TARGET_PRESETS = {name: {k: getattr(_target_config(name), k) for k in _SIZES} for name in _shipped_targets()}
+_TARGET_PRESETS = {name: {k: getattr(target_text_config(name), k) for k in _SIZES} for name in shipped_targets()}
 _GPU_SIZES = ('24GiB', '40GiB', '48GiB', '80GiB', '94GiB', '141GiB', '192GiB')   # cards' sizes as sold, read as GiB
 
 def _target_drafter_config(sizes: dict, layers: int = 5) -> DrafterConfig:

@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from accelerate.utils import parse_flag_from_env
 from transformers import AutoConfig, AutoTokenizer
 from ..core.errors import InputError, NoFit, main_process
-from ..model.config import DrafterConfig, embed_scale
+from ..model.config import DrafterConfig
 from ..model.layout import valid_anchors
 from ..model.drafter import DFlashDrafter, TokenEmbedding
 from ..model.recompute import set_checkpointing, parse_policy
@@ -23,8 +23,9 @@ from ..model.planner import budgets, recommend_policy, step_memory, online_targe
 from ..model.chunking import free_bytes
 from ..model.objective import data_mask_token, draft_vocab, token_counts
 from ..data.chat import ChatDataset
-from ..data.features import CacheDataset, TargetFeatures, check_target_dir, load_target, target_identity
-from ..core.files import is_gguf, pretrained, toy_target_dir, toy_data_dir, resolve_local
+from ..data.features import CacheDataset, TargetFeatures
+from ..core.files import toy_target_dir, toy_data_dir, resolve_local
+from ..model.target import check_target_dir, embed_scale, frozen_head_weights, load_target, pretrained, target_identity
 from ..core.schema import TrainConfig
 from .rundirs import cache_flags, launch_problems
 from ..core.names import TEACHER_LOSSES
@@ -44,31 +45,6 @@ def run_accelerator(cfg: TrainConfig, accelerator: Accelerator | None = None) ->
                        log_with=None if cfg.report_to == 'none' else cfg.report_to, project_dir=str(cfg.out))
 
 # %% ../../nbs/44_train_assembly.ipynb #0569d6fe
-def _gguf_head_weights(path: Path) -> tuple[Tensor, Tensor]:
-    "A GGUF target's input embedding and LM head (V, H), dequantized to fp32 from its file, without loading the model."
-    from gguf import GGUFReader, dequantize
-    found = {t.name: t for t in GGUFReader(path).tensors if t.name in ('token_embd.weight', 'output.weight')}
-    if 'token_embd.weight' not in found: raise InputError(f"target {path}: no token_embd.weight in the GGUF file")
-    embed, head = (torch.from_numpy(dequantize(found[k].data, found[k].tensor_type).astype('float32'))
-                   if k in found else None for k in ('token_embd.weight', 'output.weight'))
-    return embed, embed if head is None else head      # no output.weight: tied embeddings, one matrix
-
-def frozen_head_weights(target_dir) -> tuple[Tensor, Tensor]:
-    """The target's input embedding and LM head weights (V, H), read from its safetensors (or its GGUF file) without
-    loading the model."""
-    target_dir = Path(target_dir)
-    if is_gguf(target_dir): return _gguf_head_weights(target_dir)
-    files = sorted(target_dir.glob('*.safetensors'))
-    if not files: raise FileNotFoundError(f"target {target_dir}: no *.safetensors weights")
-    found = {}
-    for f in files:
-        with safe_open(f, framework='pt') as st:
-            for k in st.keys():
-                if k.endswith('embed_tokens.weight') or k == 'lm_head.weight':
-                    found[k.split('.')[-2]] = st.get_tensor(k)
-    if 'embed_tokens' not in found: raise InputError(f"target {target_dir}: no embed_tokens.weight in its safetensors")
-    return found['embed_tokens'], found.get('lm_head', found['embed_tokens'])   # tied embeddings: one matrix
-
 @dataclass
 class _RunParts:
     "Everything a process needs to train: tokenizer, target features or cache, datasets, drafter config."

@@ -10,8 +10,8 @@ from ..core.errors import RunDirError, LockError
 from ..core.options import flag
 from ..model.config import DrafterConfig
 from ..core.schema import TRACKERS, TrainConfig
-from ..core.files import (config_max_positions, config_vocab_size, file_sha256, json_problem, make_dir, out_problems,
-                          resolve_local, target_config_dict, target_problems, toy_target_dir)
+from ..core.files import file_sha256, json_problem, make_dir, out_problems, resolve_local, toy_target_dir
+from ..model.target import config_max_positions, config_vocab_size, target_config_dict, target_problems
 from ..core.locks import take_lock, start_heartbeat, release_lock, writer_problem
 from ..core.names import TEACHER_LOSSES
 
