@@ -266,3 +266,21 @@ def test_every_notebook_opens_clean():
         if meta.get('kernelspec', {}).get('name') != 'python3': bad.append(f"{nb.name}: no python3 kernelspec")
         if 'widgets' in meta: bad.append(f"{nb.name}: committed widget state")
     assert not bad, bad
+
+
+def test_no_module_over_400_lines():
+    "A module a newcomer reads in one sitting: split by job past 400 lines."
+    long = {_name(p): n for p in MODULES if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
+
+
+def test_no_export_cell_over_60_lines():
+    "One concept per exported cell, followed by its example and test: no wall of code past 60 lines."
+    import json
+    long = []
+    for nb in sorted((PKG.parent / 'nbs').glob('*.ipynb')):
+        for i, cell in enumerate(json.loads(nb.read_text())['cells']):
+            src = ''.join(cell['source'])
+            if cell['cell_type'] == 'code' and src.startswith(('#| export', '#| exporti')):
+                if (n := len(src.splitlines())) > 60: long.append(f"{nb.name} cell {i}: {n} lines")
+    assert not long, long
