@@ -9,7 +9,7 @@ from dflash.core.files import toy_target_dir, toy_data_dir, assets_dir
 from dflash.train.command import main as train_main
 from dflash.plan import main as plan_main
 from dflash.decoding.speculate import main as speculate_main
-from dflash.data.chat import read_jsonl
+from dflash.data.records import read_jsonl
 from dflash.core.errors import DataError
 from dflash.data.command import main as data_main
 from conftest import SMALL, override, refused, train_cli, tree
@@ -795,7 +795,7 @@ def test_bench_every_bad_option_in_one_error(capsys):
      "--data = 'missing.jsonl': no such file"),
     ('dflash.data', [], "usage: python -m dflash.data {tokenize,cache"),
     ('dflash.bench', ['train', '--machines', '0', '--steps', '1'], "2 bad options"),
-    ('dflash.bench', [], "usage: python -m dflash.bench {attention,scaling,step,train,regenerate,data,quality,gpu,real}"),
+    ('dflash.bench', [], "usage: python -m dflash.bench {attention,scaling,step,train,regenerate,data,quality,gpu,real,vocab,threads}"),
 ], ids=['train', 'plan', 'speculate', 'data', 'data-no-command', 'bench', 'bench-no-command'])
 def test_command_exits_2_with_the_error(tmp_path, module, argv, expect):
     r = subprocess.run([sys.executable, '-m', module, *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120)

@@ -4,9 +4,10 @@ from pathlib import Path
 import numpy as np
 import pytest, torch
 from conftest import chat_sentence
-import dflash.data.features as features
+import dflash.data.cache as features
 from dflash.data.chat import collate
-from dflash.data.features import CacheDataset, TargetFeatures, write_cache
+from dflash.data.cache import CacheDataset, write_cache
+from dflash.data.features import TargetFeatures
 from dflash.data.chat import ChatDataset
 from dflash.data.command import main
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest, torch
 import dflash
 from conftest import END_OF_TURN, chat_sentence
-from dflash.data.chat import ChatDataset, DataStats, read_jsonl, to_messages, tokenize_conversation
+from dflash.data.chat import ChatDataset, tokenize_conversation
+from dflash.data.records import DataStats, read_jsonl, to_messages
 from dflash.core.errors import DataError
 from dflash.data.templates import tokenize_chat
 from dflash.data.chat import collate
@@ -242,7 +243,7 @@ TOY = Path(dflash.__file__).resolve().parent / 'assets' / 'toy-target'
 
 @pytest.mark.skipif(not (TOY / 'config.json').is_file(), reason='the toy target is not built')
 def test_shipped_toy_target(tmp_path):
-    from dflash.data.features import CacheDataset, write_cache
+    from dflash.data.cache import CacheDataset, write_cache
     t = TargetFeatures(TOY, num_draft_layers=1)
     rng = np.random.default_rng(8)
     convs = [_conversation(rng, system=False, turns=2) for _ in range(2)]

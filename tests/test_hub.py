@@ -6,7 +6,8 @@ import pytest, torch
 from conftest import override
 from dflash.core.files import resolve_local, toy_target_dir, toy_data_dir, assets_dir
 from dflash.bench.harness import launch_commands
-from dflash.data.features import TargetFeatures, CacheDataset
+from dflash.data.features import TargetFeatures
+from dflash.data.cache import CacheDataset
 from dflash.data.chat import load_chat_data
 from dflash.data.command import main
 from dflash.model.drafter import DFlashDrafter

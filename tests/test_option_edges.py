@@ -10,8 +10,8 @@ from dflash.data.regenerate import main as regenerate_main
 from dflash.decoding.speculate import main as speculate_main
 from dflash.train.command import main as train_main, parse_config
 from dflash.core.options import OptionParser, parse_options
-from dflash.core.schema import (DTYPES, AttentionBench, CacheOptions, PlanOptions, RegenConfig, ScalingBench, SpeculateOptions,
-                           StepBench, SynthConfig)
+from dflash.core.schema import DTYPES, CacheOptions, PlanOptions, RegenConfig, SpeculateOptions, SynthConfig
+from dflash.core.bench_schema import AttentionBench, ScalingBench, StepBench
 from conftest import refused
 
 # were one of these accepted, the run it starts is short: a step, no evaluation, no tracker

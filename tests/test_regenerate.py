@@ -2,8 +2,8 @@
 prompts without replies answered, replies cut at the token limit marked (and their false end of turn unsupervised)."""
 import json, os, signal, socket, subprocess, sys, time
 import pytest, torch
-from dflash.data.regenerate import (TransformersEngine, index_path, load_conversations, regenerate, regenerate_batch,
-                               vllm_unavailable)
+from dflash.data.generate import TransformersEngine, load_conversations, regenerate_batch
+from dflash.data.regenerate import index_path, regenerate, vllm_unavailable
 from dflash.core.schema import RegenConfig
 from dflash.data.templates import end_of_turn_ids, prompt_ids
 from dflash.data.toy import load_toy_target
@@ -284,7 +284,7 @@ def test_regenerate_answers_prompt_only_records(regenerated):
 
 def test_truncated_reply_end_of_turn_is_not_in_the_loss_mask(regenerated, smollm2):
     "A truncated reply's tokens are supervised and the <|im_end|> the template appends after it is not; a finished one's is."
-    from dflash.data.chat import to_messages
+    from dflash.data.records import to_messages
     from dflash.data.templates import load_tokenizer, tokenize_chat
     tok = load_tokenizer(smollm2)
     eot = tok.convert_tokens_to_ids('<|im_end|>')

@@ -8,7 +8,8 @@ from dflash.model.objective import dflash_objective
 from dflash.data.chat import ChatDataset
 from dflash.data.chat import collate
 from dflash.data.features import TargetFeatures
-from dflash.decoding.loop import eval_prompts, speculative_generate, greedy_generate, acceptance_eval
+from dflash.decoding.loop import speculative_generate, greedy_generate
+from dflash.decoding.evaluate import eval_prompts, acceptance_eval
 from dflash.decoding.speculate import main as speculate_main
 from dflash.data.toy import load_toy_target
 from dflash.core.files import assets_dir, toy_data_dir, toy_target_dir
@@ -113,7 +114,7 @@ def test_command_line(tmp_path):
 @pytest.fixture
 def logged_calls(monkeypatch):
     "The decoders `acceptance_eval` calls, in the order it calls them."
-    import dflash.decoding.loop as S
+    import dflash.decoding.evaluate as S
     calls = []
     for name, label in [('speculative_generate', 'speculative'), ('greedy_generate', 'plain'),
                         ('sample_generate', 'plain'), ('lookup_generate', 'lookup')]:
@@ -139,7 +140,7 @@ def test_each_prompt_is_decoded_by_every_method_in_turn(toy, logged_calls):
 
 def test_same_output_check_names_the_prompts_that_differ(toy, monkeypatch):
     "A plain decoder that gets prompts 1 and 3 wrong: two mismatches, listed, for speculative and prompt lookup alike."
-    import dflash.decoding.loop as S
+    import dflash.decoding.evaluate as S
     target, tok, drafter = toy
     prompts = eval_prompts(toy_data_dir() / 'eval.jsonl', tok, 4)
     right, calls = S.greedy_generate, []
@@ -250,7 +251,7 @@ def test_tied_embeddings_smollm2_greedy_is_exact(smollm2, tmp_path):
 
 def test_histogram_keeps_its_labels():
     "The acceptance plot's x label lies inside the saved figure (it was cut off before)."
-    from dflash.decoding.loop import plot_acceptance
+    from dflash.decoding.evaluate import plot_acceptance
     ax = plot_acceptance([5, 3, 2, 1], title='tau = 1.82')
     fig = ax.figure
     fig.canvas.draw()

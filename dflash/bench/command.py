@@ -8,9 +8,9 @@ import importlib
 from ..core.errors import run_command
 from ..core.files import dir_write_problem
 from ..core.options import Command, parse_subcommand, usage_text
-from ..train.rundirs import policy_problem
-from ..core.schema import (AttentionBench, DataBench, GpuBench, QualityBench, RegenerateBench, ScalingBench, StepBench,
-                           TrainBench, quality_found)
+from ..core.policy import policy_problem
+from ..core.bench_schema import (AttentionBench, DataBench, GpuBench, QualityBench, RegenerateBench, ScalingBench,
+                                 StepBench, ThreadsBench, TrainBench, VocabBench, quality_found)
 from .real import RealBench, check_real
 
 # %% auto #0
@@ -18,7 +18,7 @@ __all__ = ['COMMANDS', 'main']
 
 # %% ../../nbs/55_bench_command.ipynb #e52d15a7
 def _check_step(o: StepBench) -> list[str]:
-    return [p for t in o.policies if (p := policy_problem(t, '--policies', ('none', 'all')))]
+    return [p for t in o.policies if (p := policy_problem(t, '--policies'))]
 
 def _check_train(o: TrainBench) -> list[str]:
     "Options that must fit together (each value's own range is checked first; here only values inside it count)."
@@ -65,9 +65,15 @@ COMMANDS = {   # each benchmark's module is imported when it runs
                        'speedup, training time', _check_quality),
     'gpu': Command(GpuBench, _later('bench.gpu', 'run_gpu'),
                    'every CUDA check in one bounded run (one H200: <= 8 minutes); CSV and JSON to --out'),
-    'real': Command(RealBench, _later('bench.real', 'run_real'),
+    'real': Command(RealBench, _later('bench.measure', 'run_real'),
                     'a real target from nothing but itself: synthesize, cache, train, then HumanEval against plain '
                     'decoding and prompt lookup, with each lever', check_real),
+    'vocab': Command(VocabBench, _later('bench.vocab', 'run_vocab'),
+                     "peak memory of the objective over 49k, 152k and 262k vocabularies: it follows the LM head's "
+                     'chunk, not the vocabulary times the tokens'),
+    'threads': Command(ThreadsBench, _later('bench.threads', 'run_threads'),
+                       'training speed with the threads chosen by what is free against every core, idle and beside '
+                       'busy processes'),
 }
 _PROG = 'python -m dflash.bench'
 

@@ -13,6 +13,7 @@ from torch import Tensor
 from ..model.layout import BlockLayout
 from ..model.memory import measure
 from ..model.attention import get_backend
+from ..decoding.loop import sync_device
 
 # %% auto #0
 __all__ = []
@@ -61,9 +62,6 @@ def pinned_threads(n: int | None):
     if n: torch.set_num_threads(n)
     try: yield
     finally: torch.set_num_threads(old)
-
-def sync_device(device):
-    if torch.device(device).type == 'cuda': torch.cuda.synchronize(device)
 
 def _step(fn, qkv, layout, sliding_window) -> tuple[float, float]:
     "(wall, CPU) seconds of one forward+backward; a fresh layout object, so the sdpa backend plans inside the step."
@@ -185,3 +183,14 @@ def throughput(metrics_csv, warmup_steps: int = 1) -> dict:
     if not steady: raise ValueError(f"{metrics_csv}: no step after the {warmup_steps} warm-up step(s); run more steps")
     return dict(steps=len(steady), tokens_per_s=statistics.median(steady),
                 peak_mem_mb=max(float(r['peak_mem_mb']) for r in rows))
+
+# %% ../../nbs/50_bench_harness.ipynb #ccee8ad7
+def write_report(out, name: str, rows: list[dict], head: str, table: str) -> Path | None:
+    "`out`/NAME.csv (the rows) and `out`/NAME.md (`head`, then `table`); nothing when `out` is empty. Returns `out`."
+    from dflash.core.files import write_atomic, write_csv
+    if not out: return None
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / f'{name}.csv', rows)
+    write_atomic(out / f'{name}.md', f"{head}\n\n{table}\n")
+    return out

@@ -16,11 +16,13 @@ from ..model.memory import measure, fmt_bytes
 from ..model.attention import get_backend
 from ..model.testing import random_qkv
 from ..model.drafter import DFlashDrafter
-from ..model.recompute import set_checkpointing, parse_policy
+from ..core.policy import Policy
+from ..model.recompute import set_checkpointing
 from ..model.objective import dflash_objective
 from ..core.files import write_csv
 from .harness import METHODS, bench_many, physical_floor, pinned_threads, progress, sync_device
-from ..core.schema import DTYPES, LAYOUTS, STEP_CONFIGS, AttentionBench, ScalingBench, StepBench
+from ..core.schema import DTYPES
+from ..core.bench_schema import LAYOUTS, STEP_CONFIGS, AttentionBench, ScalingBench, StepBench
 from ..core.names import BLOCK_SIZE
 
 # %% auto #0
@@ -219,11 +221,11 @@ def _timed_step(step, case: _StepCase, kind: str, seed: int) -> tuple[float, flo
     sync_device(case.context.device)
     return time.perf_counter() - t0, time.process_time() - c0, loss.item()
 
-def _bench_steps(case: _StepCase, policies: list, kind: str = 'uniform', repeats: int = 3) -> dict:
+def _bench_steps(case: _StepCase, policies: list[Policy], kind: str = 'uniform', repeats: int = 3) -> dict:
     """Per method ('reference', then dflash per checkpointing policy): median wall and CPU seconds over `repeats`
     interleaved rounds after a warm-up, peak bytes, bytes held after forward; the loss of every round, asserted
     equal."""
-    methods = {'reference': (_reference_step, 'none'), **{str(p): (_drafter_step, p) for p in policies}}
+    methods = {'reference': (_reference_step, Policy('none')), **{str(p): (_drafter_step, p) for p in policies}}
     res = {}
     for name, (step, p) in methods.items():
         layers = set_checkpointing(case.drafter, p)
@@ -239,7 +241,7 @@ def _bench_steps(case: _StepCase, policies: list, kind: str = 'uniform', repeats
             if r:
                 res[name]['wall'].append(w)
                 res[name]['cpu'].append(c)
-    set_checkpointing(case.drafter, 'none')
+    set_checkpointing(case.drafter, Policy('none'))
     case.drafter.zero_grad(set_to_none=True)
     ref = res['reference']['losses']
     for name, x in res.items():                                          # same weights, same anchors: same loss
@@ -263,7 +265,7 @@ def run_step(args: StepBench) -> list[dict]:
                            f"vocab {z['vocab']}, S={case.seq_len}, {case.anchors} anchors x B={args.block_size}, "
                            f"{sum(p.numel() for p in case.drafter.parameters()) / 1e6:.1f}M parameters")
             for kind in args.layouts:
-                res = _bench_steps(case, [parse_policy(t) for t in args.policies], kind, args.repeats)
+                res = _bench_steps(case, [Policy.parse(t) for t in args.policies], kind, args.repeats)
                 bar.update()
                 base = res['reference']
                 for p, r in res.items():

@@ -9,12 +9,13 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 from transformers.utils import logging as hf_logging
-from ..data.toy import toy_config, load_toy_target, make_corpus
+from ..data.toybuild import toy_config, make_corpus
+from ..data.toy import load_toy_target
 from ..core.files import toy_target_dir, toy_data_dir, write_csv
 from .harness import launch_train, last_error, logged_steps, progress, sync_device, throughput
-from ..data.regenerate import TransformersEngine, load_conversations, regenerate_batch
+from ..data.generate import TransformersEngine, load_conversations, regenerate_batch
 from ..data.templates import end_of_turn_ids
-from ..core.schema import QUALITY_RECIPES, TRAIN_TARGETS, DataBench, QualityBench, RegenerateBench, TrainBench, quality_found
+from ..core.bench_schema import QUALITY_RECIPES, TRAIN_TARGETS, DataBench, QualityBench, RegenerateBench, TrainBench, quality_found
 
 # %% auto #0
 __all__ = ['run_train', 'run_regenerate', 'run_data', 'run_quality']
@@ -227,7 +228,7 @@ def _train_quality_run(args, objective: str, seed: int, out: Path) -> dict:
 # %% ../../nbs/54_bench_run.ipynb #f6ed46ff
 def _speculate_quality(args, rows: list[dict], runs: Path):
     "tau and tokens/s of every run's drafter at each temperature, and plain decoding once per temperature (in place)."
-    from dflash.decoding.loop import eval_prompts, acceptance_eval
+    from dflash.decoding.evaluate import eval_prompts, acceptance_eval
     from dflash.model.drafter import DFlashDrafter
     torch.set_num_threads(args.threads)
     target = Qwen3ForCausalLM.from_pretrained(toy_target_dir()).eval()

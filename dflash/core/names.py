@@ -14,4 +14,4 @@ GPU_MEMORY = '80GiB'       # the memory a plan assumes when given none: an 80 GB
 LOSSES = ('ce', 'dpace', 'dpace-confidence', 'dpace-continuation', 'kl')   # `--loss`: the objectives of model.objective
 TEACHER_LOSSES = ('kl',)                                                  # those that read the target's distribution
 ATTENTIONS = ('sdpa', 'flex', 'eager')                                    # `--attention`: the backends of model.attention
-POLICIES = ('none', 2, 'all')                                             # the checkpointing policies a plan compares
+POLICIES = ('none', '2', 'all')                                           # the checkpointing policies a plan compares

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from ..core.errors import InputError, run_command
 from ..core.files import out_problems, resolve_local
-from ..model.target import config_max_positions, config_num_layers, config_vocab_size, pretrained, target_config_dict, target_problems
+from ..model.target import (config_max_positions, config_num_layers, config_vocab_size, pretrained, target_config_dict,
+                                 target_problems)
 from ..core.options import Command, parse_subcommand, usage_text
 from ..core.locks import release_lock, start_heartbeat, take_lock, writer_locks, writer_problem
 from .regenerate import REGENERATE
@@ -15,14 +16,13 @@ from .synthesize import SYNTHESIZE
 from ..core.stops import StopRequest
 from ..core.schema import DTYPES, CacheOptions, DataOptions
 from .templates import load_tokenizer
+from .records import DATA_SUFFIXES
 
 
 # %% auto #0
 __all__ = ['main']
 
 # %% ../../nbs/25_data_command.ipynb #27f8d72a
-_DATA_SUFFIXES = ('.jsonl', '.json', '.parquet')
-
 def _check_data(o: DataOptions) -> list[str]:
     """Problems beyond each value's range: required options, a target or tokenizer that is not here (a directory, or a
     hub id in the local cache) or whose files are broken, a data file that is not here or that another command is
@@ -32,7 +32,7 @@ def _check_data(o: DataOptions) -> list[str]:
     if o.tokenizer is not None:
         try: resolve_local(o.tokenizer)
         except FileNotFoundError as e: probs.append(f"--tokenizer: {e}")
-    if o.data is not None and Path(o.data).suffix in _DATA_SUFFIXES and not Path(o.data).exists():
+    if o.data is not None and Path(o.data).suffix in DATA_SUFFIXES and not Path(o.data).exists():
         probs.append(f"--data = {o.data!r}: no such file")
     if o.data is not None and (busy := writer_problem(o.data, '--data')): probs.append(busy)
     return probs
@@ -111,7 +111,8 @@ def _write_cache(o: CacheOptions, state, stop_release=None):
     from transformers import AutoConfig
     from dflash.core.threads import use_threads
     from dflash.data.chat import load_chat_data
-    from dflash.data.features import TargetFeatures, write_cache
+    from dflash.data.features import TargetFeatures
+    from dflash.data.cache import write_cache
     from dflash.model.objective import data_mask_token, token_counts
     if state.device.type == 'cpu':
         threads, why = use_threads(o.threads)
@@ -133,6 +134,7 @@ def _write_cache(o: CacheOptions, state, stop_release=None):
     if state.is_main_process:
         print(f"cache: {o.out} ({man['num_samples']} samples, {man['num_tokens']} tokens, {len(man['shards'])} shards)")
 
+# %% ../../nbs/25_data_command.ipynb #86db91fe
 def main(argv=None, prog: str = _PROG):
     "Run a `python -m dflash.data` subcommand: options checked first (exit 2), then its function."
     def run(argv: list[str], prog: str):

@@ -9,27 +9,22 @@ from dataclasses import fields
 from pathlib import Path
 from ..core.errors import InputError, run_command, Preempted
 from ..core.options import Command, build_options, parse_options
-from ..core.files import disk_error, file_sha256, resolve_local, toy_target_dir, write_atomic
+from ..core.files import disk_error, file_sha256, resolve_local, write_atomic
 from ..model.target import pretrained, target_problems
 from ..core.threads import use_threads
 from ..core.locks import take_lock, start_heartbeat, release_lock, writer_locks, writer_problem
 from ..core.stops import StopRequest, any_stop
 from ..core.schema import DTYPES, RegenConfig
-from .templates import end_of_turn_ids, prompt_ids, template_kwargs, tokenize_chat
+from .templates import template_kwargs, tokenize_chat
+from .generate import load_conversations, make_engine, output_record, regenerate_batch, target_dir
 from typing import TYPE_CHECKING
-if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.data.chat (which loads torch) load inside the
-    import torch          # functions that use them, so `--help` answers at once
-    from dflash.data.chat import DataStats
+if TYPE_CHECKING: from dflash.data.records import DataStats                    # for annotations only
 
 # %% auto #0
-__all__ = ['REGENERATE', 'TransformersEngine', 'engine_dtype', 'make_engine', 'process_state', 'regenerate', 'run_locked', 'main']
+__all__ = ['REGENERATE', 'process_state', 'regenerate', 'run_locked', 'main']
 
 # %% ../../nbs/23_data_regenerate.ipynb #924b1aed
 _PROG = 'python -m dflash.regenerate'
-
-def target_dir(cfg: RegenConfig) -> Path:
-    if cfg.target is not None: return resolve_local(cfg.target)                # a hub id: the local cache only
-    return toy_target_dir()
 
 def vllm_unavailable() -> str | None:
     "Why `--engine vllm` cannot run here, or None when it can."
@@ -62,203 +57,6 @@ def target_engine_problems(cfg) -> list[str]:
 def _validate(cfg: RegenConfig):
     "Raise one `OptionsError` (a ValueError) listing every bad option: each value's range, then `_check_options`."
     build_options(RegenConfig, {f.name: getattr(cfg, f.name) for f in fields(cfg)}, prog=_PROG, check=_check_options)
-
-
-# %% ../../nbs/23_data_regenerate.ipynb #57abc4dd
-_ROLES = ('system', 'user', 'assistant')
-
-def first_turns(msgs: list[dict], n: int | None) -> list[dict]:
-    "`msgs` up to its `n`-th user turn and that turn's replies (all of it when `n` is None)."
-    users = [i for i, m in enumerate(msgs) if m['role'] == 'user']
-    return msgs if n is None or len(users) <= n else msgs[:users[n]]
-
-def load_conversations(path, skip_bad_lines: bool = False,
-                       max_turns: int | None = None) -> tuple[list[tuple[dict, list[dict]]], DataStats]:
-    "`(record, messages)` of every usable line, each cut to its first `max_turns` user turns, and what was skipped."
-    from dflash.data.chat import DataStats, read_records, to_messages
-    from dflash.core.errors import DataError
-    stats, out = DataStats(), []
-    for where, rec in read_records(path, skip_bad_lines, stats):
-        try:
-            msgs = to_messages(rec, where)
-            for i, m in enumerate(msgs):
-                if m['role'] not in _ROLES:
-                    raise DataError(f"{where}: turn {i} has role {m['role']!r}, not one of {list(_ROLES)}")
-        except DataError as e:
-            if not skip_bad_lines: raise
-            stats.skip('bad_lines', str(e))
-            continue
-        out.append((rec, first_turns(msgs, max_turns)))
-        stats.samples += 1
-    return out, stats
-
-def _output_record(rec: dict, messages: list[dict]) -> dict:
-    "The record with its turns replaced by `messages` (other keys kept; ShareGPT records become `messages` records)."
-    return {**{k: v for k, v in rec.items() if k not in ('messages', 'conversations')}, 'messages': messages}
-
-# %% ../../nbs/23_data_regenerate.ipynb #5a56abee
-def _cut_at_stop(tokens: list[int], stop_ids) -> tuple[list[int], bool]:
-    "Tokens before the first stop id, and whether there was one."
-    for i, t in enumerate(tokens):
-        if t in stop_ids: return tokens[:i], True
-    return tokens, False
-
-def _cache_kw(model, cache) -> dict:
-    "The cache argument of the model's forward (`cache` in recent transformers, else `past_key_values`)."
-    import inspect
-    return {'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values': cache}
-
-# %% ../../nbs/23_data_regenerate.ipynb #03db58df
-class TransformersEngine:
-    "Batched generation with a transformers causal LM: left padding, KV cache, finished rows leave the batch."
-    def __init__(self, model, stop_ids, pad_id: int, *, max_new_tokens: int = 512, temperature: float = 0.,
-                 top_p: float = 1., stop_when=None):
-        self.model, self.stop_ids, self.pad_id = model, list(stop_ids), pad_id
-        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
-        self.stop_when = stop_when       # (row, tokens) -> bool: whether row's tokens so far end it (e.g. at a text)
-
-    def __call__(self, prompts: list[list[int]], seed: int = 0) -> list[tuple[list[int], bool]]:
-        return [(toks, stop is not None) for toks, stop, _ in self.generate(prompts, seed)]
-
-    def generate(self, prompts: list[list[int]], seed: int = 0, layer_ids=None) -> list[tuple]:
-        """`(tokens, stop, features)` of each prompt: `stop` is the stop id that ended the reply, -1 where `stop_when`
-        ended it (its last token kept), None where it was cut at `max_new_tokens`. With `layer_ids`, `features`
-        (T, L·H) are the context features (`target_features`) of the T tokens the target read: the prompt, the reply
-        and its stop token, taken from the forwards that generate them (a finished row stays one forward longer, so
-        that its last token is read too); without, None."""
-        import torch
-        from transformers import DynamicCache
-        from dflash.data.features import target_features
-        from dflash.model.sampling import sample_tokens, warp
-        keep = layer_ids is not None                                        # read the features too
-        with torch.no_grad():
-            dev = next(self.model.parameters()).device
-            N, P = len(prompts), max(map(len, prompts))
-            ids = torch.full((N, P), self.pad_id, dtype=torch.long)                # (N, P) left-padded
-            mask = torch.zeros(N, P, dtype=torch.long)                              # (N, P) 1 on prompt tokens
-            for n, p in enumerate(prompts): ids[n, P - len(p):], mask[n, P - len(p):] = torch.tensor(p), 1
-            ids, mask = ids.to(dev), mask.to(dev)
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)                                # (N, P) positions, padding at 0
-            gen = torch.Generator(dev).manual_seed(seed) if self.temperature > 0 else None
-            cache, stops = DynamicCache(), torch.tensor(self.stop_ids, device=dev)
-            res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                             output_hidden_states=keep, **_cache_kw(self.model, cache))
-            feats = [[] for _ in range(N)]
-            if keep:
-                f = target_features(res.hidden_states, layer_ids).cpu()            # (N, P, L·H)
-                for n, p in enumerate(prompts): feats[n].append(f[n, P - len(p):])
-            logits = res.logits[:, -1]                                              # (N, V)
-            live, nxt_pos = torch.arange(N, device=dev), pos[:, -1] + 1    # rows still generating, their next position
-            out, ended = [[] for _ in range(N)], [None] * N
-            for step in range(self.max_new_tokens):
-                if gen is None: tok = logits.argmax(-1)                                 # (n,) greedy
-                else: tok = sample_tokens(warp(logits, self.temperature, self.top_p), gen)   # (n,) sampled
-                done = torch.isin(tok, stops)
-                for j, (r, t, d) in enumerate(zip(live.tolist(), tok.tolist(), done.tolist())):
-                    if d: ended[r] = t
-                    else: out[r].append(t)
-                    if not d and self.stop_when is not None and self.stop_when(r, out[r]): ended[r], done[j] = -1, True
-                going = ~done
-                last = step == self.max_new_tokens - 1 or not going.any()
-                if last and not keep: break
-                if not keep and not going.all():                            # finished rows leave the batch and cache
-                    idx = going.nonzero()[:, 0]
-                    cache.batch_select_indices(idx)
-                    live, tok, mask, nxt_pos = live[idx], tok[idx], mask[idx], nxt_pos[idx]
-                mask = torch.cat([mask, mask.new_ones(len(live), 1)], 1)            # (n, L + 1)
-                res = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=nxt_pos[:, None],
-                                 use_cache=True, output_hidden_states=keep, **_cache_kw(self.model, cache))
-                if keep:
-                    f = target_features(res.hidden_states, layer_ids)[:, 0].cpu()  # (n, L·H) of the tokens just read
-                    for r, v in zip(live.tolist(), f): feats[r].append(v[None])
-                    if last: break
-                logits, nxt_pos = res.logits[:, -1], nxt_pos + 1
-                if keep and not going.all():                               # read their last token: now they leave
-                    idx = going.nonzero()[:, 0]
-                    cache.batch_select_indices(idx)
-                    live, mask, nxt_pos, logits = live[idx], mask[idx], nxt_pos[idx], logits[idx]
-            return [(o, e, torch.cat(f) if keep else None) for o, e, f in zip(out, ended, feats)]
-
-# %% ../../nbs/23_data_regenerate.ipynb #3a74bfe9
-class _VLLMEngine:
-    "Generation with vLLM (GPU): same interface as `TransformersEngine`; prompts go in as token ids."
-    def __init__(self, target, stop_ids, *, max_new_tokens: int = 512, temperature: float = 0., top_p: float = 1.,
-                 dtype: str | None = None):
-        from vllm import LLM
-        self.llm, self.stop_ids = LLM(model=str(target), dtype=dtype or 'auto'), list(stop_ids)
-        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
-
-    def __call__(self, prompts: list[list[int]], seed: int = 0) -> list[tuple[list[int], bool]]:
-        from vllm import SamplingParams
-        sp = SamplingParams(seed=seed, max_tokens=self.max_new_tokens, temperature=self.temperature,
-                            top_p=self.top_p if self.temperature > 0 else 1., stop_token_ids=self.stop_ids,
-                            detokenize=False)
-        outs = self.llm.generate([{'prompt_token_ids': p} for p in prompts], sp, use_tqdm=False)
-        res = [(_cut_at_stop(list(o.outputs[0].token_ids), self.stop_ids), o.outputs[0].finish_reason) for o in outs]
-        return [(toks, stopped or why == 'stop') for (toks, stopped), why in res]
-
-# %% ../../nbs/23_data_regenerate.ipynb #3c5486dd
-def round_seed(seed: int, batch: int, rnd: int | str) -> int:
-    "The sampling seed of round `rnd` (a number, or a name like 'user0') of batch `batch`."
-    return int.from_bytes(hashlib.sha256(f'{seed}/{batch}/{rnd}'.encode()).digest()[:7], 'little')
-
-def reply_round(engine, tokenizer, msgs: list[list[dict]], todo: list[tuple[int, int]], template_kw: dict | None,
-                seed: int) -> list[tuple[list[int], bool]]:
-    """Message `i` of conversation `n` written by the engine for every `(n, i)` of `todo`, in one batched call: its
-    content becomes the reply, marked `truncated` when the reply was cut at the token limit. `(tokens, stopped)` of
-    each, in `todo`'s order."""
-    if not todo: return []
-    outs = engine([prompt_ids(tokenizer, msgs[n][:i], template_kw or {}) for n, i in todo], seed)
-    for (n, i), (toks, stopped) in zip(todo, outs):
-        m = msgs[n][i]
-        m['content'] = tokenizer.decode(toks, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        m.pop('truncated', None)
-        if not stopped: m['truncated'] = True
-    return outs
-
-def _answerable(msgs: list[dict]) -> list[dict]:
-    "`msgs` without the assistant turns before its first user turn (ShareGPT has such fragments): they answer nothing."
-    first = next((i for i, m in enumerate(msgs) if m['role'] == 'user'), len(msgs))
-    return [m for i, m in enumerate(msgs) if i >= first or m['role'] != 'assistant']
-
-def _end_long(tokenizer, msgs: list[list[dict]], turns: list[list[int]], r: int, limit: int | None,
-              template_kw: dict | None) -> int:
-    """End each conversation whose prompt for its reply `r` is over `limit` tokens before that reply's user turn (it
-    and all after it dropped, `turns` cut to match); how many were ended."""
-    if limit is None: return 0
-    ended = 0
-    for n, t in enumerate(turns):
-        if len(t) > r and len(prompt_ids(tokenizer, msgs[n][:t[r]], template_kw or {})) > limit:
-            msgs[n] = msgs[n][:max((j for j in range(t[r]) if msgs[n][j]['role'] == 'user'), default=0)]
-            turns[n] = t[:r]
-            ended += 1
-    return ended
-
-# %% ../../nbs/23_data_regenerate.ipynb #6ee447c7
-def regenerate_batch(engine, tokenizer, convs: list[list[dict]], *, template_kw: dict | None = None, seed: int = 0,
-                     batch: int = 0, max_prompt_tokens: int | None = None) -> tuple[list[list[dict]], dict]:
-    """Every assistant turn of `convs` regenerated, and a reply appended to each that ends on a user turn; a
-    conversation whose prompt for a reply is over `max_prompt_tokens` ends before that reply's user turn. Also
-    `{'tokens', 'turns', 'appended', 'truncated', 'ended_long', 'unanswered_dropped', 'token_ids'}` of the work; an
-    assistant turn before any user turn answers nothing and is dropped."""
-    msgs = [_answerable([dict(m) for m in c]) for c in convs]
-    info = {'tokens': 0, 'turns': 0, 'appended': 0, 'truncated': 0, 'ended_long': 0,
-            'unanswered_dropped': sum(len(c) - len(m) for c, m in zip(convs, msgs)), 'token_ids': [[] for _ in msgs]}
-    for c in msgs:
-        if c and c[-1]['role'] == 'user':                                   # a prompt without its reply: answer it
-            c.append({'role': 'assistant', 'content': ''})
-            info['appended'] += 1
-    turns = [[i for i, m in enumerate(c) if m['role'] == 'assistant'] for c in msgs]
-    for r in range(max(map(len, turns), default=0)):
-        info['ended_long'] += _end_long(tokenizer, msgs, turns, r, max_prompt_tokens, template_kw)
-        todo = [(n, t[r]) for n, t in enumerate(turns) if len(t) > r]
-        for (n, _), (toks, stopped) in zip(todo, reply_round(engine, tokenizer, msgs, todo, template_kw,
-                                                             round_seed(seed, batch, r))):
-            info['token_ids'][n].append(toks)
-            info['tokens'] += len(toks)
-            info['turns'] += 1
-            info['truncated'] += not stopped
-    return msgs, info
 
 # %% ../../nbs/23_data_regenerate.ipynb #b383dd2b
 _INDEX_FORMAT = 'dflash-regenerate/1'
@@ -345,28 +143,6 @@ def append_batch(out, entry: dict, records: list[dict]):
         raise
 
 # %% ../../nbs/23_data_regenerate.ipynb #6cbbe86e
-def engine_dtype(cfg: RegenConfig, device) -> torch.dtype:
-    "The dtype the target generates in: `--dtype`, else bfloat16 on a GPU and float32 on a CPU."
-    import torch
-    if cfg.dtype: return getattr(torch, DTYPES[cfg.dtype])
-    return torch.bfloat16 if device.type == 'cuda' else torch.float32
-
-def make_engine(cfg: RegenConfig, tokenizer, device):
-    "The engine `cfg` asks for, with its stop ids."
-    from transformers import GenerationConfig
-    from dflash.model.target import load_target
-    target = target_dir(cfg)
-    try: gen_cfg = pretrained(GenerationConfig, target)
-    except (OSError, ValueError): gen_cfg = None            # none saved: the tokenizer's end of turn
-    stops = end_of_turn_ids(tokenizer, gen_cfg)
-    if cfg.engine == 'vllm':
-        return _VLLMEngine(target, stops, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                          top_p=cfg.top_p, dtype=DTYPES.get(cfg.dtype))
-    model = load_target(target, engine_dtype(cfg, device)).to(device).eval()       # its weights and config.json agree
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    return TransformersEngine(model, stops, pad, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                              top_p=cfg.top_p)
-
 def process_state():
     "The process group of an `accelerate launch` (CPU processes too: accelerate needs `cpu=True` to see them)."
     import torch
@@ -379,26 +155,23 @@ def process_state():
 
 _COUNTS = ('tokens', 'turns', 'appended', 'truncated', 'ended_long', 'unanswered_dropped')   # each batch's, in the index
 
-# %% ../../nbs/23_data_regenerate.ipynb #bf17d87f
-def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
-    """Regenerate `cfg.data` into `cfg.out` (resuming what is there); returns counts and timings. When `stop` is set,
-    the processes end after the round of batches they are in and `Preempted` says how far the file is: the same call
-    again continues."""
-    from accelerate.utils import gather_object
-    from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
+# %% ../../nbs/23_data_regenerate.ipynb #90854fd2
+def _conversations_to_regenerate(cfg: RegenConfig) -> tuple[list, DataStats]:
+    "`load_conversations` of `cfg.data`, checked before anything loads: a `DataError` when none has a turn to write."
     from dflash.core.errors import DataError
-    from dflash.model.target import check_target_dir
-    _validate(cfg)
-    convs, stats = load_conversations(cfg.data, cfg.skip_bad_lines, cfg.max_turns)   # all checked before loading
+    convs, stats = load_conversations(cfg.data, cfg.skip_bad_lines, cfg.max_turns)
     if not convs: raise DataError(f"{cfg.data}: no conversation to regenerate")
     if not any(m['role'] == 'assistant' or (i == len(c) - 1 and m['role'] == 'user')
                for _, c in convs for i, m in enumerate(c)):
         raise DataError(f"{cfg.data}: nothing to regenerate: none of its {len(convs)} conversations has an assistant "
                         "turn to rewrite or ends on a user turn to answer")
-    state = process_state()
-    if cfg.engine == 'vllm' and state.num_processes > 1:
-        raise InputError("engine vllm: run it as one process (vLLM batches by itself); drop accelerate launch")
+    return convs, stats
+
+def _open_run(cfg: RegenConfig, state) -> tuple:
+    """The tokenizer and template options of the target, the batches `cfg.out` already holds, and the engine: all
+    before any write. Then, once every process has read the index, the main process cuts the output back to them."""
+    from transformers import AutoTokenizer
+    from dflash.model.target import check_target_dir
     target = target_dir(cfg)
     check_target_dir(target)
     tok = pretrained(AutoTokenizer, target)
@@ -408,6 +181,31 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
     engine = make_engine(cfg, tok, state.device)                   # a target that does not load: before any write
     state.wait_for_everyone()                                                          # all read before anyone writes
     if state.is_main_process: repair_output(cfg.out, header, done)
+    return tok, tkw, done, engine
+
+def _regenerate_batches(cfg: RegenConfig, engine, tok, tkw: dict, convs: list, batches: list[int]) -> list[tuple]:
+    "`(k, records, counts)` of each batch `k` of `batches` regenerated: its output records and its counts (`_COUNTS`)."
+    part = []
+    for k in batches:
+        batch = convs[k * cfg.batch_size:(k + 1) * cfg.batch_size]
+        msgs, info = regenerate_batch(engine, tok, [m for _, m in batch], template_kw=tkw, seed=cfg.seed, batch=k,
+                                      max_prompt_tokens=cfg.max_prompt_tokens)
+        part.append((k, [output_record(r, m) for (r, _), m in zip(batch, msgs)], {x: info[x] for x in _COUNTS}))
+    return part
+
+# %% ../../nbs/23_data_regenerate.ipynb #bf17d87f
+def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
+    """Regenerate `cfg.data` into `cfg.out` (resuming what is there); returns counts and timings. When `stop` is set,
+    the processes end after the round of batches they are in and `Preempted` says how far the file is: the same call
+    again continues."""
+    from accelerate.utils import gather_object
+    from tqdm.auto import tqdm
+    _validate(cfg)
+    convs, stats = _conversations_to_regenerate(cfg)                                 # all checked before loading
+    state = process_state()
+    if cfg.engine == 'vllm' and state.num_processes > 1:
+        raise InputError("engine vllm: run it as one process (vLLM batches by itself); drop accelerate launch")
+    tok, tkw, done, engine = _open_run(cfg, state)
     n_batches = -(-len(convs) // cfg.batch_size)
     todo = list(range(len(done), n_batches))
     res = {'conversations': len(convs), 'skipped_lines': stats.bad_lines, 'batches': n_batches,
@@ -420,13 +218,7 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
     for j in range(0, len(todo), W):
         if any_stop(stop, W): break
         mine = todo[j:j + W][state.process_index:state.process_index + 1]
-        part = []
-        for k in mine:
-            batch = convs[k * cfg.batch_size:(k + 1) * cfg.batch_size]
-            msgs, info = regenerate_batch(engine, tok, [m for _, m in batch], template_kw=tkw, seed=cfg.seed, batch=k,
-                                          max_prompt_tokens=cfg.max_prompt_tokens)
-            part.append((k, [_output_record(r, m) for (r, _), m in zip(batch, msgs)],
-                         {x: info[x] for x in _COUNTS}))
+        part = _regenerate_batches(cfg, engine, tok, tkw, convs, mine)
         for k, recs, info in sorted(gather_object(part) if W > 1 else part, key=lambda x: x[0]):
             if state.is_main_process: append_batch(cfg.out, {'batch': k, 'records': len(recs), **info}, recs)
             res['regenerated'] += len(recs)

@@ -13,9 +13,9 @@ from ..model.target import config_max_positions, config_num_layers, pretrained, 
 from ..core.stops import StopRequest
 from ..core.schema import DTYPES, SynthConfig
 from .templates import prompt_ids, special_after, special_texts, template_kwargs, template_messages
-from .regenerate import (
-    append_batch, engine_dtype, make_engine, process_state, read_index, repair_output, reply_round, round_seed,
-    run_locked, target_dir, target_engine_problems)
+from .generate import engine_dtype, make_engine, reply_round, round_seed, target_dir
+from .regenerate import (append_batch, process_state, read_index, repair_output, run_locked,
+                                    target_engine_problems)
 
 # %% auto #0
 __all__ = []
@@ -260,7 +260,7 @@ def _growing_cache(cfg: SynthConfig, target, config, batches: int, device):
     """The cache `--cache` grows with the data (`CacheAppender`): it holds the batches the data holds, or one more,
     written before a stop that came before the data's, which it forgets. Anything else is another data's cache."""
     from dflash.model.config import default_target_layer_ids
-    from dflash.data.features import CacheAppender
+    from dflash.data.cache import CacheAppender
     from dflash.model.target import target_identity
     ids = default_target_layer_ids(config.num_hidden_layers, cfg.num_draft_layers)
     grow = CacheAppender(cfg.cache, target_path=target, identity=target_identity(target), config=config,
@@ -277,28 +277,69 @@ def _first_user(rec: dict) -> str: return next(m['content'] for m in rec['messag
 
 _SUMMED = ('records', 'prompts', *_FILTERS, 'truncated', 'looping_replies', 'prompt_tokens', 'tokens')
 
+# %% ../../nbs/24_data_synthesize.ipynb #158f6db9
+def _open_synthesis(cfg: SynthConfig, device) -> tuple:
+    """The target's tokenizer and template options, the batches `cfg.out` holds, and the cache `--cache` grows (or
+    None), checked before the target loads; then the output cut back to those batches."""
+    from transformers import AutoTokenizer
+    from dflash.model.target import check_target_dir
+    target = target_dir(cfg)
+    config = check_target_dir(target)
+    tok = pretrained(AutoTokenizer, target)
+    tkw = template_kwargs(tok, cfg.thinking, str(target))
+    # a template that cannot open a user turn: said now, before the target loads
+    _open_user_turn(tok, [{'role': 'system', 'content': cfg.system}] if cfg.system else [], tkw)
+    header = _synth_header(cfg)
+    done = read_index(cfg.out, header)
+    grow = _growing_cache(cfg, target, config, len(done), device) if cfg.cache else None
+    repair_output(cfg.out, header, done)
+    return tok, tkw, done, grow
+
+def _asker(cfg: SynthConfig, engine, tokenizer):
+    "The engine writing the user messages: `engine`, stopping at the user's end of turn too, with the prompt settings."
+    return _with_settings(engine, stop_ids=sorted(set(engine.stop_ids) | set(_end_of_user_turn_ids(tokenizer))),
+                          max_new_tokens=cfg.max_prompt_tokens, temperature=cfg.prompt_temperature,
+                          top_p=cfg.prompt_top_p)
+
+def _batch_settings(cfg: SynthConfig) -> dict:
+    "The arguments of `_synthesize_batch` that `cfg` sets: the batch's size and turns, the seed, the steering."
+    return dict(n=cfg.batch_size, turns=cfg.turns, seed=cfg.seed, system=cfg.system, reply_system=cfg.reply_system,
+                user_prefix=cfg.user_prefix, user_stop=cfg.user_stop, user_suffix=cfg.user_suffix or '',
+                user_insert_after=cfg.user_insert_after or (), user_insert=cfg.user_insert or ())
+
+def _check_progress(cfg: SynthConfig, entries: list[dict], written: int):
+    "An `InputError` when the last `_STALL` batches of `entries` added no record: the filters drop all it writes."
+    idle = next((i for i, e in enumerate(reversed(entries)) if e['records']), len(entries))
+    if idle >= _STALL:
+        drops = {k: sum(e[k] for e in entries[-idle:]) for k in _FILTERS}
+        raise InputError(f"{cfg.out}: the last {idle} batches ({idle * cfg.batch_size} user messages) added no "
+                         f"record (dropped: {drops}), with {written} of {cfg.num} written; raise "
+                         "--prompt-temperature or --prompt-top-p, or lower --num")
+
+def _synth_result(cfg: SynthConfig, entries: list[dict], done: list[dict], new: int, work: int, dt: float, grow,
+                  left_out: int) -> dict:
+    """The counts of the whole file (`_SUMMED` over its batches `entries`), this run's speed (`new` records and `work`
+    tokens in `dt` seconds), and with a growing cache `grow` its size and how many records it left out now."""
+    res = {k: sum(e.get(k, 0) for e in entries) for k in _SUMMED}
+    res['truncated_replies'] = res.pop('truncated')
+    res.update(batches=len(entries), resumed_batches=len(done), new_records=new, seconds=round(dt, 2),
+               tokens_per_s=round(work / max(dt, 1e-9), 1), records_per_min=round(60 * new / max(dt, 1e-9), 1))
+    if grow: res['cache'] = {'path': cfg.cache, 'samples': grow.manifest['num_samples'],
+                             'tokens': grow.manifest['num_tokens'], 'left_out_now': left_out}
+    return res
+
 # %% ../../nbs/24_data_synthesize.ipynb #3be7c0ce
 def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
     """Write `cfg.num` records into `cfg.out` with the target alone (continuing what is there); returns the counts of
     the whole file and this run's speed. When `stop` is set, it ends after the batch in progress and `Preempted` says
     how far the file is: the same call again continues."""
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
-    from dflash.model.target import check_target_dir
     _validate_synth(cfg)
     state = process_state()
     if state.num_processes > 1:
         raise InputError("synthesize: run it as one process (each batch's duplicates are judged against the records "
                          "before it); drop accelerate launch")
-    target = target_dir(cfg)
-    config = check_target_dir(target)
-    tok = pretrained(AutoTokenizer, target)
-    tkw = template_kwargs(tok, cfg.thinking, str(target))
-    _open_user_turn(tok, [{'role': 'system', 'content': cfg.system}] if cfg.system else [], tkw)                                 # a template that cannot open a user turn: said now
-    header = _synth_header(cfg)
-    done = read_index(cfg.out, header)
-    grow = _growing_cache(cfg, target, config, len(done), state.device) if cfg.cache else None
-    repair_output(cfg.out, header, done)
+    tok, tkw, done, grow = _open_synthesis(cfg, state.device)
     seen = {_normalized(_first_user(json.loads(line)))
             for line in Path(cfg.out).read_text(encoding='utf-8').splitlines()}
     entries, written = list(done), sum(e['records'] for e in done)
@@ -306,23 +347,13 @@ def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
     t0, new, work, left_out = time.perf_counter(), 0, 0, 0
     if written < cfg.num:
         engine = make_engine(cfg, tok, state.device)
-        prompter = _with_settings(engine, stop_ids=sorted(set(engine.stop_ids) | set(_end_of_user_turn_ids(tok))),
-                                  max_new_tokens=cfg.max_prompt_tokens, temperature=cfg.prompt_temperature,
-                                  top_p=cfg.prompt_top_p)
+        prompter = _asker(cfg, engine, tok)
     while written < cfg.num and not stop:
-        idle = next((i for i, e in enumerate(reversed(entries)) if e['records']), len(entries))
-        if idle >= _STALL:
-            drops = {k: sum(e[k] for e in entries[-idle:]) for k in _FILTERS}
-            raise InputError(f"{cfg.out}: the last {idle} batches ({idle * cfg.batch_size} user messages) added no "
-                             f"record (dropped: {drops}), with {written} of {cfg.num} written; raise "
-                             "--prompt-temperature or --prompt-top-p, or lower --num")
+        _check_progress(cfg, entries, written)
         k = len(entries)
         reply = _Reading(engine, grow.manifest['layer_ids']) if grow else engine
-        recs, info = _synthesize_batch(prompter, reply, tok, n=cfg.batch_size, turns=cfg.turns,
-                                       needed=cfg.num - written, seen=seen, template_kw=tkw, seed=cfg.seed, batch=k,
-                                       system=cfg.system, reply_system=cfg.reply_system, user_prefix=cfg.user_prefix,
-                                       user_stop=cfg.user_stop, user_suffix=cfg.user_suffix or '',
-                                       user_insert_after=cfg.user_insert_after or (), user_insert=cfg.user_insert or ())
+        recs, info = _synthesize_batch(prompter, reply, tok, needed=cfg.num - written, seen=seen, template_kw=tkw,
+                                       batch=k, **_batch_settings(cfg))
         if grow:                                                   # the cache first: a stop between keeps the data's
             samples, missed = _cache_samples(reply, tok, recs, tkw)
             grow.append(samples)
@@ -338,14 +369,7 @@ def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
     if written < cfg.num:
         raise Preempted(f"stopped by {stop.reason} with {written} of {cfg.num} records in {cfg.out}; run the same "
                         "command again to continue")
-    res = {k: sum(e.get(k, 0) for e in entries) for k in _SUMMED}
-    res['truncated_replies'] = res.pop('truncated')
-    dt = time.perf_counter() - t0
-    res.update(batches=len(entries), resumed_batches=len(done), new_records=new, seconds=round(dt, 2),
-               tokens_per_s=round(work / max(dt, 1e-9), 1), records_per_min=round(60 * new / max(dt, 1e-9), 1))
-    if grow: res['cache'] = {'path': cfg.cache, 'samples': grow.manifest['num_samples'],
-                             'tokens': grow.manifest['num_tokens'], 'left_out_now': left_out}
-    return res
+    return _synth_result(cfg, entries, done, new, work, time.perf_counter() - t0, grow, left_out)
 
 # %% ../../nbs/24_data_synthesize.ipynb #2aeb4786
 def _synth_table(r: dict, out: str = 'out') -> str:

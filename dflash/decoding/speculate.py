@@ -31,25 +31,24 @@ def _check_fit(a: SpeculateOptions, drafter_cfg: DrafterConfig, tdir, tok, prog:
     except ValueError as e: probs.append(f"--drafter: {e}")
     if probs: raise OptionsError(probs, prog)
 
-# %% ../../nbs/31_decoding_speculate.ipynb #01f4e91e
-def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> dict:
-    """`python -m dflash.speculate` with checked options `a`: tau, its histogram and the speed against plain decoding
-    (and prompt lookup at T = 0) at each `--temperature`, prompt by prompt with a running total; {'runs': [one
-    `acceptance_eval` result per temperature], ...}. A stop on request (`Preempted`) comes after the results so far
-    are written; a target and drafter that do not fit together: one `OptionsError` naming `prog`."""
+# %% ../../nbs/31_decoding_speculate.ipynb #01f4e901
+def _settings(a: SpeculateOptions, dev) -> tuple:
+    """(dtype, draft confidence, copy n-gram) of a run on device `dev`: the options', else the device's defaults (a CPU,
+    where each verified token costs, verifies fewer tokens and copies)."""
     import torch
-    from transformers import AutoTokenizer
-    from dflash.decoding.loop import acceptance_eval, eval_prompts, greedy_generate, prompt_categories
-    from dflash.model.drafter import DFlashDrafter
-    from dflash.model.target import load_target
-    dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-    threads, why = use_threads(a.threads, 1) if dev.type == 'cpu' else (torch.get_num_threads(), 'left as is on a GPU')
-    print(f"CPU threads: {threads} ({why})")
     dtype = getattr(torch, DTYPES[a.dtype]) if a.dtype else (torch.bfloat16 if dev.type == 'cuda' else torch.float32)
     confidence = a.draft_confidence
     if confidence is None: confidence = 0. if dev.type == 'cuda' else CPU_DRAFT_CONFIDENCE   # each verify costs on a CPU
     copy = a.copy_ngram
     if copy is None: copy = 0 if dev.type == 'cuda' or confidence == 0 else CPU_COPY_NGRAM    # it never outruns a block
+    return dtype, confidence, copy
+
+def _load_models(a: SpeculateOptions, dev, dtype, prog: str) -> tuple:
+    """(target, drafter, tokenizer) of options `a`, on `dev` in `dtype`, checked to fit together before any weights
+    load (one `OptionsError` naming `prog`); a target neither a .gguf file nor holding a config.json: `FileNotFoundError`."""
+    from transformers import AutoTokenizer
+    from dflash.model.drafter import DFlashDrafter
+    from dflash.model.target import load_target
     tdir, ddir = resolve_local(a.target), resolve_local(a.drafter)     # hub ids: their snapshots in the local cache
     if not is_gguf(tdir) and not (tdir / 'config.json').is_file():
         raise FileNotFoundError(f"{a.target}: no config.json, not a model")
@@ -58,6 +57,57 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
     _check_fit(a, drafter_cfg, tdir, tok, prog)                            # before any weights load
     target = load_target(tdir, dtype).to(dev).eval()       # a directory or a .gguf file, its weights of its config
     drafter = DFlashDrafter.from_pretrained(ddir, dtype=dtype).to(dev).eval()
+    return target, drafter, tok
+
+# %% ../../nbs/31_decoding_speculate.ipynb #01f4e902
+def _plan_text(a: SpeculateOptions, prompts: int, confidence: float, copy: int, threads: int) -> str:
+    "The line that says what a run decodes and how: prompts, tokens, sampling, what is verified, the methods compared."
+    lookup = f", then by prompt lookup ({a.lookup_tokens} tokens a step) at T = 0" if a.lookup_tokens else ''
+    return (f"prompts {prompts}, at most {a.max_new_tokens} new tokens each; top-p {a.top_p:g}, seed {a.seed}; "
+            f"drafts verified while the drafter's confidence is at least {confidence:g}"
+            f"{f', or copies of what followed the last {copy} tokens before where they run further' if copy else ''}"
+            f"{'; a plain step wherever drafting does not pay (--no-pace: none)' if a.pace else ''}; "
+            f"each prompt decoded speculatively, then plainly{lookup}, on the same {threads} CPU thread(s)")
+
+def _each_temperature(a: SpeculateOptions, target, drafter, prompts: list, stop: StopRequest, keep, **kw) -> list[dict]:
+    """`acceptance_eval` of `prompts` at each `--temperature` in turn, each after one untimed warm-up prompt, until
+    `stop` is requested; `keep(row, totals)` gets each prompt's row, `kw` the decoder's other settings. Returns the
+    results that hold a prompt."""
+    from dflash.decoding.evaluate import acceptance_eval
+    runs = []
+    for t in a.temperature:
+        acceptance_eval(target, drafter, prompts[:1], max_new_tokens=min(8, a.max_new_tokens), temperature=t,
+                        **kw)                                                                  # warm-up
+        x = acceptance_eval(target, drafter, prompts, max_new_tokens=a.max_new_tokens, temperature=t,
+                            progress=a.progress, stop=stop, on_prompt=keep, **kw)
+        if x['prompts']: runs.append(x)
+        if stop: break
+    return runs
+
+def _write_results(out: Path, r: dict, rows: list[dict], prompts: int):
+    "`out`'s acceptance.json (report `r`), prompts.csv (`rows`) and, with a result, acceptance.png; a line names them."
+    write_json(out / 'acceptance.json', r)
+    write_atomic(out / 'prompts.csv', _csv_text(rows))
+    if r['runs']:
+        fig = _plot_runs(r['runs'], prompts)
+        write_atomic(out / 'acceptance.png', lambda p: fig.savefig(p, format='png', dpi=120, bbox_inches='tight'))
+    print(f"wrote {out / 'acceptance.json'}, {out / 'prompts.csv'}" +
+          (f" and {out / 'acceptance.png'}" if r['runs'] else ''))
+
+# %% ../../nbs/31_decoding_speculate.ipynb #01f4e91e
+def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> dict:
+    """`python -m dflash.speculate` with checked options `a`: tau, its histogram and the speed against plain decoding
+    (and prompt lookup at T = 0) at each `--temperature`, prompt by prompt with a running total; {'runs': [one
+    `acceptance_eval` result per temperature], ...}. A stop on request (`Preempted`) comes after the results so far
+    are written; a target and drafter that do not fit together: one `OptionsError` naming `prog`."""
+    import torch
+    from dflash.decoding.loop import greedy_generate
+    from dflash.decoding.evaluate import eval_prompts, prompt_categories
+    dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    threads, why = use_threads(a.threads, 1) if dev.type == 'cpu' else (torch.get_num_threads(), 'left as is on a GPU')
+    print(f"CPU threads: {threads} ({why})")
+    dtype, confidence, copy = _settings(a, dev)
+    target, drafter, tok = _load_models(a, dev, dtype, prog)
     eos = [tok.eos_token_id]
     if a.turn > 1: print(f"user turn {a.turn}: an answer a record lacks before it is the target's own, greedy", flush=True)
     answer = lambda ids: greedy_generate(target, ids.to(dev), a.max_new_tokens, eos)
@@ -72,34 +122,17 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
     def keep(row, totals):                                           # the CSV follows the run, prompt by prompt
         rows.append(row)
         if out: write_atomic(out / 'prompts.csv', _csv_text(rows))
-    lookup = f", then by prompt lookup ({a.lookup_tokens} tokens a step) at T = 0" if a.lookup_tokens else ''
-    print(f"prompts {len(prompts)}, at most {a.max_new_tokens} new tokens each; top-p {a.top_p:g}, seed {a.seed}; "
-          f"drafts verified while the drafter's confidence is at least {confidence:g}"
-          f"{f', or copies of what followed the last {copy} tokens before where they run further' if copy else ''}"
-          f"{'; a plain step wherever drafting does not pay (--no-pace: none)' if a.pace else ''}; "
-          f"each prompt decoded speculatively, then plainly{lookup}, on the same {threads} CPU thread(s)", flush=True)
+    print(_plan_text(a, len(prompts), confidence, copy, threads), flush=True)
     if out: out.mkdir(parents=True, exist_ok=True)
     with StopRequest() as stop:
-        for t in a.temperature:
-            kw = dict(block_size=a.block_size, stop_token_ids=eos, temperature=t, top_p=a.top_p, seed=a.seed,
-                      baseline=True, lookup_tokens=a.lookup_tokens, min_confidence=confidence, copy_ngram=copy,
-                      pace=a.pace, categories=categories)
-            acceptance_eval(target, drafter, prompts[:1], max_new_tokens=min(8, a.max_new_tokens), **kw)  # warm-up
-            x = acceptance_eval(target, drafter, prompts, max_new_tokens=a.max_new_tokens, progress=a.progress,
-                                stop=stop, on_prompt=keep, **kw)
-            if x['prompts']: r['runs'].append(x)
-            if stop: break
+        r['runs'] = _each_temperature(a, target, drafter, prompts, stop, keep, block_size=a.block_size,
+                                      stop_token_ids=eos, top_p=a.top_p, seed=a.seed, baseline=True,
+                                      lookup_tokens=a.lookup_tokens, min_confidence=confidence, copy_ngram=copy,
+                                      pace=a.pace, categories=categories)
     r['done'] = len(rows)
     if r['done'] < r['total']: r.update(partial=True, stopped_by=stop.reason)
     _print_report(r)
-    if out:
-        write_json(out / 'acceptance.json', r)
-        write_atomic(out / 'prompts.csv', _csv_text(rows))
-        if r['runs']:
-            fig = _plot_runs(r['runs'], len(prompts))
-            write_atomic(out / 'acceptance.png', lambda p: fig.savefig(p, format='png', dpi=120, bbox_inches='tight'))
-        print(f"wrote {out / 'acceptance.json'}, {out / 'prompts.csv'}" +
-              (f" and {out / 'acceptance.png'}" if r['runs'] else ''))
+    if out: _write_results(out, r, rows, len(prompts))
     if r['partial']:
         raise Preempted(f"stopped by {stop.reason} after {r['done']} of {r['total']} prompt runs ({len(prompts)} prompts "
                         f"x {len(a.temperature)} temperatures): " +
@@ -161,7 +194,7 @@ def _csv_text(rows: list[dict]) -> str:
 def _plot_runs(runs: list[dict], prompts: int):
     "One acceptance histogram per temperature, side by side; a run stopped early says how many prompts it has."
     import matplotlib.pyplot as plt
-    from dflash.decoding.loop import plot_acceptance
+    from dflash.decoding.evaluate import plot_acceptance
     fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.6), layout='constrained', sharey=True,
                              squeeze=False)
     for ax, x in zip(axes[0], runs):
@@ -175,7 +208,7 @@ _ABOUT = 'Measure the acceptance length and speed of a DFlash drafter on a targe
 
 def _check(o: SpeculateOptions) -> list[str]:
     "The decoder's checks: the models' directories and the prompts, read without loading."
-    from dflash.decoding.loop import check_speculate
+    from dflash.decoding.evaluate import check_speculate
     return check_speculate(o)
 
 def main(argv=None, prog: str = _PROG) -> dict:

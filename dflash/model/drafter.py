@@ -211,23 +211,6 @@ class DFlashDrafter(nn.Module):
             return self.attn_fn(q, kc, vc, kb, vb, layout, sliding_window=sliding_window)
         return self._run(x, self._context(context), layout.positions.flatten(1), ctx_pos, attend)
 
-    def draft_block(self, context: Tensor, block_ids: Tensor, embed: Tensor,
-                    cache: ContextCache | None = None) -> Tensor:
-        """Hidden states of one block right after the context. block_ids: (N, B) -> (N, B, H).
-        context: (N, a, L·H) target features of positions 0..a-1; with a `cache`, only the positions
-        the cache has not seen yet (the cache keeps the projected keys/values of the earlier ones)."""
-        N, new = context.shape[:2]
-        start = cache.length if cache is not None else 0
-        a, B = start + new, block_ids.shape[1]
-        x = embedded(block_ids, embed).to(self.fc.weight.dtype)
-        pos = torch.arange(a + B, device=context.device).expand(N, a + B)
-        def attend(q, kc, vc, kb, vb, *, sliding_window, layer_idx):
-            if cache is not None: kc, vc = cache.extend(layer_idx, kc, vc)
-            return _one_block_attention(q, kc, vc, kb, vb, sliding_window=sliding_window)
-        h = self._run(x, self._context(context), pos[:, a:], pos[:, start:a], attend)
-        if cache is not None: cache.length = a
-        return h
-
 # %% ../../nbs/16_model_drafter.ipynb #d889a185
 def _one_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, *, sliding_window: int | None = None) -> Tensor:
     "Attention of one block (q: (N, Hq, B, D)) over its context and itself."
@@ -239,6 +222,25 @@ def _one_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, *, sliding_window: int |
         qp, kp = torch.arange(a, a + B, device=q.device)[:, None], torch.arange(a + B, device=q.device)
         mask = (kp <= qp) & (kp > qp - sliding_window)               # (B, a+B)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+# %% ../../nbs/16_model_drafter.ipynb #4bb69492
+@patch
+def draft_block(self: DFlashDrafter, context: Tensor, block_ids: Tensor, embed: Tensor,
+                cache: ContextCache | None = None) -> Tensor:
+    """Hidden states of one block right after the context. block_ids: (N, B) -> (N, B, H).
+    context: (N, a, L·H) target features of positions 0..a-1; with a `cache`, only the positions
+    the cache has not seen yet (the cache keeps the projected keys/values of the earlier ones)."""
+    N, new = context.shape[:2]
+    start = cache.length if cache is not None else 0
+    a, B = start + new, block_ids.shape[1]
+    x = embedded(block_ids, embed).to(self.fc.weight.dtype)
+    pos = torch.arange(a + B, device=context.device).expand(N, a + B)
+    def attend(q, kc, vc, kb, vb, *, sliding_window, layer_idx):
+        if cache is not None: kc, vc = cache.extend(layer_idx, kc, vc)
+        return _one_block_attention(q, kc, vc, kb, vb, sliding_window=sliding_window)
+    h = self._run(x, self._context(context), pos[:, a:], pos[:, start:a], attend)
+    if cache is not None: cache.length = a
+    return h
 
 # %% ../../nbs/16_model_drafter.ipynb #a8fdf4c4
 def check_semantics(drafter: DFlashDrafter, context: Tensor, layout: BlockLayout, embed: Tensor) -> float:

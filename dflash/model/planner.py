@@ -17,10 +17,11 @@ from .target import (causal_lm_problem, config_vocab_size, is_gguf, shipped_targ
 from .config import DrafterConfig, mlp_width
 from .layout import BlockLayout
 from .drafter import DFlashDrafter
-from .recompute import checkpointed_layers, parse_policy, set_checkpointing
+from .recompute import set_checkpointing
 from .objective import dflash_objective, objective_bytes_per_row, Objective
 from .memory import MemoryTracker, fmt_bytes
 from ..core.names import GPU_MEMORY, POLICIES, TEACHER_LOSSES
+from ..core.policy import Policy
 
 # %% auto #0
 __all__ = ['plan_layout', 'budgets', 'step_memory', 'recommend_policy', 'fits_table']
@@ -29,7 +30,7 @@ __all__ = ['plan_layout', 'budgets', 'step_memory', 'recommend_policy', 'fits_ta
 _UNITS = {'': 1, 'b': 1, 'kb': 10**3, 'mb': 10**6, 'gb': 10**9, 'tb': 10**12,
           'kib': 2**10, 'mib': 2**20, 'gib': 2**30, 'tib': 2**40}
 
-def _parse_memory(s) -> int:
+def parse_memory(s) -> int:
     "Bytes of a memory size such as '80GiB', '96GB', '24000MiB' or '1.5TiB' (a bare number is bytes)."
     if isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0: return int(s)
     m = re.fullmatch(r'\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*', str(s))
@@ -45,7 +46,7 @@ _FAKE_CHUNK_COST = 2**30          # query·key pairs one chunk costs in the fake
 @dataclass
 class _StepMemory:
     "Predicted bytes of one training step of one process."
-    policy: object                # checkpointing policy
+    policy: Policy                # checkpointing policy
     checkpointed: list            # layer indices it recomputes
     num_layers: int
     weights: int                  # fp32 master weights
@@ -110,17 +111,19 @@ def budgets(cfg: DrafterConfig, seq_len: int, memory_bytes: int, dtype='bf16',
     return spare // 4, spare // 16
 
 # %% ../../nbs/19_model_planner.ipynb #8733ceaf
-def step_memory(cfg: DrafterConfig, seq_len: int, num_anchors: int, *, policy='none', dtype: str = 'bf16',
-                attention: str = 'sdpa', micro_batch_size: int = 1, attention_budget: int | None = None,
-                objective_budget: int | None = None, optimizer: str = 'fused',
+def step_memory(cfg: DrafterConfig, seq_len: int, num_anchors: int, *, policy: Policy | str = 'none',
+                dtype: str = 'bf16', attention: str = 'sdpa', micro_batch_size: int = 1,
+                attention_budget: int | None = None, objective_budget: int | None = None, optimizer: str = 'fused',
                 memory_bytes: int | None = None, teacher: bool = False) -> _StepMemory:
-    "Run one training step of a drafter of `cfg` on fake tensors and return its memory."
+    """Run one training step of a drafter of `cfg` on fake tensors and return its memory; `policy` a Policy, or a form
+    `Policy.parse` reads."""
     if dtype not in _TORCH_DTYPES: raise ValueError(f"dtype {dtype!r}: use one of {list(_TORCH_DTYPES)}")
     if optimizer not in ('fused', 'foreach'): raise ValueError(f"optimizer {optimizer!r}: use 'fused' or 'foreach'")
     t0 = time.perf_counter()
     dt = _TORCH_DTYPES[dtype]
+    policy = Policy.parse(policy)
     if attention_budget is None or objective_budget is None:
-        a, o = budgets(cfg, seq_len, memory_bytes or _parse_memory(GPU_MEMORY), dtype, micro_batch_size, teacher)
+        a, o = budgets(cfg, seq_len, memory_bytes or parse_memory(GPU_MEMORY), dtype, micro_batch_size, teacher)
         attention_budget, objective_budget = attention_budget or a, objective_budget or o
     try: return _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_size, attention_budget,
                              objective_budget, optimizer, t0, teacher)
@@ -178,7 +181,7 @@ def _step_memory(cfg, seq_len, num_anchors, policy, dt, attention, micro_batch_s
 def recommend_policy(drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int, *,
                      dtype: str = 'bf16', attention: str = 'sdpa', micro_batch_size: int = 1, optimizer: str = 'fused',
                      policies=POLICIES, full_table: bool = False,
-                     teacher: bool = False) -> tuple[object, list[_StepMemory]]:
+                     teacher: bool = False) -> tuple[Policy, list[_StepMemory]]:
     "(cheapest checkpointing policy whose step fits `budget_bytes`, else the most frugal one; the rows measured)"
     a, o = budgets(drafter_config, seq_len, budget_bytes, dtype, micro_batch_size, teacher)
     table = []
@@ -193,7 +196,7 @@ def recommend_policy(drafter_config: DrafterConfig, seq_len: int, num_anchors: i
 # %% ../../nbs/19_model_planner.ipynb #2a2278b5
 def _gb(n: int) -> str: return f"{n / 1e9:.2f}"
 
-def _format_table(table: list[_StepMemory], budget_bytes: int) -> str:
+def format_table(table: list[_StepMemory], budget_bytes: int) -> str:
     "The predicted peaks of each policy, one row each, and whether they fit `budget_bytes`."
     head = ['policy', 'recomputes', 'time overhead', 'weights', 'grads', 'AdamW', 'activations', 'step', 'frozen',
             'total', 'fits']
@@ -205,7 +208,7 @@ def _format_table(table: list[_StepMemory], budget_bytes: int) -> str:
     title = f"budget {_gb(budget_bytes)} GB ({fmt_bytes(budget_bytes)}); all sizes in GB (1e9 bytes)"
     return '\n'.join([title, line(head), *map(line, rows)])
 
-def _recommendation(policy, table: list[_StepMemory], budget_bytes: int) -> str:
+def recommendation(policy: Policy, table: list[_StepMemory], budget_bytes: int) -> str:
     "One sentence: the policy to use, or by how much the most frugal one misses."
     r = next(t for t in table if t.policy == policy)
     if r.total <= budget_bytes:
@@ -249,12 +252,12 @@ _FITS_MARKERS = ('<!-- fits-table: written by python -m dflash.plan --fits-table
 def _fit_cell(cfg: DrafterConfig, seq_len: int, anchors: int, budget: int, extra: int = 0) -> str:
     "The policy and peak (GB) of a step that must fit `budget` next to `extra` bytes, or the peak it misses with."
     try:
-        policy, table = recommend_policy(cfg, seq_len, anchors, budget - extra)
-        r = next(t for t in table if t.policy == policy)
+        best, table = recommend_policy(cfg, seq_len, anchors, budget - extra)
+        r = next(t for t in table if t.policy == best)
     except ValueError:                                   # not even the weights and moments fit: the most frugal step
         r = step_memory(cfg, seq_len, anchors, policy=POLICIES[-1])
     total = f"{(r.total + extra) / 2**30:.1f} GiB"
-    return f"`{policy}` · {total}" if r.total <= budget - extra else f"✗ {total}"
+    return f"`{r.policy}` · {total}" if r.total <= budget - extra else f"✗ {total}"
 
 def fits_table(*, targets=None, seq_lens=(3072, 8192), anchors: int = 512,
                memories=('24GiB', '48GiB', '80GiB', '141GiB'), layers: int = 5) -> str:
@@ -267,7 +270,7 @@ def fits_table(*, targets=None, seq_lens=(3072, 8192), anchors: int = 512,
         for s in seq_lens:
             extra = online_target_bytes(tc, s)['extra']
             for mode, x in (('offline', 0), ('online', extra)):
-                rows.append([name, str(s), mode, *(_fit_cell(cfg, s, anchors, _parse_memory(m), x) for m in memories)])
+                rows.append([name, str(s), mode, *(_fit_cell(cfg, s, anchors, parse_memory(m), x) for m in memories)])
     return '\n'.join('| ' + ' | '.join(r) + ' |' for r in rows)
 
 # %% ../../nbs/19_model_planner.ipynb #1db10b52
@@ -321,10 +324,10 @@ def check_plan(o: PlanOptions) -> list[str]:
         elif o.mask_token_id is not None and not o.mask_token_id < (V := config_vocab_size(d) or 0):
             probs.append(f"--mask-token-id = {o.mask_token_id}: allowed 0..{V - 1} (the target's vocabulary)")
         else: probs += _target_problems(o)
-    try: _parse_memory(o.memory)
+    try: parse_memory(o.memory)
     except ValueError as e: probs.append(f"--memory: {e}")
-    for pol in o.policies or []:
-        try: checkpointed_layers(parse_policy(pol), o.layers)
+    for text in o.policies or []:
+        try: Policy.parse(text).layers(o.layers)
         except (ValueError, TypeError) as e: probs.append(f"--policies: {e}")
     return probs
 
@@ -335,8 +338,8 @@ def run_plan(a: PlanOptions) -> int:
         _write_fits_table(a.fits_table, fits_table())
         print(f"wrote the fits table of {len(shipped_targets())} targets into {a.fits_table}")
         return 0
-    budget = _parse_memory(a.memory)
-    a.policies = [parse_policy(p) for p in a.policies] if a.policies else list(POLICIES)
+    budget = parse_memory(a.memory)
+    policies = [Policy.parse(p) for p in a.policies or POLICIES]
     tc = target_text_config(a.target_config)
     mask = a.mask_token_id if a.mask_token_id is not None else tc.vocab_size - 1
     cfg = DrafterConfig.from_target(tc, mask_token_id=mask, num_hidden_layers=a.layers, block_size=a.block_size)
@@ -347,130 +350,17 @@ def run_plan(a: PlanOptions) -> int:
           f"{a.dtype} autocast, fp32 weights, {a.optimizer} AdamW; loss {a.loss}")
     opts = dict(dtype=a.dtype, attention=a.attention, micro_batch_size=a.micro_batch_size, optimizer=a.optimizer,
                 teacher=a.loss in TEACHER_LOSSES)
-    try: policy, table = recommend_policy(cfg, a.seq_len, a.anchors, budget, policies=a.policies, full_table=True, **opts)
+    try: policy, table = recommend_policy(cfg, a.seq_len, a.anchors, budget, policies=policies, full_table=True, **opts)
     except ValueError as e:                      # not even the weights and moments fit: the steps at a budget that does
         print(f"does not fit: {e}")
         weights, frozen = _static_bytes(cfg, a.seq_len, a.micro_batch_size, _TORCH_DTYPES[a.dtype], opts['teacher'])
         held = 4 * weights + frozen + budget            # those, and this GPU's memory beside them for the step
-        table = [step_memory(cfg, a.seq_len, a.anchors, policy=p, memory_bytes=held, **opts) for p in a.policies]
+        table = [step_memory(cfg, a.seq_len, a.anchors, policy=p, memory_bytes=held, **opts) for p in policies]
         policy = min(table, key=lambda r: r.total).policy
-    print(_format_table(table, budget))
-    print(_recommendation(policy, table, budget))
+    print(format_table(table, budget))
+    print(recommendation(policy, table, budget))
     print(online_advice(online_target_bytes(tc, a.seq_len, a.micro_batch_size),
                         next(r for r in table if r.policy == policy).total, budget))
     print("fake tensors with CPU kernel semantics; allocator rounding and fragmentation not counted: "
           "keep a few % spare")
     return 0 if next(r for r in table if r.policy == policy).total <= budget else 3
-
-# %% ../../nbs/19_model_planner.ipynb #bfda98e7
-_SIZES = ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads',
-          'head_dim', 'vocab_size')
-_TARGET_PRESETS = {name: {k: getattr(target_text_config(name), k) for k in _SIZES} for name in shipped_targets()}
-_GPU_SIZES = ('24GiB', '40GiB', '48GiB', '80GiB', '94GiB', '141GiB', '192GiB')   # cards' sizes as sold, read as GiB
-
-def _target_drafter_config(sizes: dict, layers: int = 5) -> DrafterConfig:
-    "The drafter config training would derive for a Qwen3-shaped target of these sizes."
-    from transformers import Qwen3Config
-    tc = Qwen3Config(**sizes, rms_norm_eps=1e-6, max_position_embeddings=40960)
-    return DrafterConfig.from_target(tc, mask_token_id=tc.vocab_size - 1, num_hidden_layers=layers)
-
-# %% ../../nbs/19_model_planner.ipynb #dd813bb4
-_PARTS = ('weights', 'grads', 'AdamW', 'activations', 'optimizer step', 'frozen')
-
-def _memory_parts(r: _StepMemory) -> dict:
-    "A step's total split into parts that add up to it (bytes): the bars of the fit chart."
-    return dict(zip(_PARTS, (r.weights, r.grads, r.optimizer, r.activations, max(r.step_peak - r.fwd_bwd_peak, 0),
-                             r.frozen)))
-
-def _fit_figure(table: list[_StepMemory], budget_bytes: int, chosen=None, title: str = ''):
-    "Stacked bars of each policy's step memory (GB) against the budget; `chosen` is marked."
-    from matplotlib.figure import Figure            # not pyplot: nothing global, nothing shown by itself
-    fig = Figure(figsize=(7, 0.6 * len(table) + 1.6), layout='constrained')
-    ax = fig.subplots()
-    for y, r in enumerate(table):
-        left = 0.
-        for k, (part, b) in enumerate(_memory_parts(r).items()):
-            ax.barh(y, b / 1e9, left=left, color=f'C{k}', label=part if y == 0 else None)
-            left += b / 1e9
-    ax.axvline(budget_bytes / 1e9, color='red', ls='--', label=f'budget {budget_bytes / 1e9:.1f} GB')
-    ax.set_yticks(range(len(table)), [f"{r.policy}{'  <- chosen' if r.policy == chosen else ''}" for r in table])
-    ax.invert_yaxis()
-    ax.set(xlabel='GB (1e9 bytes) per process', ylabel='checkpointing policy', title=title)
-    ax.legend(loc='upper left', bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
-    return fig
-
-# %% ../../nbs/19_model_planner.ipynb #bc49df7d
-def _fit_widget(*, target: str = 'qwen3-8b', memory: str = GPU_MEMORY, seq_len: int = 8000, anchors: int = 512,
-               policy: str = 'auto', layers: int = 5):
-    """Will my run fit? Pick a target (preset or sizes), GPU memory, sequence length, anchors and a policy: the table,
-    the recommendation and a chart of each policy's step against the budget. Shows its first state at once."""
-    import base64, io
-    import ipywidgets as W
-    box = lambda w: W.Layout(width=w)
-    sizes = {k: W.IntText(v, description=k.replace('num_', '').replace('_', ' '), layout=box('230px'),
-                          style={'description_width': '130px'}) for k, v in _TARGET_PRESETS[target].items()}
-    preset = W.Dropdown(options=[*_TARGET_PRESETS, 'custom'], value=target, description='target')
-    gpu = W.Combobox(value=memory, options=list(_GPU_SIZES), description='GPU memory', ensure_option=False,
-                     continuous_update=False, style={'description_width': 'initial'}, layout=box('200px'))
-    seq = W.IntText(seq_len, description='seq len', layout=box('180px'))
-    anc = W.IntText(anchors, description='anchors', layout=box('180px'))
-    lay = W.IntText(layers, description='layers', layout=box('180px'))
-    pol = W.Dropdown(options=['auto', *map(str, POLICIES)], value=str(policy), description='policy',
-                     layout=box('200px'))
-    out = W.Output()
-
-    class FitWidget(W.VBox):
-        "The widget; `summary`, `table`, `best` and `png` hold its current state."
-        def __repr__(self): return f"will it fit? {self.summary}"
-
-    w = FitWidget([preset, W.GridBox(list(sizes.values()), layout=W.Layout(grid_template_columns='repeat(3, 240px)')),
-                   W.HBox([gpu, seq, anc, lay, pol]), out])
-    w.summary, w.table, w.best, w.png, hold = '', [], None, b'', [False]
-
-    def redraw(_=None):
-        if hold[0]: return
-        try:
-            budget = _parse_memory(gpu.value)
-            bad = [x.description for x in (*sizes.values(), seq, anc, lay) if x.value < 1]
-            if bad: raise ValueError(f"{', '.join(bad)}: must be at least 1")
-            cfg = _target_drafter_config({k: x.value for k, x in sizes.items()}, lay.value)
-            best, table = recommend_policy(cfg, seq.value, anc.value, budget, full_table=True)
-        except (ValueError, TypeError) as e:
-            w.summary, w.table, w.png = f"cannot plan: {e}", [], b''
-            out.outputs = ({'output_type': 'stream', 'name': 'stdout', 'text': w.summary + '\n'},)
-            return
-        chosen = best if pol.value == 'auto' else next(r.policy for r in table if str(r.policy) == pol.value)
-        r = next(t for t in table if t.policy == chosen)
-        w.summary, w.table, w.best = _recommendation(best, table, budget), table, best
-        text = _format_table(table, budget) + '\n' + w.summary
-        if chosen != best:
-            text += f"\nwith {chosen}: {_gb(r.total)} GB, {'fits' if r.total <= budget else 'does not fit'}"
-        title = f"{preset.value}: S={seq.value}, {anc.value} anchors, {lay.value} layers"
-        fig = _fit_figure(table, budget, chosen, title)
-        buf = io.BytesIO()
-        fig.savefig(buf, format='png', dpi=80)
-        w.png = buf.getvalue()
-        out.outputs = ({'output_type': 'stream', 'name': 'stdout', 'text': text + '\n'},
-                       {'output_type': 'display_data', 'metadata': {},
-                        'data': {'image/png': base64.b64encode(w.png).decode(), 'text/plain': '<fit chart>'}})
-
-    def use_preset(change):
-        if change['new'] == 'custom': return
-        hold[0] = True
-        for k, v in _TARGET_PRESETS[change['new']].items(): sizes[k].value = v
-        hold[0] = False
-        redraw()
-
-    def size_edited(_):
-        if hold[0]: return
-        if preset.value != 'custom' and any(sizes[k].value != v for k, v in _TARGET_PRESETS[preset.value].items()):
-            hold[0] = True
-            preset.value = 'custom'
-            hold[0] = False
-        redraw()
-
-    preset.observe(use_preset, 'value')
-    for x in sizes.values(): x.observe(size_edited, 'value')
-    for x in (gpu, seq, anc, lay, pol): x.observe(redraw, 'value')
-    redraw()                                           # the first state, at once
-    return w

@@ -4,38 +4,15 @@
 
 # %% ../../nbs/17_model_recompute.ipynb #7feef8cf
 from __future__ import annotations
-import functools, json
+import functools
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+from ..core.policy import Policy
 from .drafter import DFlashDrafter, DFlashDecoderLayer, compute_dtype
 
 # %% auto #0
-__all__ = ['checkpointed_layers', 'parse_policy', 'set_checkpointing']
-
-# %% ../../nbs/17_model_recompute.ipynb #ac979e2c
-def checkpointed_layers(policy, num_layers: int) -> list[int]:
-    "The layer indices a policy checkpoints: 'none', 'all', every k-th (int k), or a list."
-    if policy in (None, 'none'): return []
-    if policy == 'all': return list(range(num_layers))
-    if isinstance(policy, int) and not isinstance(policy, bool):
-        if policy < 1: raise ValueError(f"checkpointing policy {policy}: every k-th layer needs k >= 1")
-        return list(range(0, num_layers, policy))
-    if isinstance(policy, (list, tuple)):
-        bad = [i for i in policy if not isinstance(i, int) or not 0 <= i < num_layers]
-        if bad:
-            raise ValueError(f"checkpointing policy {list(policy)}: layer indices {bad} "
-                             f"are not in [0, {num_layers - 1}]")
-        return sorted(set(policy))
-    raise ValueError(f"checkpointing policy {policy!r}: use 'none', 'all', an int k (every k-th layer) "
-                     "or a list of layers")
-
-# %% ../../nbs/17_model_recompute.ipynb #b61c87a3
-def parse_policy(policy):
-    "'2' -> 2 (every 2nd layer), '[0, 3]' -> [0, 3]; anything else as it is."
-    if isinstance(policy, str) and policy.isdigit(): return int(policy)
-    if isinstance(policy, str) and policy.startswith('['): return json.loads(policy)
-    return policy
+__all__ = ['set_checkpointing']
 
 # %% ../../nbs/17_model_recompute.ipynb #05ca46e3
 _GRAD_ANCHOR = torch.empty(0, requires_grad=True)   # an input that always requires grad
@@ -62,10 +39,12 @@ def _checkpointed_layer(layer: DFlashDecoderLayer, x, ctx, rope_blk, rope_ctx, a
     parts = [s + _checkpoint_call(layer.mlp_block, s, use_reentrant=use_reentrant) for s in x.split(step, 1)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, 1)                              # (N, T, H)
 
-def set_checkpointing(drafter: DFlashDrafter, policy='none', use_reentrant: bool = False,
+def set_checkpointing(drafter: DFlashDrafter, policy: Policy | str = 'none', use_reentrant: bool = False,
                       budget_bytes: int | None = None) -> list[int]:
-    "Checkpoint the drafter layers `policy` selects (MLP slices within `budget_bytes`); returns their indices."
-    chosen = checkpointed_layers(policy, len(drafter.layers))
+    """Checkpoint the drafter layers `policy` (a Policy, or a form `Policy.parse` reads) selects, MLP slices within
+    `budget_bytes`; returns their indices."""
+    policy = Policy.parse(policy)
+    chosen = policy.layers(len(drafter.layers))
     for i, layer in enumerate(drafter.layers):
         if i in chosen: layer.forward = functools.partial(_checkpointed_layer, layer, use_reentrant=use_reentrant,
                                                           budget_bytes=budget_bytes)

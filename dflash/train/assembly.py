@@ -18,12 +18,14 @@ from ..core.errors import InputError, NoFit, main_process
 from ..model.config import DrafterConfig
 from ..model.layout import valid_anchors
 from ..model.drafter import DFlashDrafter, TokenEmbedding
-from ..model.recompute import set_checkpointing, parse_policy
+from ..core.policy import Policy
+from ..model.recompute import set_checkpointing
 from ..model.planner import budgets, recommend_policy, step_memory, online_target_bytes, online_advice
 from ..model.chunking import free_bytes
 from ..model.objective import data_mask_token, draft_vocab, token_counts
 from ..data.chat import ChatDataset
-from ..data.features import CacheDataset, TargetFeatures
+from ..data.cache import CacheDataset
+from ..data.features import TargetFeatures
 from ..core.files import toy_target_dir, toy_data_dir, resolve_local
 from ..model.target import check_target_dir, embed_scale, frozen_head_weights, load_target, pretrained, target_identity
 from ..core.schema import TrainConfig
@@ -257,19 +259,20 @@ _PLAN_DTYPE = {'bf16': 'bf16', 'fp16': 'fp16'}                    # accelerate's
 
 def _online_fit(target_config, drafter_config: DrafterConfig, seq_len: int, num_anchors: int, budget_bytes: int, *,
                dtype: str = 'bf16', attention: str = 'sdpa', micro_batch_size: int = 1,
-               policy='auto', teacher: bool = False) -> tuple[bool, str]:
-    "(whether the step and the online target fit `budget_bytes` together, the plan's sentence with the figures)"
+               policy: Policy | None = None, teacher: bool = False) -> tuple[bool, str]:
+    """(whether the step and the online target fit `budget_bytes` together, the plan's sentence with the figures);
+    `policy` None: the one `auto` picks."""
     online = online_target_bytes(target_config, seq_len, micro_batch_size, dtype)
     left = budget_bytes - online['extra']                         # what the target leaves for the step
     try:
-        if policy == 'auto':
+        if policy is None:
             policy, table = recommend_policy(drafter_config, seq_len, num_anchors, left, dtype=dtype,
                                              attention=attention, micro_batch_size=micro_batch_size, teacher=teacher)
             step = next(r for r in table if r.policy == policy)
         else: step = step_memory(drafter_config, seq_len, num_anchors, policy=policy, dtype=dtype, attention=attention,
                                  micro_batch_size=micro_batch_size, memory_bytes=max(left, 1), teacher=teacher)
     except ValueError:                                            # left holds not even the drafter's weights
-        frugal = policy if policy != 'auto' else 'all'
+        frugal = policy or Policy('all')
         step = step_memory(drafter_config, seq_len, num_anchors, policy=frugal, dtype=dtype, attention=attention,
                            micro_batch_size=micro_batch_size, teacher=teacher)
     fits = step.total + online['extra'] <= budget_bytes
@@ -284,7 +287,7 @@ def _refuse_online_misfit(cfg: TrainConfig, acc: Accelerator):
     budget = int(free_bytes(acc.device) * cfg.memory_fraction)
     fits, why = _online_fit(tc, dcfg, cfg.max_length, cfg.num_anchors, budget,
                            dtype=_PLAN_DTYPE.get(acc.mixed_precision, 'fp32'), attention=cfg.attention,
-                           micro_batch_size=cfg.micro_batch_size, policy=parse_policy(cfg.checkpointing),
+                           micro_batch_size=cfg.micro_batch_size, policy=Policy.parse(cfg.checkpointing, auto=True),
                            teacher=cfg.loss in TEACHER_LOSSES)
     if not fits: raise NoFit(f"online training does not fit on {acc.device}: {why}")
 
@@ -324,7 +327,7 @@ class Drafting:
     "The drafter of a run, as the trainer gets it: built, checkpointed, sharded, with the budgets it was planned in."
     drafter: DFlashDrafter               # sharded when `fsdp` is set
     head: Tensor                         # (V, H) the frozen LM head; (K, H) with a draft vocabulary
-    policy: str                          # the layer checkpointing policy
+    policy: Policy                       # the layer checkpointing policy
     objective_budget: int                # bytes for the objective's chunks
     fsdp: dict | None                    # `fully_shard`'s settings; None: no FSDP
 
@@ -333,8 +336,8 @@ def build_drafter(cfg: TrainConfig, parts: _RunParts, acc: Accelerator, teacher:
     budget, dtype = int(free_bytes(acc.device) * cfg.memory_fraction), _PLAN_DTYPE.get(acc.mixed_precision, 'fp32')
     attention_budget, objective_budget = budgets(parts.drafter_config, cfg.max_length, budget, dtype,
                                                  cfg.micro_batch_size, teacher)
-    policy = parse_policy(cfg.checkpointing)
-    if policy == 'auto':
+    policy = Policy.parse(cfg.checkpointing, auto=True)
+    if policy is None:                                             # auto: the cheapest that fits
         policy, _ = recommend_policy(parts.drafter_config, cfg.max_length, cfg.num_anchors, budget, dtype=dtype,
                                      attention=cfg.attention, micro_batch_size=cfg.micro_batch_size, teacher=teacher)
     options = {'budget_bytes': attention_budget} if cfg.attention == 'sdpa' else {}

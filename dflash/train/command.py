@@ -59,7 +59,7 @@ def parse_config(argv=None) -> TrainConfig:
 def _spec_tau(trainer, sampled: bool = True) -> dict | None:
     """Speculative-decoding acceptance on the held-out prompts, greedy, and (`sampled`) its τ at T = 1 with seeds 0
     and 1 under 'sampled' (main process; None when not measurable)."""
-    from dflash.decoding.loop import eval_prompts, acceptance_eval
+    from dflash.decoding.evaluate import eval_prompts, acceptance_eval
     c, p = trainer.cfg, trainer.parts
     eval_path = c.eval_data or (str(toy_data_dir() / 'eval.jsonl') if c.target is None else None)
     if p.features is None or not eval_path or not c.spec_eval_prompts: return None
@@ -84,18 +84,10 @@ def _sampled_text(r: dict) -> str:
 
 _SCHEDULE = ('max_steps', 'epochs', 'lr', 'warmup_ratio', 'schedule', 'decay_ratio')   # what lays out the rates
 
-# %% ../../nbs/46_train_command.ipynb #d4cb5ee2
-def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, stop: StopRequest | None = None) -> dict:
-    t_start = time.perf_counter()
-    import torch                                         # torch, transformers, accelerate: only now
-    from dflash.train.trainer import Trainer
-    from dflash.train.metrics import timed
-    from dflash.core.errors import TrackerError
-    from dflash.train.schedule import run_steps, steps_change
-    from dflash.core.threads import use_threads
-    gpu = torch.cuda.is_available()
-    threads, why = use_threads(cfg.threads) if not gpu else (torch.get_num_threads(), 'left as is on a GPU')
-    out = Path(cfg.out)
+# %% ../../nbs/46_train_command.ipynb #d4cb5e01
+def _run_record(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool) -> dict:
+    """The run's `run.json` record as it starts: the resumed run's `rec` (or a new one) with the options, the data's
+    checksums and status 'running'; a resume that changed options or data appends what changed (printed)."""
     data = data_checksums(cfg)
     moved = data_changes((rec or {}).get('data') or {}, data)          # accepted: _configure refused them otherwise
     record = {**(rec or {'created': time.strftime('%FT%T')}),
@@ -108,6 +100,15 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
         if is_main and changed:
             print("changed on resume: " + ', '.join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
         if is_main and moved: print("data changed on resume (--accept-changed-data): " + '; '.join(moved))
+    return record
+
+def _start_trainer(cfg: TrainConfig, rec: dict | None, record: dict, is_main: bool):
+    """The `Trainer` of `cfg`, restored from its newest checkpoint (a changed step count said in one line), with its
+    trackers started and `record`'s total steps set. Inputs it cannot use or a tracker that cannot start:
+    `StartupFailed`."""
+    from dflash.train.trainer import Trainer
+    from dflash.core.errors import TrackerError
+    from dflash.train.schedule import run_steps, steps_change
     try: trainer = Trainer(cfg)
     except (InputError, FileNotFoundError) as e:        # a target, tokenizer, data or cache it cannot use
         raise StartupFailed(str(e)) from e
@@ -119,6 +120,42 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
     record['total_steps'] = trainer.total_steps
     try: trainer.trackers.start(trainer.step)                        # a tracker that cannot start: the same, named
     except TrackerError as e: raise StartupFailed(str(e)) from e
+    return trainer
+
+# %% ../../nbs/46_train_command.ipynb #d4cb5e02
+def _finish(out: Path, record: dict, summary: dict, seconds: dict, step: int) -> dict[str, Path]:
+    """Main process, once trained: `summary.json`, the run's pictures (their seconds added to `seconds`), then
+    `run.json` marked finished at `step`; the pictures {name: path}."""
+    from dflash.train.metrics import timed
+    write_json(out / 'summary.json', summary)
+    with timed(seconds, 'plots'): pictures = _draw_run(out, summary['spec_before'], summary['spec_after'])
+    write_json(out / 'run.json', {**record, 'status': 'finished', 'step': step})
+    return pictures                                      # drawn before 'finished': a resume draws them again
+
+def _print_finish(out: Path, summary: dict, seconds: dict, pictures: dict, t_start: float):
+    "The end of a run in lines: held-out τ, speculative τ before and after, the drafter, wall seconds, the pictures."
+    metrics = summary['metrics']
+    if 'eval_tau' in metrics: print(f"held-out tau (training-time estimate): {metrics['eval_tau']:.3f}")
+    for name, r in (('before', summary['spec_before']), ('after', summary['spec_after'])):
+        if r: print(f"speculative decoding tau {name} training: {r['tau']:.3f} at T=0{_sampled_text(r)}")
+    print(f"drafter saved to {out / 'drafter'}")
+    print(f"wall seconds: {', '.join(f'{k} {v:.0f}' for k, v in seconds.items())}; "
+          f"total {time.perf_counter() - t_start:.0f}")
+    for name, path in pictures.items(): print(f"{name}: {path}")
+
+# %% ../../nbs/46_train_command.ipynb #d4cb5ee2
+def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, stop: StopRequest | None = None) -> dict:
+    """Train as `cfg` says, the run `rec` resumed (None: a new one) with the options in `changed` changed: τ before,
+    the steps, τ after, the records and pictures (main process); the summary ({} on other processes)."""
+    t_start = time.perf_counter()
+    import torch                                         # torch, transformers, accelerate: only now
+    from dflash.train.metrics import timed
+    from dflash.core.threads import use_threads
+    gpu = torch.cuda.is_available()
+    threads, why = use_threads(cfg.threads) if not gpu else (torch.get_num_threads(), 'left as is on a GPU')
+    out = Path(cfg.out)
+    record = _run_record(cfg, rec, changed, is_main)
+    trainer = _start_trainer(cfg, rec, record, is_main)
     if is_main: write_json(out / 'run.json', record)     # the run has started
     seconds = {'start-up, target and data': time.perf_counter() - t_start}
     if is_main: print(f"layer checkpointing: {trainer.policy}; CPU threads: {threads} per process ({why})")
@@ -132,21 +169,13 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
     seconds.update(trainer.seconds)
     with timed(seconds, 'tau after training'): after = _spec_tau(trainer)
     trainer.acc.wait_for_everyone()
-    summary, before = {}, record['spec_before']
+    summary = {}
     if is_main:
-        summary = {'metrics': metrics, 'spec_before': before, 'spec_after': after, 'drafter': str(out / 'drafter'),
-                   'threads': threads, 'seconds': {k: round(v, 1) for k, v in seconds.items()},
-                   'timed_steps': [first, trainer.step]}
-        write_json(out / 'summary.json', summary)
-        with timed(seconds, 'plots'): pictures = _draw_run(out, before, after)   # before 'finished': resumes draw
-        write_json(out / 'run.json', {**record, 'status': 'finished', 'step': trainer.step})
-        if 'eval_tau' in metrics: print(f"held-out tau (training-time estimate): {metrics['eval_tau']:.3f}")
-        for name, r in (('before', before), ('after', after)):
-            if r: print(f"speculative decoding tau {name} training: {r['tau']:.3f} at T=0{_sampled_text(r)}")
-        print(f"drafter saved to {out / 'drafter'}")
-        print(f"wall seconds: {', '.join(f'{k} {v:.0f}' for k, v in seconds.items())}; "
-              f"total {time.perf_counter() - t_start:.0f}")
-        for name, path in pictures.items(): print(f"{name}: {path}")
+        summary = {'metrics': metrics, 'spec_before': record['spec_before'], 'spec_after': after,
+                   'drafter': str(out / 'drafter'), 'threads': threads,
+                   'seconds': {k: round(v, 1) for k, v in seconds.items()}, 'timed_steps': [first, trainer.step]}
+        pictures = _finish(out, record, summary, seconds, trainer.step)
+        _print_finish(out, summary, seconds, pictures, t_start)
     trainer.acc.wait_for_everyone()                      # no process leaves while another still needs the group
     return summary
 
@@ -246,7 +275,7 @@ def _draw_curves(out) -> Path | None:
 def _draw_acceptance(out, before: dict | None, after: dict | None) -> Path | None:
     "`out/acceptance.png`: histograms of the tokens accepted per verify step, before and after training."
     from matplotlib.figure import Figure
-    from dflash.decoding.loop import plot_acceptance
+    from dflash.decoding.evaluate import plot_acceptance
     runs = [(name, r) for name, r in (('before training', before), ('after training', after)) if r]
     if not runs: return None
     fig = Figure(figsize=(5.5 * len(runs), 3.6), layout='constrained')

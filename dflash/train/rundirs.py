@@ -4,7 +4,7 @@
 
 # %% ../../nbs/40_train_rundirs.ipynb #6b350687
 from __future__ import annotations
-import dataclasses, importlib.util, json, os, time
+import dataclasses, importlib.util, os, time
 from pathlib import Path
 from ..core.errors import RunDirError, LockError
 from ..core.options import flag
@@ -14,6 +14,7 @@ from ..core.files import file_sha256, json_problem, make_dir, out_problems, reso
 from ..model.target import config_max_positions, config_vocab_size, target_config_dict, target_problems
 from ..core.locks import take_lock, start_heartbeat, release_lock, writer_problem
 from ..core.names import TEACHER_LOSSES
+from ..core.policy import policy_problem
 
 # %% auto #0
 __all__ = []
@@ -83,15 +84,6 @@ def _has_line(path) -> bool:
         with open(path, 'rb') as f: return any(line.strip() for line in f)
     except OSError: return True                          # the option's own check names an unreadable file
 
-def policy_problem(text: str, name: str = '--checkpointing', words=('auto', 'none', 'all')) -> str | None:
-    "What is wrong with a layer checkpointing policy given as text to option `name`, or None."
-    if text in words or (text.isdigit() and int(text) >= 1): return None
-    try: ids = json.loads(text)
-    except json.JSONDecodeError: ids = None
-    if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        return None
-    return f"{name} = {text!r}: allowed {', '.join(words)}, an integer k >= 1, or a list of layers like [0,2]"
-
 def _layer_problems(c: TrainConfig, n) -> list[str]:
     "The layer options that do not fit a target of `n` layers (an int, or anything else when its config is broken)."
     ids = [i for i in c.target_layer_ids or [] if isinstance(i, int)]      # the bad ones are named by the option
@@ -151,7 +143,7 @@ def check_train(c: TrainConfig) -> list[str]:
                      f"or report to tensorboard or none")
     if c.block_size > c.max_length:
         probs.append(f"--block-size = {c.block_size}: allowed <= max_length ({c.max_length})")
-    if (p := policy_problem(str(c.checkpointing))): probs.append(p)
+    if (p := policy_problem(str(c.checkpointing), '--checkpointing', auto=True)): probs.append(p)
     return probs + launch_problems()
 
 _AS_INIT_FROM = (('--num-layers', 'num_layers', 'num_hidden_layers'), ('--block-size', 'block_size', 'block_size'),
