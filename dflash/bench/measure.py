@@ -8,7 +8,7 @@ import csv, io, json, os, shutil, subprocess, sys, time
 from pathlib import Path
 from ..core.files import write_atomic, write_json
 from .real import RealBench, smollm2_gguf, LEVERS, INFERENCE_LEVERS
-from .real import synthesize_phase, cache_phase, train_phase, trained_phase
+from .real import synthesize_phase, cache_phase, train_phase, trained_phase, template_flag
 
 # %% auto #0
 __all__ = ['run_real']
@@ -44,7 +44,8 @@ def _measure(o: RealBench, target: str, prompts: Path, drafter: Path, where: Pat
                '--data', where / f'prompts-{i}.jsonl', '--num-prompts', len(lines[i::k]), '--max-new-tokens', o.max_new_tokens,
                '--block-size', block, *(['--draft-confidence', confidence] if confidence is not None else []),
                *(['--copy-ngram', copy] if copy is not None else []),
-               '--temperature', *temperatures, '--threads', 1, '--out', where / f'part-{i}', '--no-progress']
+               '--temperature', *temperatures, '--threads', 1, '--out', where / f'part-{i}', '--no-progress',
+               *template_flag(o)]
         log = os.open(where / f'speculate-{i}.log', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         procs.append(subprocess.Popen(list(map(str, cmd)), stdout=log, stderr=subprocess.STDOUT, env=env))
         os.close(log)                                                # the process holds its own copy

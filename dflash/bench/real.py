@@ -82,6 +82,9 @@ class RealBench:
                             path='dir')
     drafter: str | None = option(None, 'a drafter to measure as it is (config.json and model.safetensors), such as the '
                                        'committed one measured again: no training, and none in the report', path='dir')
+    chat_template: str | None = option(None, "Jinja chat template file replacing the target's, passed to every phase "
+                                             "that renders chat: synthesis, cache, training and measurement (default: "
+                                             "the target's)", path='file')
     work: str = option('bench_real', 'working directory: data, cache and runs (a rerun continues the synthesis)')
     out: str = option('benchmarks/real', 'directory for real.csv, real.md, real.png and drafter/ (bf16)')
 
@@ -172,11 +175,16 @@ def _dtype(o: RealBench) -> str: return 'bfloat16' if _bf16(o) else 'float32'
 _STUB_PREFIX = 'def'   # a user message that begins a function: the form of a coding prompt
 _STUB_END = r'"""[\s\S]*?"""|\n\n'   # ... and ends after its docstring or at its first blank line
 
+def template_flag(o: RealBench) -> list:
+    "`--chat-template FILE` (absolute: the phases run elsewhere) for a bench run with one, else nothing."
+    return ['--chat-template', Path(o.chat_template).absolute()] if o.chat_template else []
+
 def _synth_cmd(o: RealBench, target: str, out: Path, threads: int, stubs: bool) -> list:
     "The synthesis command writing `out`: the conversations --system steers, or with `stubs` function stubs too."
     cmd = [sys.executable, '-m', 'dflash.data', 'synthesize', '--target', target, '--out', out, '--num', 1_000_000,
            '--system', o.system, '--batch-size', 32, '--max-prompt-tokens', 192 if stubs else 128,
            '--max-new-tokens', 256, '--dtype', _dtype(o), '--threads', threads, '--no-progress']
+    cmd += template_flag(o)
     return cmd + ['--user-prefix', _STUB_PREFIX, '--user-stop', _STUB_END] if stubs else cmd
 
 def synthesize_phase(o: RealBench, target: str, work: Path, deadline: float) -> dict:
@@ -214,7 +222,7 @@ def cache_phase(o: RealBench, target: str, work: Path) -> dict:
     if cache.exists(): shutil.rmtree(cache)                          # this bench's own cache of an earlier run
     cmd = [sys.executable, '-m', 'dflash.data', 'cache', '--target', target, '--data', work / 'data.jsonl',
            '--out', cache, '--num-draft-layers', o.target_layers, '--max-length', 512, '--dtype', _dtype(o),
-           '--threads', 2, '--no-progress'] + (['--final-hidden'] if 'distill' in o.levers else [])
+           '--threads', 2, '--no-progress', *template_flag(o)] + (['--final-hidden'] if 'distill' in o.levers else [])
     return _run(cmd, work / 'cache.log', threads=2)
 
 # %% ../../nbs/52_bench_real.ipynb #a106bc91
@@ -228,7 +236,7 @@ def _train_args(o: RealBench, target: str, work: Path, lever: str | None, layer_
             '--block-size', 16 if lever == 'block-16' else o.block_size,
             '--target-layer-ids', *([layer_ids[0], layer_ids[-1]] if lever == 'two-target-layers' else layer_ids),
             '--lr', o.lr, '--batch-size', 8, '--max-length', 512, '--log-every', 1, '--spec-eval-prompts', 0,
-            '--report-to', 'none', '--save-every', 0, '--progress-bar', 'false', '--threads', 2]
+            '--report-to', 'none', '--save-every', 0, '--progress-bar', 'false', '--threads', 2, *template_flag(o)]
     if lever != 'full-vocab': args += ['--draft-vocab-size', o.draft_vocab_size]
     if lever != 'random-init': args += ['--init-from-target']
     if lever == 'distill': args += ['--loss', 'kl']
