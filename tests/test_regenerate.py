@@ -313,3 +313,65 @@ def test_nothing_to_regenerate_is_an_error_before_the_model_loads(tmp_path):
     assert r.stderr.startswith(f"error: {data}: nothing to regenerate: none of its 2 conversations"), r.stderr
     assert 'Traceback' not in r.stderr and 'Loading weights' not in r.stderr
     assert not out.exists() and not index_path(out).exists() and not (tmp_path / 'o.jsonl.lock').exists()
+
+
+
+# --- a tokenizer without a pad token (Llama 3's has none): batching must not change a reply ----------------------------
+@pytest.fixture(scope='module')
+def padless_llama(chat_bpe, tmp_path_factory):
+    "A small random Llama saved with a Llama 3 template tokenizer that has no pad token."
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from conftest import LLAMA3
+    d = tmp_path_factory.mktemp('padless')
+    tok = PreTrainedTokenizerFast(tokenizer_object=chat_bpe, bos_token='<|begin_of_text|>', eos_token='<|eot_id|>')
+    tok.chat_template = LLAMA3
+    assert tok.pad_token_id is None
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=448, bos_token_id=tok.bos_token_id,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=None)).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def padless_records(n_words=(1, 2, 12, 3, 7, 1)) -> list[dict]:
+    "Chat records whose first prompts differ in length (batches are padded); the second ends on a user turn."
+    import numpy as np
+    from conftest import chat_sentence
+    rng = np.random.default_rng(1)
+    recs = []
+    for n in n_words:
+        msgs = [{'role': 'user', 'content': chat_sentence(rng, n)}, {'role': 'assistant', 'content': 'old'}]
+        recs.append({'messages': msgs[:1] if n == 2 else msgs})
+    return recs
+
+
+def test_padless_engine_batched_equals_unbatched(padless_llama):
+    "The engine given a tokenizer's pad id None pads with a stop id, hidden from every row: batched = one at a time."
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(padless_llama)
+    model = AutoModelForCausalLM.from_pretrained(padless_llama, dtype=torch.float64).eval()
+    stops = end_of_turn_ids(tok, model.generation_config)
+    prompts = [prompt_ids(tok, r['messages'][:1], {}) for r in padless_records()]
+    assert tok.pad_token_id is None and len({len(p) for p in prompts}) > 1
+    eng = TransformersEngine(model, stops, tok.pad_token_id, max_new_tokens=12)
+    assert eng.pad_id in stops
+    got = eng(prompts)
+    assert got == [eng([p])[0] for p in prompts]
+    assert all(eng.pad_id not in t for t, _ in got)                     # the pad id is never written
+
+
+def test_padless_tokenizer_batched_equals_unbatched(padless_llama, tmp_path):
+    "`data regenerate` with a tokenizer without a pad token writes the same records with --batch-size 1, 2 and 3."
+    recs = padless_records()
+    data = tmp_path / 'in.jsonl'
+    data.write_text(''.join(json.dumps(r) + '\n' for r in recs))
+    outs = {}
+    for b in (1, 2, 3):
+        out = tmp_path / f'b{b}.jsonl'
+        r = data_cli('regenerate', '--target', padless_llama, '--data', data, '--out', out, '--batch-size', b,
+                     '--max-new-tokens', '6', '--dtype', 'float64')
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs[b] = [json.loads(l) for l in out.read_text().splitlines()]
+    assert len(outs[1]) == len(recs) and all(x['messages'][-1]['content'] != 'old' for x in outs[1])
+    assert outs[2] == outs[1] and outs[3] == outs[1]

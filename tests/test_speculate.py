@@ -203,7 +203,7 @@ def test_prompt_only_records(toy, tmp_path):
     ([], 'nothing to prompt with (0 records, none with a user turn;'),
     ([{'messages': [{'role': 'assistant', 'content': 'hello'}]}] * 2, 'nothing to prompt with (2 records, none with a user turn;'),
     (['{"messages": [{"role": "us'], ':1: malformed JSON line'),
-    ([{'text': 'the cat'}], ":1: no 'messages' or 'conversations' key")], ids=['empty', 'no-prompt', 'torn', 'no-chat'])
+    ([{'prompt': 'the cat'}], ":1: no 'messages' or 'conversations' key")], ids=['empty', 'no-prompt', 'torn', 'no-chat'])
 def test_data_without_a_prompt_is_named(tmp_path, capsys, lines, expect):
     "A data file with nothing to prompt with: one error naming it, with the other bad options, before any model loads."
     data = tmp_path / 'd.jsonl'

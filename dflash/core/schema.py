@@ -13,8 +13,8 @@ from .files import assets_dir
 from .names import ATTENTIONS, BLOCK_SIZE, GPU_MEMORY, LOSSES, POLICIES
 
 # %% auto #0
-__all__ = ['DTYPES', 'TRACKERS', 'CPU_DRAFT_CONFIDENCE', 'CPU_COPY_NGRAM', 'TrainConfig', 'PlanOptions', 'toy_profile',
-           'DataOptions', 'CacheOptions', 'RegenConfig', 'SynthConfig', 'SpeculateOptions']
+__all__ = ['DTYPES', 'TRACKERS', 'CPU_DRAFT_CONFIDENCE', 'CPU_COPY_NGRAM', 'TEXT_PROMPT_TOKENS', 'TrainConfig', 'PlanOptions',
+           'toy_profile', 'DataOptions', 'CacheOptions', 'RegenConfig', 'SynthConfig', 'SpeculateOptions']
 
 # %% ../../nbs/06_core_schema.ipynb #a512e147
 _SHORT = {'float32': 'fp32', 'bfloat16': 'bf16', 'float16': 'fp16', 'float64': 'fp64'}   # torch's name -> the short one
@@ -36,9 +36,15 @@ class _TrainInputs:
     "What a run trains on, and where it writes."
     target: str | None = option(None, "target model: a local directory, a hub id (local Hugging Face cache only) or a "
                                       ".gguf file (default: the shipped toy target)")
-    data: str | None = option(None, "chat data for training, JSONL (default: none, and --cache is needed; the toy profile's is in "
-                                    "the package's assets)",
+    data: str | None = option(None, "training data, JSONL: chat records (messages or conversations; the replies "
+                                    'supervised) or text records ({"text": ...}: every token supervised, no chat '
+                                    "template), one kind in a file (default: none, and --cache is needed; the toy "
+                                    "profile's is in the package's assets)",
                               path='file')
+    chat_template: str | None = option(None, "Jinja chat template file replacing the target's: for chat data on a target "
+                                             "without one (a base model; text records need none), or another "
+                                             "rendering; its content is checked on --resume (default: the target's)",
+                                       path='file')
     eval_data: str | None = option(None, "held-out chat JSONL (default: none: no held-out evaluation); with --cache, the "
                                          "target is loaded for the evaluations", path='file')
     cache: list[str] | None = option(None, "offline hidden-state cache directories (from `python -m dflash.data cache` "
@@ -183,8 +189,10 @@ class DataOptions:
     "The options every data subcommand shares: target, tokenizer, chat template, data, length, bad lines."
     target: str | None = option(None, 'transformers causal LM: local directory, hub id (local cache only) or .gguf '
                                       'file; required')
-    data: str | None = option(None, 'chat data: JSONL, JSON, parquet, a directory of them, a saved `datasets` dataset, '
-                                    'or a hub dataset id (local cache only); required')
+    data: str | None = option(None, 'chat data (messages or conversations records) or text records ({"text": ...}: '
+                                    'every token supervised, no chat template), one kind: JSONL, JSON, parquet, a '
+                                    'directory of them, a saved `datasets` dataset, or a hub dataset id (local cache '
+                                    'only); required')
     tokenizer: str | None = option(None, 'tokenizer directory or hub id (default: the target)')
     chat_template: str | None = option(None, "Jinja chat template file replacing the tokenizer's", path='file')
     max_length: int = option(3072, 'truncate samples to this many tokens', ge=1)
@@ -236,6 +244,8 @@ class RegenConfig:
                        le=SEED_MAX)
     thinking: str | None = option(None, "for templates with `enable_thinking` (default: the template's)",
                                   choices=['on', 'off'])
+    chat_template: str | None = option(None, "Jinja chat template file replacing the target's (default: the target's)",
+                                       path='file')
     dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(DTYPES))
     skip_bad_lines: bool = option(False, 'skip and count malformed lines instead of stopping')
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
@@ -285,6 +295,8 @@ class SynthConfig:
     engine: str = option('transformers', 'generation engine (vllm needs vLLM and a GPU)', choices=list(_ENGINES))
     thinking: str | None = option(None, "for templates with `enable_thinking` (default: the template's)",
                                   choices=['on', 'off'])
+    chat_template: str | None = option(None, "Jinja chat template file replacing the target's (default: the target's)",
+                                       path='file')
     dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(DTYPES))
     cache: str | None = option(None, "also write the target's hidden states of every record into this cache "
                                      'directory, read off the forwards that write the replies (no second forward over '
@@ -307,6 +319,7 @@ class ToyOptions:
 # %% ../../nbs/06_core_schema.ipynb #fd687bef
 CPU_DRAFT_CONFIDENCE = 0.3   # the default --draft-confidence where each verified token costs (a CPU)
 CPU_COPY_NGRAM = 4           # the default --copy-ngram there
+TEXT_PROMPT_TOKENS = 256     # a text record prompts with the first half of its tokens, at most this many
 
 @dataclass
 class SpeculateOptions:
@@ -316,7 +329,11 @@ class SpeculateOptions:
                                        '(local cache only); required')
     data: str | None = option(None, "chat JSONL (messages, conversations, or MT-Bench's questions: 'turns', a list of "
                                     "strings, and a 'category'); a prompt is a record's turns up to the answer to its "
-                                    '--turn-th user turn; required', path='file')
+                                    '--turn-th user turn; or text records ({"text": ...}, for a base model): a prompt '
+                                    'is the first half of the tokens of its text, at most '
+                                    f'{TEXT_PROMPT_TOKENS}; required', path='file')
+    chat_template: str | None = option(None, "Jinja chat template file replacing the target's, for chat prompts "
+                                             "(default: the target's)", path='file')
     turn: int = option(1, "the user turn to answer: 1, the first; 2, after the record's own first answer, or the "
                           "target's own greedy one where a record has questions only; a record with fewer is skipped",
                        ge=1)

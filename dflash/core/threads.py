@@ -78,12 +78,14 @@ def cores_available() -> int:
 
 def _choose_threads(requested: int | None = None, local_processes: int | None = None, *, env=None,
                    parent: tuple[dict, list[str]] | None | bool = True, cores: int | None = None,
-                   free: float | None | bool = True) -> tuple[int, str]:
-    """(CPU threads for this process, why): `requested`, else the user's OMP_NUM_THREADS, else its share of the cores,
-    and for a lone process the cores `free` (True: `free_cores` measures them) that other work leaves idle."""
+                   free: float | None | bool = True, resumed: int | None = None) -> tuple[int, str]:
+    """(CPU threads for this process, why): `requested`, else the user's OMP_NUM_THREADS, else a resumed run's own
+    count `resumed` (the same reductions: an exact resume), else its share of the cores, and for a lone process the
+    cores `free` (True: `free_cores` measures them) that other work leaves idle."""
     env = os.environ if env is None else env
     if requested is not None: return requested, '--threads'
     if (n := _user_omp_threads(env, parent)) is not None: return n, 'OMP_NUM_THREADS'
+    if resumed: return resumed, 'as the run started: a resume computes as it did'
     local = max(1, local_processes or int(env.get('LOCAL_WORLD_SIZE', '1') or 1))
     cores = cores or cores_available()
     if local > 1: return max(1, cores // local), f"{cores} cores / {local} processes"
@@ -91,10 +93,11 @@ def _choose_threads(requested: int | None = None, local_processes: int | None = 
     if free is None or round(free) >= cores: return cores, f"{cores} cores / 1 process"
     return max(1, round(free)), f"{cores} cores, {cores - free:.1f} of them busy with other work"
 
-def use_threads(requested: int | None = None, local_processes: int | None = None) -> tuple[int, str]:
+def use_threads(requested: int | None = None, local_processes: int | None = None,
+                resumed: int | None = None) -> tuple[int, str]:
     "Set torch's CPU threads by `_choose_threads`; returns (threads, why)."
     import torch
-    n, why = _choose_threads(requested, local_processes)
+    n, why = _choose_threads(requested, local_processes, resumed=resumed)
     torch.set_num_threads(n)
     return n, why
 

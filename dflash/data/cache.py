@@ -111,6 +111,9 @@ def _check_resume(out: Path, plan: dict):
     if old['data']['fingerprint'] != plan['data']['fingerprint']:
         raise InputError(f"{out}: holds a cache of other data (fingerprint {old['data']['fingerprint']}, "
                          f"this data {plan['data']['fingerprint']}); use another --out")
+    if (was := old['data'].get('chat_template')) != (now := plan['data'].get('chat_template')):
+        raise InputError(f"{out}: holds a cache rendered with chat template {was} (a hash of it), this run's is {now}; "
+                         "use another --out")
 
 def _done_shard(out: Path, k: int, verify: bool = False) -> dict | None:
     "The record of shard k if it is written and intact (size, and with `verify` its sha256), else None."

@@ -11,10 +11,11 @@ import torch
 from torch.utils.data import Dataset
 from torch import Tensor
 from ..model.layout import valid_anchors
-from ..core.errors import DataError, ChatTemplateError
+from ..core.errors import DataError, ChatTemplateError, InputError
 from ..core.files import disk_error, file_sha256, hf_hub_cache, resolve_local
-from .templates import template_text, tokenize_chat
-from .records import SKIPS, DataStats, read_jsonl, read_records, record_tools, to_messages
+from .templates import no_template_message, template_text, tokenize_chat
+from .records import (SKIPS, DataStats, OneKind, read_jsonl, read_records, record_kind, record_tools,
+                                 to_messages)
 
 # %% auto #0
 __all__ = ['tokenize_conversation', 'ChatDataset', 'load_chat_data']
@@ -66,6 +67,45 @@ def tokenize_conversation(tokenizer, messages: list[dict], *, max_length: int = 
     stats.supervised_tokens += int(mask.sum())
     return {'input_ids': ids, 'loss_mask': mask}
 
+# %% ../../nbs/21_data_chat.ipynb #8f72d492
+def tokenize_text(tokenizer, text: str, *, max_length: int = 3072, where: str = 'text',
+                  stats: DataStats | None = None) -> dict | None:
+    "`{'input_ids', 'loss_mask'}` of a text record, every token supervised, truncated to `max_length`; None: skipped."
+    stats = stats if stats is not None else DataStats()
+    if not text.strip():
+        stats.skip('no_text', f"{where}: an empty text")
+        return None
+    ids = torch.tensor(tokenizer(text, verbose=False)['input_ids'], dtype=torch.long)          # (S,)
+    if len(ids) > max_length:
+        stats.truncated += 1
+        stats.truncated_tokens += len(ids) - max_length
+        ids = ids[:max_length]
+    mask = torch.ones(len(ids), dtype=torch.bool)                                               # (S,)
+    if len(valid_anchors(mask)) == 0:
+        stats.skip('no_anchor', f"{where}: fewer than two tokens")
+        return None
+    stats.samples += 1
+    stats.text_records += 1
+    stats.tokens += len(ids)
+    stats.supervised_tokens += len(ids)
+    return {'input_ids': ids, 'loss_mask': mask}
+
+def _need_template(tokenizer, path, target=None):
+    """An error when `tokenizer` has no chat template for the chat records of `path`: named for `target` (an
+    `InputError`), else for the data (a `DataError`)."""
+    try: template_text(tokenizer)
+    except ChatTemplateError as e:
+        if target is not None: raise InputError(no_template_message(target, f"--data {path}")) from None
+        raise DataError(f"{path}: {e}") from None
+
+def tokenize_record(tokenizer, rec: dict, where: str, *, max_length: int = 3072, stats: DataStats | None = None,
+                    **template_kw) -> dict | None:
+    "`tokenize_text` of a text record, else `tokenize_conversation` of its messages (a `DataError` when malformed)."
+    if record_kind(rec) == 'text':
+        return tokenize_text(tokenizer, rec['text'], max_length=max_length, where=where, stats=stats)
+    return tokenize_conversation(tokenizer, to_messages(rec, where), max_length=max_length, where=where, stats=stats,
+                                 tools=record_tools(rec, where), **template_kw)
+
 # %% ../../nbs/21_data_chat.ipynb #cbedde91
 class ChatDataset(Dataset):
     "Tokenized chat samples (a list or a `datasets` table): `{'input_ids' (S,), 'loss_mask' (S,), 'sample_id'}`."
@@ -81,17 +121,18 @@ class ChatDataset(Dataset):
     @classmethod
     def from_jsonl(cls, path, tokenizer, max_length: int = 3072, skip_bad_lines: bool = False,
                    **template_kw) -> ChatDataset:
-        "Read, render and tokenize a chat JSONL file (`messages` or ShareGPT `conversations` records)."
-        template_text(tokenizer)                                         # no template: one error, not one per line
-        stats, samples = DataStats(), []
+        """Read and tokenize a JSONL file of chat records (`messages` or ShareGPT `conversations`, rendered by the chat
+        template) or of text records (every token supervised); one kind in a file."""
+        stats, samples, seen = DataStats(), [], OneKind()
         for where, rec in read_jsonl(path, skip_bad_lines, stats):
-            try: msgs, tools = to_messages(rec, where), record_tools(rec, where)
+            try:
+                if seen.check(where, rec) == 'chat' and seen.first == where:
+                    _need_template(tokenizer, path)                      # no template: one error, not one per line
+                s = tokenize_record(tokenizer, rec, where, max_length=max_length, stats=stats, **template_kw)
             except DataError as e:
                 if not skip_bad_lines: raise
                 stats.skip('bad_lines', str(e))
                 continue
-            s = tokenize_conversation(tokenizer, msgs, max_length=max_length, where=where, stats=stats, tools=tools,
-                                      **template_kw)
             if s is not None: samples.append(s)
         stats.check_usable(path)
         return cls(samples, stats)
@@ -119,7 +160,9 @@ _TOKENIZE_VERSION = 3   # bump when tokenization changes, so older caches are no
 def _tokenizer_fingerprint(tokenizer) -> str:
     "A hash of what tokenization depends on: the vocabulary and merges, special tokens, and the chat template."
     h = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
-    h.update(json.dumps([template_text(tokenizer), tokenizer.all_special_tokens], sort_keys=True).encode())
+    try: template = template_text(tokenizer)
+    except ChatTemplateError: template = ''                          # a base model's: text records only
+    h.update(json.dumps([template, tokenizer.all_special_tokens], sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 def _source_fingerprint(path: Path) -> str:
@@ -130,14 +173,14 @@ def _source_fingerprint(path: Path) -> str:
         h.update(file_sha256(f).encode())
     return h.hexdigest()[:16]
 
-def _tokenize_batch(batch, tokenizer, max_length, skip_bad_lines, template_kw):
-    out = {'input_ids': [], 'loss_mask': [], 'skip': [], 'reason': [], 'cut': []}
+def _tokenize_batch(batch, tokenizer, max_length, skip_bad_lines, template_kw, seen=None):
+    out = {'input_ids': [], 'loss_mask': [], 'skip': [], 'reason': [], 'cut': [], 'text': []}
     for where, raw in zip(batch['where'], batch['record']):
         st, s = DataStats(), None
         try:
             rec = json.loads(raw)
-            s = tokenize_conversation(tokenizer, to_messages(rec, where), max_length=max_length, where=where, stats=st,
-                                      tools=record_tools(rec, where), **template_kw)
+            if seen is not None: seen.check(where, rec)                 # a record of the data's other kind
+            s = tokenize_record(tokenizer, rec, where, max_length=max_length, stats=st, **template_kw)
         except DataError as e:
             if not skip_bad_lines: raise
             st.skip('bad_lines', str(e))
@@ -147,6 +190,7 @@ def _tokenize_batch(batch, tokenizer, max_length, skip_bad_lines, template_kw):
         out['skip'].append(kind)
         out['reason'].append(st.errors[0] if st.errors else '')
         out['cut'].append(st.truncated_tokens)
+        out['text'].append(bool(st.text_records))                   # a text record kept
     return out
 
 def _tokenized_stats(tok, read: DataStats) -> DataStats:
@@ -160,13 +204,13 @@ def _tokenized_stats(tok, read: DataStats) -> DataStats:
 
 # %% ../../nbs/21_data_chat.ipynb #0e34d256
 def load_chat_data(path, tokenizer, *, max_length: int = 3072, skip_bad_lines: bool = False, num_proc: int = 1,
-                   cache_dir=None, report: bool = False, **template_kw) -> ChatDataset:
-    """Chat data tokenized once with `datasets` (`map(num_proc=...)`) and cached on disk by the fingerprint of the data,
-    the tokenizer, the template options and `max_length`; a later call (any process) reads the cache. Under accelerate
-    the main process of each machine tokenizes while the others wait. `report` prints the counts table there."""
+                   cache_dir=None, report: bool = False, target=None, **template_kw) -> ChatDataset:
+    """Chat or text data tokenized once with `datasets` (`map(num_proc=...)`) and cached on disk by the fingerprint of
+    the data, the tokenizer (its chat template too), the template options and `max_length`; a later call (any process)
+    reads the cache. Under accelerate the main process of each machine tokenizes while the others wait. `report` prints
+    the counts table there. Chat records and no chat template: an error naming `target`'s remedies."""
     import datasets
     from accelerate import PartialState
-    template_text(tokenizer)
     src = resolve_local(path, 'dataset')
     key = json.dumps([_TOKENIZE_VERSION, _source_fingerprint(src), _tokenizer_fingerprint(tokenizer), max_length,
                       skip_bad_lines, sorted(template_kw.items())], default=str)
@@ -179,16 +223,19 @@ def load_chat_data(path, tokenizer, *, max_length: int = 3072, skip_bad_lines: b
             read = DataStats()
             rows = list(read_records(src, skip_bad_lines, read))
             if not rows: read.check_usable(path)                             # no record at all: named, as for JSONL
+            seen = OneKind.of(rows)                                          # the data's kind: its first record's
+            if seen.kind == 'chat': _need_template(tokenizer, path, target)
             raw = datasets.Dataset.from_dict({'where': [w for w, _ in rows],
                                               'record': [json.dumps(r) for _, r in rows]})
             del rows
             tok = raw.map(_tokenize_batch, batched=True, batch_size=256, num_proc=num_proc if num_proc > 1 else None,
                           remove_columns=['record'], desc='tokenize', fn_kwargs=dict(
                               tokenizer=tokenizer, max_length=max_length, skip_bad_lines=skip_bad_lines,
-                              template_kw=template_kw),
+                              template_kw=template_kw, seen=seen),
                           new_fingerprint=fp, load_from_cache_file=False, keep_in_memory=True)
             st = _tokenized_stats(tok, read)
             kept = tok.filter(lambda k: k == '', input_columns='skip', keep_in_memory=True)
+            st.text_records = int(sum(kept['text']))
             kept = kept.select_columns(['input_ids', 'loss_mask'])
             st.samples = len(kept)
             lengths = np.array([len(x) for x in kept['input_ids']], dtype=np.int64)

@@ -15,7 +15,7 @@ from .regenerate import REGENERATE
 from .synthesize import SYNTHESIZE
 from ..core.stops import StopRequest
 from ..core.schema import DTYPES, CacheOptions, DataOptions
-from .templates import load_tokenizer
+from .templates import load_tokenizer, template_identity
 from .records import DATA_SUFFIXES
 
 
@@ -87,7 +87,7 @@ def _tokenize_command(o: DataOptions):
     from dflash.data.chat import load_chat_data                      # torch: only once the options are checked
     tok = load_tokenizer(o.target, o.tokenizer, o.chat_template)
     ds = load_chat_data(o.data, tok, max_length=o.max_length, skip_bad_lines=o.skip_bad_lines, num_proc=o.num_proc,
-                        report=True)
+                        report=True, target=resolve_local(o.target))
     print(f"tokenized: {len(ds)} samples, {ds.stats.tokens} tokens ({ds.stats.supervised_tokens} supervised)")
 
 def _cache_command(o: CacheOptions):
@@ -119,7 +119,7 @@ def _write_cache(o: CacheOptions, state, stop_release=None):
         if state.is_main_process: print(f"CPU threads: {threads} per process ({why})")
     tok = load_tokenizer(o.target, o.tokenizer, o.chat_template)
     ds = load_chat_data(o.data, tok, max_length=o.max_length, skip_bad_lines=o.skip_bad_lines, num_proc=o.num_proc,
-                        report=True)
+                        report=True, target=resolve_local(o.target))
     V = pretrained(AutoConfig, resolve_local(o.target)).get_text_config().vocab_size
     used = set(token_counts([ds], V)[0].nonzero().flatten().tolist())
     mask = data_mask_token(tok, V, used, o.mask_token_id, say=state.is_main_process)    # before the target loads
@@ -127,7 +127,8 @@ def _write_cache(o: CacheOptions, state, stop_release=None):
     device = o.device or (state.device if state.device.type != 'mps' else 'cpu')
     feats = TargetFeatures(o.target, layer_ids=_layer_ids(o.layers) if o.layers else None,
                            num_draft_layers=o.num_draft_layers, dtype=dtype, device=device, tokenizer=tok)
-    info = {'path': str(o.data), 'max_length': o.max_length, 'stats': ds.stats.as_dict(), 'mask_token_id': mask}
+    info = {'path': str(o.data), 'max_length': o.max_length, 'stats': ds.stats.as_dict(), 'mask_token_id': mask,
+            'chat_template': template_identity(tok)}             # a resume with another template is refused
     with StopRequest(on_exit=stop_release) as stop:
         man = write_cache(feats, ds, o.out, shard_size=o.shard_size, progress=o.progress, batch_tokens=o.batch_tokens,
                           final_hidden=o.final_hidden, data_info=info, stop=stop)

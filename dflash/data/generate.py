@@ -8,7 +8,7 @@ import hashlib
 from pathlib import Path
 from fastcore.basics import patch
 from ..core.files import resolve_local, toy_target_dir
-from ..model.target import pretrained
+from ..model.target import cache_argument, pretrained
 from ..core.schema import DTYPES, RegenConfig
 from .templates import end_of_turn_ids, prompt_ids
 from typing import TYPE_CHECKING
@@ -60,15 +60,18 @@ def _cut_at_stop(tokens: list[int], stop_ids) -> tuple[list[int], bool]:
 
 def _cache_kw(model, cache) -> dict:
     "The cache argument of the model's forward (`cache` in recent transformers, else `past_key_values`)."
-    import inspect
-    return {'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values': cache}
+    return {cache_argument(model): cache}
 
 # %% ../../nbs/22b_data_generate.ipynb #f1417b39
 class TransformersEngine:
-    "Batched generation with a transformers causal LM: left padding, KV cache, finished rows leave the batch."
-    def __init__(self, model, stop_ids, pad_id: int, *, max_new_tokens: int = 512, temperature: float = 0.,
+    """Batched generation with a transformers causal LM: left padding, KV cache, finished rows leave the batch. The
+    padding holds `pad_id` (the tokenizer's pad token); where that is None (no pad token, as in Llama 3's tokenizer),
+    the first stop id, or 0 without stop ids. The attention mask hides every padded position, so no row reads the id,
+    and a reply ends before its first stop id."""
+    def __init__(self, model, stop_ids, pad_id: int | None, *, max_new_tokens: int = 512, temperature: float = 0.,
                  top_p: float = 1., stop_when=None):
-        self.model, self.stop_ids, self.pad_id = model, list(stop_ids), pad_id
+        self.model, self.stop_ids = model, list(stop_ids)
+        self.pad_id = pad_id if pad_id is not None else next(iter(self.stop_ids), 0)     # no pad token: a stop id
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.stop_when = stop_when       # (row, tokens) -> bool: whether row's tokens so far end it (e.g. at a text)
 
@@ -205,7 +208,7 @@ def engine_dtype(cfg: RegenConfig, device) -> torch.dtype:
     return torch.bfloat16 if device.type == 'cuda' else torch.float32
 
 def make_engine(cfg: RegenConfig, tokenizer, device):
-    "The engine `cfg` asks for, with its stop ids."
+    "The engine `cfg` asks for, with its stop ids (and the tokenizer's pad id, None where it has none)."
     from transformers import GenerationConfig
     from dflash.model.target import load_target
     target = target_dir(cfg)
@@ -216,9 +219,8 @@ def make_engine(cfg: RegenConfig, tokenizer, device):
         return _VLLMEngine(target, stops, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                           top_p=cfg.top_p, dtype=DTYPES.get(cfg.dtype))
     model = load_target(target, engine_dtype(cfg, device)).to(device).eval()       # its weights and config.json agree
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    return TransformersEngine(model, stops, pad, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                              top_p=cfg.top_p)
+    return TransformersEngine(model, stops, tokenizer.pad_token_id, max_new_tokens=cfg.max_new_tokens,
+                              temperature=cfg.temperature, top_p=cfg.top_p)        # no pad token: the engine picks
 
 # %% ../../nbs/22b_data_generate.ipynb #3c5486dd
 def round_seed(seed: int, batch: int, rnd: int | str) -> int:

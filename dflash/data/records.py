@@ -15,7 +15,8 @@ __all__ = ['DataStats']
 
 # %% ../../nbs/20a_data_records.ipynb #ee0d9a57
 SKIPS = {'bad_lines': 'malformed line (--skip-bad-lines)', 'no_supervised': 'no assistant reply',
-         'template_rejected': 'the chat template rejects it', 'no_anchor': 'no two supervised tokens in max_length'}
+         'template_rejected': 'the chat template rejects it', 'no_anchor': 'no two supervised tokens in max_length',
+         'no_text': 'empty text record'}
 
 # %% ../../nbs/20a_data_records.ipynb #e33fbecc
 @dataclass
@@ -27,10 +28,12 @@ class DataStats:
     no_supervised: int = 0      # skipped: no assistant turn with content
     template_rejected: int = 0  # skipped: the chat template raised on it (e.g. roles out of the order it allows)
     no_anchor: int = 0          # skipped: no two consecutive supervised tokens (after truncation)
+    no_text: int = 0            # skipped: a text record with no text
     truncated: int = 0          # kept, cut to max_length
     truncated_tokens: int = 0   # tokens cut off (of a very long one: of the turns rendered)
     tokens: int = 0             # tokens kept
     supervised_tokens: int = 0  # loss-masked tokens kept
+    text_records: int = 0       # samples kept that are text records (`{"text": ...}`), every token supervised
     errors: list = field(default_factory=list)  # the first few reasons for skipped lines
 
     def skip(self, kind: str, reason: str):
@@ -48,6 +51,7 @@ class DataStats:
     def table(self, name: str = 'data') -> str:
         "The counts as a small table: read, used, skipped by reason, truncated; printed at startup."
         rows = [('read', self.lines), ('used', self.samples)]
+        if self.text_records: rows.append(('used: text records, every token supervised', self.text_records))
         rows += [(f'skipped: {why}', getattr(self, k)) for k, why in SKIPS.items() if getattr(self, k)]
         rows += [('truncated to max_length', self.truncated), ('tokens used', self.tokens),
                  ('supervised tokens', self.supervised_tokens)]
@@ -121,7 +125,8 @@ def to_messages(rec: dict, where: str = 'record') -> list[dict]:
     "The `[{'role', 'content', ...}]` list of a `messages` or ShareGPT `conversations` record, roles mapped."
     if 'messages' in rec: return list(_turns(rec, 'messages', 'role', 'content', where))
     if 'conversations' in rec: return list(_turns(rec, 'conversations', 'from', 'value', where))
-    raise DataError(f"{where}: no 'messages' or 'conversations' key (found keys {sorted(rec)})")
+    text = ", and its 'text' is not a string" if 'text' in rec else ", nor a 'text' string"
+    raise DataError(f"{where}: no 'messages' or 'conversations' key{text} (found keys {sorted(rec)})")
 
 def record_tools(rec: dict, where: str = 'record') -> list | None:
     "The record's `tools` (function schemas the template shows the model), or None."
@@ -132,6 +137,33 @@ def record_tools(rec: dict, where: str = 'record') -> list | None:
         except json.JSONDecodeError as e: raise DataError(f"{where}: 'tools' is a string but not JSON ({e})") from None
     if not isinstance(tools, list): raise DataError(f"{where}: 'tools' must be a list of function schemas")
     return tools or None
+
+# %% ../../nbs/20a_data_records.ipynb #0c055f5e
+def record_kind(rec: dict) -> str | None:
+    """'chat' (a `messages` or `conversations` key), 'text' (a `text` string and neither of those), or None: neither
+    (malformed, said by `to_messages`). A table's empty column (None) is no key."""
+    if rec.get('messages') is not None or rec.get('conversations') is not None: return 'chat'
+    return 'text' if isinstance(rec.get('text'), str) else None
+
+class OneKind:
+    """The kind of the data (`kind`, of its first record of a kind, at `first`): `check` refuses a record of the other
+    kind (a `DataError` naming it and the first; with --skip-bad-lines skipped and counted as a bad line)."""
+    def __init__(self, kind: str | None = None, first: str | None = None): self.kind, self.first = kind, first
+
+    @classmethod
+    def of(cls, rows) -> OneKind:
+        "The kind of the `(where, record)` rows: that of the first whose kind is known."
+        return cls(*next(((k, w) for w, r in rows if (k := record_kind(r))), (None, None)))
+
+    def check(self, where: str, rec: dict) -> str | None:
+        "The record's kind (`record_kind`); a `DataError` when it is not the data's."
+        k = record_kind(rec)
+        if k is None or self.kind is None: self.kind, self.first = self.kind or k, self.first or (k and where)
+        elif k != self.kind:
+            said = (f"a chat record among text records" if k == 'chat' else
+                    f"no 'messages' or 'conversations' key (found keys {sorted(rec)}): a text record among chat records")
+            raise DataError(f"{where}: {said} (the first at {self.first}); data holds one kind: put each in its own")
+        return k
 
 # %% ../../nbs/20a_data_records.ipynb #60cb4584
 DATA_SUFFIXES = ('.jsonl', '.json', '.parquet')

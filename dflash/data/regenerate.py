@@ -10,7 +10,7 @@ from pathlib import Path
 from ..core.errors import InputError, run_command, Preempted
 from ..core.options import Command, build_options, parse_options
 from ..core.files import disk_error, file_sha256, resolve_local, write_atomic
-from ..model.target import pretrained, target_problems
+from ..model.target import target_problems
 from ..core.threads import use_threads
 from ..core.locks import take_lock, start_heartbeat, release_lock, writer_locks, writer_problem
 from ..core.stops import StopRequest, any_stop
@@ -170,11 +170,12 @@ def _conversations_to_regenerate(cfg: RegenConfig) -> tuple[list, DataStats]:
 def _open_run(cfg: RegenConfig, state) -> tuple:
     """The tokenizer and template options of the target, the batches `cfg.out` already holds, and the engine: all
     before any write. Then, once every process has read the index, the main process cuts the output back to them."""
-    from transformers import AutoTokenizer
+    from dflash.data.templates import load_tokenizer, require_template
     from dflash.model.target import check_target_dir
     target = target_dir(cfg)
     check_target_dir(target)
-    tok = pretrained(AutoTokenizer, target)
+    tok = load_tokenizer(target, chat_template=cfg.chat_template)    # --chat-template: its template instead
+    require_template(tok, target)
     tkw = template_kwargs(tok, cfg.thinking, str(target))
     header = run_header(cfg)
     done = read_index(cfg.out, header)

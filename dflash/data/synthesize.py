@@ -281,11 +281,12 @@ _SUMMED = ('records', 'prompts', *_FILTERS, 'truncated', 'looping_replies', 'pro
 def _open_synthesis(cfg: SynthConfig, device) -> tuple:
     """The target's tokenizer and template options, the batches `cfg.out` holds, and the cache `--cache` grows (or
     None), checked before the target loads; then the output cut back to those batches."""
-    from transformers import AutoTokenizer
+    from dflash.data.templates import load_tokenizer, require_template
     from dflash.model.target import check_target_dir
     target = target_dir(cfg)
     config = check_target_dir(target)
-    tok = pretrained(AutoTokenizer, target)
+    tok = load_tokenizer(target, chat_template=cfg.chat_template)    # --chat-template: its template instead
+    require_template(tok, target, 'the synthesis')
     tkw = template_kwargs(tok, cfg.thinking, str(target))
     # a template that cannot open a user turn: said now, before the target loads
     _open_user_turn(tok, [{'role': 'system', 'content': cfg.system}] if cfg.system else [], tkw)

@@ -14,7 +14,8 @@ if TYPE_CHECKING:         # for annotations: torch and numpy load inside the fun
     from torch import Tensor   # that import this module answer `--help` at once
 
 # %% auto #0
-__all__ = ['template_text', 'template_messages', 'special_texts', 'tokenize_chat', 'load_tokenizer']
+__all__ = ['template_text', 'template_messages', 'special_texts', 'tokenize_chat', 'set_chat_template', 'load_tokenizer',
+           'no_template_message']
 
 # %% ../../nbs/20_data_templates.ipynb #b3506a14
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -28,9 +29,10 @@ def _template_source(tokenizer) -> str:
 def template_text(tokenizer) -> str:
     "The tokenizer's chat template; a `ChatTemplateError` saying how to add one when it has none."
     t = _template_source(tokenizer)
-    if not t: raise ChatTemplateError("the tokenizer has no chat template: add the model's (a chat_template.jinja "
-                                      "next to tokenizer_config.json), or pass --chat-template FILE to `python -m "
-                                      "dflash.data`")
+    if not t: raise ChatTemplateError("the tokenizer has no chat template, and chat records are rendered with it: "
+                                      "pass --chat-template FILE (a Jinja template file), add the model's (a "
+                                      "chat_template.jinja next to tokenizer_config.json), or use text records "
+                                      '({"text": ...}: every token supervised, no template)')
     return t
 
 _MARKS = ('truncated',)    # dflash's own message keys: read by the commands, never shown to a template
@@ -173,7 +175,7 @@ def tokenize_chat(tokenizer, messages: list[dict], where: str = 'conversation', 
     return torch.tensor(enc['input_ids'], dtype=torch.long), torch.from_numpy(mask)
 
 # %% ../../nbs/20_data_templates.ipynb #2c73f849
-def _set_chat_template(tokenizer, path):
+def set_chat_template(tokenizer, path):
     "Use the chat template in file `path` (a `.jinja` text, or a JSON file with a `chat_template` key) for `tokenizer`."
     path = Path(path)
     if not path.is_file(): raise FileNotFoundError(f"--chat-template {path}: no such file")
@@ -192,8 +194,32 @@ def load_tokenizer(target, tokenizer=None, chat_template=None):
     from transformers import AutoTokenizer
     src = resolve_local(tokenizer or target)
     tok = pretrained(AutoTokenizer, src)                 # a directory, or a GGUF file's tokenizer
-    if chat_template: _set_chat_template(tok, chat_template)
+    if chat_template: set_chat_template(tok, chat_template)
     return tok
+
+# %% ../../nbs/20_data_templates.ipynb #05b86922
+def no_template_message(target, what: str = '--data') -> str:
+    """The error of a target whose tokenizer has no chat template when `what` holds chat records: each remedy names a
+    path that can exist (a GGUF file holds its tokenizer: nothing can be put in it)."""
+    from dflash.model.target import is_gguf
+    target = Path(target)
+    put = '' if is_gguf(target) or not target.is_dir() else \
+        f"put the model's template in {target / 'chat_template.jinja'}, "
+    where = 'none in the GGUF file' if is_gguf(target) else 'no chat_template.jinja, none in tokenizer_config.json'
+    return (f"--target {target}: its tokenizer has no chat template ({where}), and {what} holds chat records rendered "
+            f"with it: pass --chat-template FILE (a Jinja template file), {put}or use text records "
+            '({"text": ...}: every token supervised, no template needed)')
+
+# %% ../../nbs/20_data_templates.ipynb #dc016469
+def require_template(tokenizer, target, what: str = '--data'):
+    "An `InputError` (`no_template_message`) when `tokenizer` has no chat template."
+    if not _template_source(tokenizer): raise InputError(no_template_message(target, what))
+
+def template_identity(tokenizer) -> str | None:
+    "A hash (16 hex digits) of the chat template the tokenizer renders with; None when it has none."
+    import hashlib
+    t = _template_source(tokenizer)
+    return hashlib.sha256(t.encode()).hexdigest()[:16] if t else None
 
 # %% ../../nbs/20_data_templates.ipynb #c7fb674d
 def template_kwargs(tokenizer, thinking: str | None, name: str = 'target') -> dict:

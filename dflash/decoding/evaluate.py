@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from ..core.errors import DataError
 from ..model.config import DrafterConfig
-from ..core.schema import SpeculateOptions
+from ..core.schema import SpeculateOptions, TEXT_PROMPT_TOKENS
 from ..core.stops import StopRequest
 from ..core.locks import writer_problem
 from ..core.files import json_problem, resolve_local, safetensors_problem, dir_write_problem
@@ -61,13 +61,14 @@ def drafter_problems(drafter: str) -> list[str]:
     return probs
 
 # %% ../../nbs/30a_decoding_evaluate.ipynb #78b6154e
-def _record_prompt(rec: dict, where: str, turn: int) -> list[dict | None] | None:
+def _record_prompt(rec: dict, where: str, turn: int) -> list[dict | None] | str | None:
     """The turns of a record that prompt its `turn`-th user turn: a chat record's turns up to the assistant turn that
     answers it; a record of questions only (`turns`: a list of strings, as MT-Bench's), its first `turn` questions
-    with None for each answer between them, which the target writes. None: the record has fewer user turns, or an
-    assistant turn before its first (an answer to nothing)."""
-    from dflash.data.records import to_messages
+    with None for each answer between them, which the target writes; a text record's text (`turn` 1 only). None: the
+    record has fewer user turns, an assistant turn before its first (an answer to nothing), or no text."""
+    from dflash.data.records import record_kind, to_messages
     from dflash.core.errors import DataError
+    if 'turns' not in rec and record_kind(rec) == 'text': return rec['text'] if turn == 1 and rec['text'].strip() else None
     qs = rec.get('turns') if 'messages' not in rec and 'conversations' not in rec else None
     if qs is not None:
         if not isinstance(qs, list) or not all(isinstance(q, str) for q in qs):
@@ -85,11 +86,12 @@ def _prompt_turns(path, n: int | None = None, turn: int = 1) -> list[tuple[str, 
     """(where, turns, category) of the first `n` prompts of a chat JSONL (`_record_prompt` of each record's `turn`-th
     user turn; category: the record's `category`, or ''); a DataError when there is none, or at a malformed record
     on the way. A record with fewer user turns is skipped."""
-    from dflash.data.records import read_jsonl     # torch with it: for a run about to load it
+    from dflash.data.records import OneKind, read_jsonl     # torch with it: for a run about to load it
     from dflash.core.errors import DataError
-    prompts, records = [], 0
+    prompts, records, seen = [], 0, OneKind()
     for where, rec in read_jsonl(path):
         records += 1
+        if 'turns' not in rec: seen.check(where, rec)             # text and chat prompts are not mixed
         turns = _record_prompt(rec, where, turn)
         if turns is None: continue                                # no such turn: nothing to answer
         prompts.append((where, turns, str(rec.get('category') or '')))
@@ -98,18 +100,28 @@ def _prompt_turns(path, n: int | None = None, turn: int = 1) -> list[tuple[str, 
         which = 'a user turn' if turn == 1 else f'{turn} user turns'
         raise DataError(f"{path}: nothing to prompt with ({records} record{'' if records == 1 else 's'}, none with "
                         f"{which}; a prompt is a record's turns up to the assistant turn that answers its user turn "
-                        f"{turn}, or its first {turn} questions of a 'turns' list)")
+                        f"{turn}, or its first {turn} questions of a 'turns' list, or a text record's text at turn 1)")
     return prompts
 
 
 # %% ../../nbs/30a_decoding_evaluate.ipynb #383a0605
+def _text_prompt(tokenizer, text: str) -> Tensor:
+    """Token ids (1, P) of a text record's prompt: the first half of its tokens (as the tokenizer makes them, its
+    special tokens too), at most `TEXT_PROMPT_TOKENS`, at least one."""
+    ids = tokenizer(text, verbose=False)['input_ids']
+    return torch.tensor(ids[:max(1, min(len(ids) // 2, TEXT_PROMPT_TOKENS))])[None]
+
 def eval_prompts(path, tokenizer, n: int | None = None, turn: int = 1, answer=None) -> list[Tensor]:
     """Token ids (1, P) of the first `n` prompts of a chat JSONL (`_prompt_turns` of user turn `turn`), rendered by
-    the tokenizer's chat template with the generation prompt. An answer the record lacks (MT-Bench's second turn) is
-    the target's own: `answer(ids)` gives its tokens after the turns before it, rendered the same way."""
+    the tokenizer's chat template with the generation prompt, or of text records (`_text_prompt`: no template). An
+    answer the record lacks (MT-Bench's second turn) is the target's own: `answer(ids)` gives its tokens after the
+    turns before it, rendered the same way."""
     from jinja2 import TemplateError
     out = []
     for where, turns, _ in _prompt_turns(path, n, turn):
+        if isinstance(turns, str):
+            out.append(_text_prompt(tokenizer, turns))
+            continue
         try:
             for i, t in enumerate(turns):
                 if t is not None: continue

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/30_decoding_loop.ipynb #3aa57e83
 from __future__ import annotations
-import inspect, time
+import time
 from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,7 @@ from torch import Tensor
 from transformers import DynamicCache, GenerationConfig
 from ..core.errors import InputError
 from ..model.config import DrafterConfig
-from ..model.target import embed_scale
+from ..model.target import cache_argument, embed_scale
 from ..model.drafter import DFlashDrafter, ContextCache, TokenEmbedding
 from ..data.features import target_features
 from ..model.sampling import sample_tokens, warp
@@ -73,7 +73,7 @@ def _forward(target, ids: Tensor, cache):
     """The target's decoder (no LM head) extending `cache`: its final hidden states, after the final norm, and those
     of every layer. The logits are computed from the final states only where they are read."""
     body = target.base_model
-    return body(ids, **{_cache_arg(body): cache}, use_cache=True, output_hidden_states=True)
+    return body(ids, **{cache_argument(body): cache}, use_cache=True, output_hidden_states=True)
 
 def _greedy_verdict(final: Tensor, lm_head: Tensor, draft: Tensor) -> tuple[int, Tensor]:
     """Greedy verification of `draft` (1, B-1) from the target's final hidden states (1, B, H): (drafts accepted,
@@ -85,10 +85,6 @@ def _greedy_verdict(final: Tensor, lm_head: Tensor, draft: Tensor) -> tuple[int,
         for k, t in enumerate(verified.tolist(), start):
             if k == B - 1 or t != int(draft[0, k]): return k, verified[k - start:k - start + 1]
         start, rows = start + rows, 2 * rows
-
-def _cache_arg(target) -> str:
-    "The name the target's forward takes its cache by (`cache` in recent transformers, else `past_key_values`)."
-    return 'cache' if 'cache' in inspect.signature(target.forward).parameters else 'past_key_values'
 
 # %% ../../nbs/30_decoding_loop.ipynb #c937e481
 def sync_device(device):

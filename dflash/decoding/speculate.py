@@ -9,7 +9,7 @@ from pathlib import Path
 from ..core.errors import run_command, OptionsError, Preempted
 from ..model.config import DrafterConfig
 from ..core.options import parse_options
-from ..core.schema import CPU_COPY_NGRAM, CPU_DRAFT_CONFIDENCE, DTYPES, SpeculateOptions
+from ..core.schema import CPU_COPY_NGRAM, CPU_DRAFT_CONFIDENCE, DTYPES, TEXT_PROMPT_TOKENS, SpeculateOptions
 from ..core.stops import StopRequest
 from ..core.files import resolve_local, write_atomic, write_json
 from ..model.target import is_gguf, pretrained
@@ -19,11 +19,21 @@ from ..core.threads import use_threads
 __all__ = ['speculate', 'main']
 
 # %% ../../nbs/31_decoding_speculate.ipynb #92301e79
+def _prompt_kind(path) -> str:
+    "'text' when the prompts of `path` are text records, else 'chat' (their first record of a kind says)."
+    from dflash.data.records import OneKind, read_jsonl
+    from dflash.core.errors import DataError
+    try: return OneKind.of(read_jsonl(path)).kind or 'chat'          # MT-Bench's questions: chat
+    except DataError: return 'chat'                                  # said when the prompts are read
+
 def _check_fit(a: SpeculateOptions, drafter_cfg: DrafterConfig, tdir, tok, prog: str):
-    "An `OptionsError` naming every way the drafter does not fit the target, and a tokenizer with no end of sequence."
+    """An `OptionsError` naming every way the drafter does not fit the target, a tokenizer with no end of sequence,
+    and chat prompts for a tokenizer without a chat template."""
     from transformers import AutoConfig
     from dflash.decoding.loop import check_compatible
+    from dflash.data.templates import no_template_message
     probs = []
+    if not tok.chat_template and _prompt_kind(a.data) == 'chat': probs.append(no_template_message(a.target, '--data'))
     if tok.eos_token_id is None:
         probs.append(f"--target {a.target}: its tokenizer has no end-of-sequence token (eos_token), so no reply would "
                      "end; set eos_token in its tokenizer_config.json to the token that ends the model's turn")
@@ -46,24 +56,26 @@ def _settings(a: SpeculateOptions, dev) -> tuple:
 def _load_models(a: SpeculateOptions, dev, dtype, prog: str) -> tuple:
     """(target, drafter, tokenizer) of options `a`, on `dev` in `dtype`, checked to fit together before any weights
     load (one `OptionsError` naming `prog`); a target neither a .gguf file nor holding a config.json: `FileNotFoundError`."""
-    from transformers import AutoTokenizer
+    from dflash.data.templates import load_tokenizer
     from dflash.model.drafter import DFlashDrafter
     from dflash.model.target import load_target
     tdir, ddir = resolve_local(a.target), resolve_local(a.drafter)     # hub ids: their snapshots in the local cache
     if not is_gguf(tdir) and not (tdir / 'config.json').is_file():
         raise FileNotFoundError(f"{a.target}: no config.json, not a model")
     drafter_cfg = DrafterConfig.load(ddir / 'config.json')
-    tok = pretrained(AutoTokenizer, tdir)
+    tok = load_tokenizer(tdir, chat_template=a.chat_template)         # --chat-template: its template instead
     _check_fit(a, drafter_cfg, tdir, tok, prog)                            # before any weights load
     target = load_target(tdir, dtype).to(dev).eval()       # a directory or a .gguf file, its weights of its config
     drafter = DFlashDrafter.from_pretrained(ddir, dtype=dtype).to(dev).eval()
     return target, drafter, tok
 
 # %% ../../nbs/31_decoding_speculate.ipynb #01f4e902
-def _plan_text(a: SpeculateOptions, prompts: int, confidence: float, copy: int, threads: int) -> str:
-    "The line that says what a run decodes and how: prompts, tokens, sampling, what is verified, the methods compared."
+def _plan_text(a: SpeculateOptions, prompts: int, confidence: float, copy: int, threads: int, text: bool = False) -> str:
+    """The line that says what a run decodes and how: prompts (of `text` records: how they are cut), tokens, sampling,
+    what is verified, the methods compared."""
     lookup = f", then by prompt lookup ({a.lookup_tokens} tokens a step) at T = 0" if a.lookup_tokens else ''
-    return (f"prompts {prompts}, at most {a.max_new_tokens} new tokens each; top-p {a.top_p:g}, seed {a.seed}; "
+    cut = f" (text records: the first half of each text's tokens, at most {TEXT_PROMPT_TOKENS})" if text else ''
+    return (f"prompts {prompts}{cut}, at most {a.max_new_tokens} new tokens each; top-p {a.top_p:g}, seed {a.seed}; "
             f"drafts verified while the drafter's confidence is at least {confidence:g}"
             f"{f', or copies of what followed the last {copy} tokens before where they run further' if copy else ''}"
             f"{'; a plain step wherever drafting does not pay (--no-pace: none)' if a.pace else ''}; "
@@ -114,7 +126,9 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
     prompts = eval_prompts(a.data, tok, a.num_prompts, a.turn, answer)
     categories = prompt_categories(a.data, a.num_prompts, a.turn)
     out = Path(a.out) if a.out else None
+    text = _prompt_kind(a.data) == 'text'
     r = {'threads': threads, 'prompts': len(prompts), 'turn': a.turn, 'max_new_tokens': a.max_new_tokens,
+         'prompt_kind': f"text: the first half of its tokens, at most {TEXT_PROMPT_TOKENS}" if text else 'chat',
          'top_p': a.top_p, 'seed': a.seed, 'prompt_lookup_num_tokens': a.lookup_tokens, 'copy_ngram': copy, 'pace': a.pace,
          'temperatures': list(a.temperature), 'partial': False, 'done': 0, 'total': len(prompts) * len(a.temperature),
          'runs': []}
@@ -122,7 +136,7 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
     def keep(row, totals):                                           # the CSV follows the run, prompt by prompt
         rows.append(row)
         if out: write_atomic(out / 'prompts.csv', _csv_text(rows))
-    print(_plan_text(a, len(prompts), confidence, copy, threads), flush=True)
+    print(_plan_text(a, len(prompts), confidence, copy, threads, text), flush=True)
     if out: out.mkdir(parents=True, exist_ok=True)
     with StopRequest() as stop:
         r['runs'] = _each_temperature(a, target, drafter, prompts, stop, keep, block_size=a.block_size,
@@ -145,6 +159,7 @@ def _print_report(r: dict):
     rate = lambda tokens, s: f"{tokens / s:.1f} tok/s" if s else '-'
     times = lambda v: '-' if v is None else f"{v:.2f}x"
     if r['partial']: print(f"partial: stopped by {r['stopped_by']} after {r['done']} of {r['total']} prompt runs")
+    if r.get('prompt_kind', 'chat') != 'chat': print(f"prompts of text records: {r['prompt_kind'][6:]}")
     for x in r['runs']:
         print(f"T={x['temperature']:g}: tau (mean acceptance length) {x['tau']:.3f}  tokens {x['tokens']}  "
               f"verify steps {x['steps']}  prompts {x['prompts']}")

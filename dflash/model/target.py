@@ -231,6 +231,12 @@ def load_target(path, dtype: dtype):
     if bad := _load_problem(loaded, type(model).__name__): raise InputError(f"target {path}: {bad}")
     return model
 
+# %% ../../nbs/10a_model_target.ipynb #951e5d63
+def cache_argument(model) -> str:
+    "The name `model`'s forward takes its KV cache by: `cache` in recent transformers, else `past_key_values`."
+    import inspect
+    return 'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values'
+
 # %% ../../nbs/10a_model_target.ipynb #cfae7be7
 def target_identity(path) -> str:
     """Fingerprint of a target: a model directory's config.json and each weight file's name and whole content

@@ -24,6 +24,8 @@ from ..model.planner import budgets, recommend_policy, step_memory, online_targe
 from ..model.chunking import free_bytes
 from ..model.objective import data_mask_token, draft_vocab, token_counts
 from ..data.chat import ChatDataset
+from ..data.records import OneKind, read_records
+from ..data.templates import no_template_message, set_chat_template
 from ..data.cache import CacheDataset
 from ..data.features import TargetFeatures
 from ..core.files import toy_target_dir, toy_data_dir, resolve_local
@@ -76,8 +78,15 @@ def _has_chat_template(tok) -> bool:
     t = tok.chat_template
     return bool(t.get('default') if isinstance(t, dict) else t)       # named templates: the default one
 
-def _target_tokenizer(target: Path, chat: bool):
-    "The tokenizer in `target`, after checking it loads, has a vocabulary and (`chat`: renders --data) a chat template."
+def _data_kind(path) -> str | None:
+    "The kind of the records of `path`, 'chat' or 'text' (its first record's of a kind); None: not read here."
+    from dflash.core.errors import DataError
+    try: return OneKind.of(read_records(path, skip_bad_lines=True)).kind
+    except (DataError, OSError): return None                          # said when the data is read
+
+def _target_tokenizer(target: Path, chat: str | None, chat_template=None):
+    """The tokenizer in `target` (with the template of file `chat_template` when given), after checking it loads, has
+    a vocabulary and, when `chat` names the option whose chat records it renders, a chat template."""
     try: tok = pretrained(AutoTokenizer, target)
     except Exception as e:                               # broken files: tokenizers' and transformers' own errors
         raise InputError(f"--target {target}: its tokenizer does not load ({type(e).__name__}: {e}); put the "
@@ -85,10 +94,9 @@ def _target_tokenizer(target: Path, chat: bool):
     if len(tok) <= len(tok.all_special_tokens):
         raise InputError(f"--target {target}: no tokenizer there (it loads with {len(tok)} tokens: no tokenizer.json, "
                          "tokenizer.model or vocabulary files); put the model's own tokenizer files beside it")
+    if chat_template: set_chat_template(tok, chat_template)
     if chat and not _has_chat_template(tok):
-        raise InputError(f"--target {target}: its tokenizer has no chat template (no chat_template.jinja, none in "
-                         f"tokenizer_config.json), and --data is rendered with it: put the model's template in "
-                         f"{target / 'chat_template.jinja'}, or write a cache with `python -m dflash.data cache "
+        raise InputError(f"{no_template_message(target, chat)}; or write a cache with `python -m dflash.data cache "
                          "--chat-template FILE ...` and train with --cache")
     return tok
 
@@ -210,7 +218,7 @@ def _cache_parts(cfg: TrainConfig, target: Path, tok, tc, V: int, eval_data, dev
 def _online_parts(cfg: TrainConfig, target: Path, tok, data, eval_data, V: int, device, dkw: dict) -> _RunParts:
     "The parts of an online run: the chat data tokenized (once, cached), the target loaded to compute features."
     from dflash.data.chat import load_chat_data
-    train = load_chat_data(data, tok, max_length=cfg.max_length, report=True)   # tokenized once, cached; counted
+    train = load_chat_data(data, tok, max_length=cfg.max_length, report=True, target=target)   # cached; counted
     ev = _eval_set(eval_data, tok, cfg.max_length)
     dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, [train], ev, cfg.mask_token_id)
     features = TargetFeatures(target, layer_ids=cfg.target_layer_ids, num_draft_layers=cfg.num_layers,
@@ -239,7 +247,9 @@ def _load_parts(cfg: TrainConfig, device) -> _RunParts:
     eval_data = cfg.eval_data or (toy_data_dir() / 'eval.jsonl' if toy else None)
     if data is None and cfg.cache is None:
         raise InputError("--data FILE (chat JSONL) or --cache DIR is needed with --target")
-    tok, tc = _target_tokenizer(target, chat=cfg.cache is None or eval_data is not None), pretrained(AutoConfig, target)
+    chat = next((f for f, d in (('--data', None if cfg.cache else data), ('--eval-data', eval_data))
+                 if d is not None and _data_kind(d) != 'text'), None)       # the option whose chat records need one
+    tok, tc = _target_tokenizer(target, chat, cfg.chat_template), pretrained(AutoConfig, target)
     if len(tok) > (V := tc.get_text_config().vocab_size):
         raise InputError(f"--target {target}: its tokenizer has {len(tok)} tokens, more than the model's vocab_size "
                          f"({V} in config.json): tokenizer and model do not belong together; put the model's own "

@@ -18,7 +18,7 @@ from ..core.files import write_json, write_atomic, toy_data_dir
 
 
 # %% auto #0
-__all__ = ['parse_config', 'main']
+__all__ = ['input_checksums', 'parse_config', 'main']
 
 # %% ../../nbs/46_train_command.ipynb #eb366dd9
 _PROG = 'accelerate launch -m dflash.train'
@@ -45,11 +45,21 @@ def _configure(argv=None, prog: str = _PROG) -> tuple[TrainConfig, dict | None, 
             refused, changed = resume_changes(rec['config'], given)
             problems += refused
     cfg = absolute_paths(build_options(TrainConfig, {**base, **given}, problems, prog, check_train, given))
-    if rec and not cfg.accept_changed_data and (moved := data_changes(rec.get('data') or {}, data_checksums(cfg))):
+    if cfg.chat_template is not None: cfg = replace(cfg, chat_template=str(Path(cfg.chat_template).absolute()))
+    if rec and not cfg.accept_changed_data and (moved := data_changes(rec.get('data') or {}, input_checksums(cfg))):
         raise OptionsError([*moved, "a resume trains on the data the run started with: put it back, pass "
                                     "--accept-changed-data to go on with the data as it is now (run.json records it), "
                                     "or start a new run (--overwrite, or another --out)"], prog)
     return cfg, rec, changed
+
+def input_checksums(cfg: TrainConfig) -> dict:
+    """`data_checksums` of run `cfg` and, with --chat-template, its file's: what a resume compares (a template changed
+    since the run started is refused as changed data is)."""
+    from dflash.core.files import file_sha256
+    sums = data_checksums(cfg)
+    if cfg.chat_template is not None and Path(cfg.chat_template).is_file():
+        sums['chat_template'] = {'path': cfg.chat_template, 'sha256': file_sha256(cfg.chat_template)}
+    return sums
 
 def parse_config(argv=None) -> TrainConfig:
     "A checked `TrainConfig` from flags and an optional YAML file (the toy profile when no target is named)."
@@ -88,7 +98,7 @@ _SCHEDULE = ('max_steps', 'epochs', 'lr', 'warmup_ratio', 'schedule', 'decay_rat
 def _run_record(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool) -> dict:
     """The run's `run.json` record as it starts: the resumed run's `rec` (or a new one) with the options, the data's
     checksums and status 'running'; a resume that changed options or data appends what changed (printed)."""
-    data = data_checksums(cfg)
+    data = input_checksums(cfg)
     moved = data_changes((rec or {}).get('data') or {}, data)          # accepted: _configure refused them otherwise
     record = {**(rec or {'created': time.strftime('%FT%T')}),
               'config': {k: v for k, v in asdict(cfg).items() if k not in RUN_ACTIONS}, 'data': data,
@@ -152,9 +162,10 @@ def _train(cfg: TrainConfig, rec: dict | None, changed: dict, is_main: bool, sto
     from dflash.train.metrics import timed
     from dflash.core.threads import use_threads
     gpu = torch.cuda.is_available()
-    threads, why = use_threads(cfg.threads) if not gpu else (torch.get_num_threads(), 'left as is on a GPU')
+    threads, why = (use_threads(cfg.threads, resumed=(rec or {}).get('threads')) if not gpu   # a resume: its own
+                    else (torch.get_num_threads(), 'left as is on a GPU'))
     out = Path(cfg.out)
-    record = _run_record(cfg, rec, changed, is_main)
+    record = {**_run_record(cfg, rec, changed, is_main), 'threads': threads}
     trainer = _start_trainer(cfg, rec, record, is_main)
     if is_main: write_json(out / 'run.json', record)     # the run has started
     seconds = {'start-up, target and data': time.perf_counter() - t_start}
