@@ -161,15 +161,21 @@ def test_notebooks_import_only_earlier_notebooks():
     assert not later, later
 
 
+def _notebook_cells():
+    "(notebook path, index, cell) of every cell of every notebook in nbs/."
+    import json
+    for nb in sorted((PKG.parent / 'nbs').glob('*.ipynb')):
+        for i, cell in enumerate(json.loads(nb.read_text())['cells']): yield nb, i, cell
+
+
 def test_notebook_outputs_name_no_machine_paths():
     "Committed outputs are read by everyone: no temporary directory, home or checkout of the machine that ran them."
     import json
     found = []
-    for nb in sorted((PKG.parent / 'nbs').glob('*.ipynb')):
-        for i, cell in enumerate(json.loads(nb.read_text())['cells']):
-            text = json.dumps(cell.get('outputs', []))
-            for prefix in ('/tmp/', '/var/folders/', '/home/', '/root/', '/Users/', str(PKG.parent) + '/'):
-                if prefix in text: found.append(f"{nb.name} cell {i}: {prefix}")
+    for nb, i, cell in _notebook_cells():
+        text = json.dumps(cell.get('outputs', []))
+        for prefix in ('/tmp/', '/var/folders/', '/home/', '/root/', '/Users/', str(PKG.parent) + '/'):
+            if prefix in text: found.append(f"{nb.name} cell {i}: {prefix}")
     assert not found, found
 
 
@@ -276,11 +282,9 @@ def test_no_module_over_400_lines():
 
 def test_no_export_cell_over_60_lines():
     "One concept per exported cell, followed by its example and test: no wall of code past 60 lines."
-    import json
     long = []
-    for nb in sorted((PKG.parent / 'nbs').glob('*.ipynb')):
-        for i, cell in enumerate(json.loads(nb.read_text())['cells']):
-            src = ''.join(cell['source'])
-            if cell['cell_type'] == 'code' and src.startswith(('#| export', '#| exporti')):
-                if (n := len(src.splitlines())) > 60: long.append(f"{nb.name} cell {i}: {n} lines")
+    for nb, i, cell in _notebook_cells():
+        src = ''.join(cell['source'])
+        if cell['cell_type'] == 'code' and src.startswith(('#| export', '#| exporti')):
+            if (n := len(src.splitlines())) > 60: long.append(f"{nb.name} cell {i}: {n} lines")
     assert not long, long
