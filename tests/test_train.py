@@ -416,8 +416,9 @@ def test_several_caches_train_as_one_cache_of_them_all(tmp_path):
 def test_a_run_continues_from_a_trained_drafter(tmp_path):
     """--init-from starts a run from the drafter another run exported: its weights (at learning rate 0 the run
     exports them unchanged) and its draft vocabulary, though the new data would choose another; with more layers it
-    grows, the new one adding nothing at first; a drafter of another shape is refused before the target loads, every
-    difference named."""
+    grows, the new one adding nothing at first; with a larger draft vocabulary the new data's tokens join, each of
+    the start's keeping its row; a drafter of another shape is refused before the target loads, every difference
+    named."""
     from safetensors.torch import load_file
     from dflash.core.files import toy_data_dir
     lines = (toy_data_dir() / 'train.jsonl').read_text().splitlines(True)
@@ -444,10 +445,21 @@ def test_a_run_continues_from_a_trained_drafter(tmp_path):
     for k in wa: assert torch.equal(wa[k], wg[k]), k
     assert not wg['layers.2.self_attn.o_proj.weight'].any() and not wg['layers.2.mlp.down_proj.weight'].any()
     assert_close(held_out(tmp_path / 'grown'), held_out(tmp_path / 'b'), rel=1e-6)   # it drafts as the 2 layers did
-    bad = train_cli('--out', tmp_path / 'bad', *override(run, '--num-layers', '1'), '--block-size', '8', '--data',
-                    second, '--init-from', tmp_path / 'a' / 'drafter')
+    wide = launch(tmp_path / 'wide', *override(run, '--lr', '0', '--draft-vocab-size', '32'), '--data', str(second),
+                  '--init-from', str(tmp_path / 'a' / 'drafter'))
+    assert wide.returncode == 0, wide.stdout[-2000:] + wide.stderr[-2000:]
+    assert 'the 24 tokens of the drafter of --init-from and the 8 most often supervised outside them' in wide.stdout
+    ww = load_file(tmp_path / 'wide' / 'drafter' / 'model.safetensors')
+    had, has = (w['d2t'] + torch.arange(len(w['d2t'])) for w in (wa, ww))       # target ids, ascending
+    at = torch.searchsorted(has, had)
+    assert len(has) == 32 and torch.equal(has[at], had), "the vocabulary holds the start's 24 tokens"
+    assert torch.equal(ww['lm_head.weight'][at], wa['lm_head.weight']), "each of them keeps its row"
+    for k in wa.keys() - {'lm_head.weight', 'd2t', 't2d'}: assert torch.equal(wa[k], ww[k]), k
+    bad = train_cli('--out', tmp_path / 'bad', *override(run, '--num-layers', '1', '--draft-vocab-size', '16'),
+                    '--block-size', '8', '--data', second, '--init-from', tmp_path / 'a' / 'drafter')
     assert bad.returncode == 2 and 'Traceback' not in bad.stderr, bad.stderr[-2000:]
     assert '--num-layers = 1: the drafter of --init-from' in bad.stderr and '--block-size = 8: the drafter of' in bad.stderr
+    assert '--draft-vocab-size = 16: the drafter of --init-from' in bad.stderr, bad.stderr
     both = train_cli('--out', tmp_path / 'both', *run, '--data', second, '--init-from', tmp_path / 'a' / 'drafter',
                      '--init-from-target')
     assert both.returncode == 2 and '--init-from and --init-from-target: choose one' in both.stderr, both.stderr[-2000:]

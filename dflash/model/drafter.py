@@ -300,6 +300,25 @@ def save_pretrained(self: DFlashDrafter, path):
     conf = {**self.config.to_dict(), 'dtype': str(next(self.parameters()).dtype).removeprefix('torch.')}
     write_atomic(path / 'config.json', json.dumps(conf, indent=2) + '\n')
 
+# %% ../../nbs/16_model_drafter.ipynb #47877ae2
+@patch
+def into_vocab(self: DFlashDrafter, state: dict, source) -> dict:
+    """The saved drafter weights `state` for this drafter, whose draft vocabulary holds the saved one's tokens and may
+    hold more: each saved row of the head goes where this vocabulary puts its token, a token new here keeps this
+    drafter's row (`set_draft_vocab`: the target's), and d2t and t2d are this drafter's. A state of the same vocabulary,
+    or of none, is returned as it is; one whose tokens this vocabulary lacks is named (`source`)."""
+    if 'd2t' not in state or self.config.draft_vocab_size is None or len(state['d2t']) == len(self.d2t): return state
+    theirs = state['d2t'] + torch.arange(len(state['d2t']))                  # (K0,) the saved tokens, ascending
+    mine = self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)     # (K,) this drafter's
+    at = torch.searchsorted(mine, theirs.to(mine.device)).clamp(max=len(mine) - 1)   # (K0,) where each goes
+    if len(theirs) > len(mine) or not torch.equal(mine[at].cpu(), theirs):
+        raise InputError(f"{source}: its draft vocabulary of {len(theirs)} tokens is not part of this drafter's "
+                         f"({len(mine)} tokens)")
+    head = self.lm_head.weight.detach().clone()                                # (K, H)
+    head[at] = state['lm_head.weight'].to(head)
+    return {**state, 'lm_head.weight': head, 'd2t': self.d2t.clone(), 't2d': self.t2d.clone()}
+
+
 # %% ../../nbs/16_model_drafter.ipynb #99df99ef
 def _check_state(expected: dict, found: dict, source: str):
     "Raise naming the first missing, unexpected or mis-shaped tensor."
@@ -343,9 +362,11 @@ def load_weights(self: DFlashDrafter, path) -> torch.dtype:
     imply the same tensors; they are converted to this drafter's dtypes. Returns the dtype they were stored in."""
     path = Path(path)
     state = _load_weights(path)
+    stored = next(t.dtype for t in state.values() if t.is_floating_point())    # not d2t's
+    state = self.into_vocab(state, path)
     _check_state(self.state_dict(), state, str(path / 'model.safetensors'))
     self.load_state_dict(state)
-    return next(t.dtype for t in state.values() if t.is_floating_point())      # not d2t's
+    return stored
 
 @patch(cls_method=True)
 def from_pretrained(cls: DFlashDrafter, path, attention: str = 'eager', dtype: torch.dtype | None = None,
@@ -368,6 +389,8 @@ def grow_from(self: DFlashDrafter, path) -> torch.dtype:
     zero). Returns the dtype they were stored in."""
     path = Path(path)
     state = _load_weights(path)
+    stored = next(t.dtype for t in state.values() if t.is_floating_point())
+    state = self.into_vocab(state, path)
     n = len({k.split('.')[1] for k in state if k.startswith('layers.')})
     if not 0 < n < len(self.layers):
         raise InputError(f"{path}: {n} decoder layers; growing needs at least 1 and fewer than this drafter's "
@@ -379,4 +402,4 @@ def grow_from(self: DFlashDrafter, path) -> torch.dtype:
         for layer in self.layers[n:]:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
-    return next(t.dtype for t in state.values() if t.is_floating_point())
+    return stored

@@ -108,7 +108,8 @@ def _vocabulary(cfg: TrainConfig, tok, V: int, trains: list, ev, mask_token_id: 
                 **origin) -> tuple[int, Tensor | None]:
     """The run's mask token id (`data_mask_token`) and, with --draft-vocab-size K, the K target tokens most often
     supervised in the training sets `trains` (`draft_vocab`), said in one line with the share of supervised tokens
-    they cover. With --init-from, the drafter's mask token (unless --mask-token-id names one) and its draft vocabulary."""
+    they cover. With --init-from, the drafter's mask token (unless --mask-token-id names one) and its draft vocabulary,
+    grown to K by the tokens most often supervised outside it."""
     seen, supervised = token_counts(trains, V)
     if ev is not None: seen = seen + token_counts([ev], V)[0]
     start = _init_config(cfg)
@@ -119,6 +120,10 @@ def _vocabulary(cfg: TrainConfig, tok, V: int, trains: list, ev, mask_token_id: 
     if start is not None:                                    # target id = draft id + d2t
         d2t = DFlashDrafter.from_pretrained(cfg.init_from).d2t
         ids, which = d2t + torch.arange(len(d2t)), f"the {len(d2t)} tokens of the drafter of --init-from"
+        if (more := cfg.draft_vocab_size - len(ids)) > 0:
+            outside = supervised.long().index_fill(0, ids, -1)                 # (V,) its tokens last
+            ids = torch.cat([ids, draft_vocab(outside, more)]).sort().values
+            which += f" and the {more} most often supervised outside them"
     else: ids, which = draft_vocab(supervised, cfg.draft_vocab_size), f"the {cfg.draft_vocab_size} tokens most often supervised"
     if main_process():
         share = supervised[ids].sum() / supervised.sum().clamp(min=1)
@@ -229,10 +234,12 @@ def _online_parts(cfg: TrainConfig, target: Path, tok, data, eval_data, V: int, 
 
 def _config_diff(theirs: DrafterConfig, mine: DrafterConfig) -> list[str]:
     """The fields in which drafter config `theirs` differs from `mine`, each with both values. Fewer layers of the same
-    types are none: `mine` grows from `theirs` (`grow_from`)."""
+    types, or a smaller draft vocabulary, are none: `mine` grows from `theirs` (`grow_from`, `into_vocab`)."""
     n = theirs.num_hidden_layers
     if n < mine.num_hidden_layers and theirs.layer_types == mine.layer_types[:n]:
         theirs = replace(theirs, num_hidden_layers=mine.num_hidden_layers, layer_types=mine.layer_types)
+    if None not in (K := theirs.draft_vocab_size, mine.draft_vocab_size) and K < mine.draft_vocab_size:
+        theirs = replace(theirs, draft_vocab_size=mine.draft_vocab_size)
     return [f"{f.name} ({getattr(theirs, f.name)}; the run: {getattr(mine, f.name)})" for f in fields(DrafterConfig)
             if getattr(theirs, f.name) != getattr(mine, f.name)]
 

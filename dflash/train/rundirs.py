@@ -153,7 +153,8 @@ _AS_INIT_FROM = (('--num-layers', 'num_layers', 'num_hidden_layers'), ('--block-
 def _init_from_problems(c: TrainConfig, conf: dict | None) -> list[str]:
     """What keeps the drafter of --init-from from starting this run: no drafter there, or not the run's shape (its
     layers, block size and draft vocabulary as the options say, its sizes the target's, `conf`). Fewer layers than
-    --num-layers are the run's first: the drafter grows (`grow_from`)."""
+    --num-layers are the run's first: the drafter grows (`grow_from`); so does a smaller draft vocabulary than
+    --draft-vocab-size (`into_vocab`)."""
     if c.init_from is None: return []
     if c.init_from_target: return ["--init-from and --init-from-target: choose one (a trained drafter's weights, or "
                                    "the target's top layers)"]
@@ -164,8 +165,9 @@ def _init_from_problems(c: TrainConfig, conf: dict | None) -> list[str]:
                 "config.json and model.safetensors)"]
     try: theirs = DrafterConfig.load(d / 'config.json', c.mask_token_id)
     except (OSError, ValueError) as e: return [f"--init-from: {e}"]
+    grows = lambda mine, had: None not in (mine, had) and mine > had                  # more layers or tokens: it grows
     pairs = [(f, getattr(c, o), getattr(theirs, k)) for f, o, k in _AS_INIT_FROM
-             if not (o == 'num_layers' and c.num_layers > theirs.num_hidden_layers)]   # more layers: it grows
+             if not (o != 'block_size' and grows(getattr(c, o), getattr(theirs, k)))]
     pairs += [(f, v, getattr(theirs, k)) for f, v, k in (('--mask-token-id', c.mask_token_id, 'mask_token_id'),
                                                          ('--target-layer-ids', c.target_layer_ids, 'target_layer_ids'))
               if v is not None]                       # else chosen as the drafter's, or checked once they are known
