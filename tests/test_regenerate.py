@@ -375,3 +375,114 @@ def test_padless_tokenizer_batched_equals_unbatched(padless_llama, tmp_path):
         outs[b] = [json.loads(l) for l in out.read_text().splitlines()]
     assert len(outs[1]) == len(recs) and all(x['messages'][-1]['content'] != 'old' for x in outs[1])
     assert outs[2] == outs[1] and outs[3] == outs[1]
+
+
+# --- --cache: the target's hidden states, grown with the file ---------------------------------------------------------
+@pytest.fixture
+def own_caches(tmp_path, monkeypatch):
+    "Tokenized data and weights checksums of the in-process commands go under tmp_path, not the user's caches."
+    monkeypatch.setenv('HF_DATASETS_CACHE', str(tmp_path / 'datasets-cache'))
+    monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'user-cache'))
+
+
+def same_cache(grown, written):
+    """The cache `grown` with its data holds what the cache `written` afterwards holds: the same samples, the same
+    tokens and loss masks up to each grown sample's end (nothing supervised past it), features within float rounding."""
+    from dflash.data.cache import CacheDataset
+    a, b = CacheDataset(grown), CacheDataset(written)
+    assert len(a) == len(b) > 0 and a.layer_ids == b.layer_ids, (len(a), len(b), a.layer_ids, b.layer_ids)
+    for i in range(len(a)):
+        n = len(a[i]['input_ids'])
+        assert torch.equal(a[i]['input_ids'], b[i]['input_ids'][:n]), i
+        assert torch.equal(a[i]['loss_mask'], b[i]['loss_mask'][:n]) and not b[i]['loss_mask'][n:].any(), i
+        assert torch.allclose(a[i]['context'], b[i]['context'][:n], atol=1e-4), (i, (a[i]['context'] -
+                                                                                   b[i]['context'][:n]).abs().max())
+
+
+def test_regenerate_cache_is_the_cache_commands_and_trains(small_data, tmp_path, own_caches):
+    "`regenerate --cache` writes the cache `data cache` writes of the file afterwards; `dflash.train --cache` trains on it."
+    from dflash.core.files import toy_target_dir
+    from dflash.data.command import main as data_main
+    from dflash.train.command import main as train_main
+    out, grown = tmp_path / 'o.jsonl', tmp_path / 'grown'
+    r = data_cli('regenerate', '--data', small_data, '--out', out, '--batch-size', '5', '--max-new-tokens', '24',
+                 '--cache', grown, '--num-draft-layers', '2')
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = json.loads(r.stdout.split('regenerated: ')[1])['cache']
+    assert (said['samples'], said['left_out_now']) == (12, 0), said
+    manifest = json.loads((grown / 'manifest.json').read_text())
+    assert (manifest['data']['batches'], manifest['num_shards'], manifest['data']['path']) == (3, 3, str(out))
+    data_main(['cache', '--target', str(toy_target_dir()), '--data', str(out), '--out', str(tmp_path / 'after'),
+               '--num-draft-layers', '2', '--no-progress', '--threads', '1'])
+    same_cache(grown, tmp_path / 'after')
+    after = json.loads((tmp_path / 'after' / 'manifest.json').read_text())
+    assert manifest['data']['chat_template'] == after['data']['chat_template'] is not None   # the template's hash
+    import csv
+    from conftest import SMALL, override
+    run = tmp_path / 'run'
+    train_main(['--out', str(run), '--cache', str(grown), *override(SMALL, '--max-steps', '2', '--report-to', 'none')])
+    steps = [int(row['step']) for row in csv.DictReader((run / 'metrics.csv').read_text().splitlines())]
+    assert max(steps) == 2, steps
+    assert (run / 'drafter' / 'model.safetensors').is_file()
+
+
+def test_a_stopped_regeneration_continues_its_cache(small_data, tmp_path, monkeypatch):
+    """Stopped by SIGTERM after its first batch, then killed between a batch's cache and its file (the cache a batch
+    ahead), a regeneration with --cache run again ends with the file and the cache of an uninterrupted run."""
+    import dflash.data.regenerate as R
+    from dflash.core.errors import Preempted
+    from dflash.core.stops import StopRequest
+    data = tmp_path / 'in.jsonl'
+    data.write_text(''.join(small_data.read_text().splitlines(keepends=True)[:6]))
+    kw = dict(data=str(data), batch_size=2, max_new_tokens=16, num_draft_layers=2, progress=False)
+    full = regenerate(RegenConfig(out=str(tmp_path / 'full.jsonl'), cache=str(tmp_path / 'full-cache'), **kw))
+    out, cache = tmp_path / 'o.jsonl', tmp_path / 'cache'
+    cfg = RegenConfig(out=str(out), cache=str(cache), **kw)
+    real = R.append_batch
+    batches = lambda: (len(index_path(out).read_text().splitlines()) - 1,
+                       json.loads((cache / 'manifest.json').read_text())['data']['batches'])
+    def signalled(o, entry, records):
+        if entry['batch'] == 0: os.kill(os.getpid(), signal.SIGTERM)      # while batch 0 is appended: finished, then stop
+        return real(o, entry, records)
+    monkeypatch.setattr(R, 'append_batch', signalled)
+    with StopRequest() as stop, pytest.raises(Preempted): regenerate(cfg, stop)
+    assert batches() == (1, 1)
+    def killed(o, entry, records):
+        raise RuntimeError('killed')                                       # after the cache, before the file
+    monkeypatch.setattr(R, 'append_batch', killed)
+    with pytest.raises(RuntimeError, match='killed'): regenerate(cfg)
+    assert batches() == (1, 2)                                             # the cache one batch ahead of the file
+    monkeypatch.setattr(R, 'append_batch', real)
+    r = regenerate(cfg)
+    assert (r['resumed_batches'], r['regenerated'], r['cache']['samples']) == (1, 4, full['cache']['samples'])
+    assert out.read_bytes() == (tmp_path / 'full.jsonl').read_bytes()
+    same_cache(cache, tmp_path / 'full-cache')
+    fm, m = (json.loads((d / 'manifest.json').read_text()) for d in (tmp_path / 'full-cache', cache))
+    assert {k: m[k] for k in ('num_samples', 'num_tokens', 'num_shards')} == \
+           {k: fm[k] for k in ('num_samples', 'num_tokens', 'num_shards')} and m['data']['batches'] == 3
+
+
+def test_cache_option_errors_come_together_before_the_target_loads(small_data, tmp_path, capsys, monkeypatch):
+    import dflash.data.regenerate as R
+    from dflash.data.command import main as data_main
+    from conftest import refused
+    grown = tmp_path / 'grown'                                             # the cache of another file
+    regenerate(RegenConfig(data=str(small_data), out=str(tmp_path / 'first.jsonl'), cache=str(grown), batch_size=6,
+                           max_new_tokens=4, num_draft_layers=2, progress=False))
+    monkeypatch.setattr(R, 'make_engine', lambda *a: pytest.fail('the target loaded'))
+    run = ['regenerate', '--data', str(small_data), '--no-progress', '--threads', '1']
+    a_file = tmp_path / 'a-file'
+    a_file.write_text('')
+    err = refused(capsys, data_main, [*run, '--out', str(tmp_path / 'o.jsonl'), '--cache', str(a_file), '--engine',
+                                      'vllm', '--batch-size', '0'],
+                  f"--cache = {str(a_file)!r}: is a file, expected a directory",
+                  "--cache with --engine vllm: the cache is read off transformers' forwards; use --engine transformers, "
+                  "or write the cache afterwards with `python -m dflash.data cache`", '--batch-size = 0: allowed >= 1')
+    assert 'bad options' in err
+    refused(capsys, data_main, [*run, '--out', str(tmp_path / 'o.jsonl'), '--num-draft-layers', '2'],
+            '--num-draft-layers = 2: read only with --cache (the layers it holds); leave it out, or give --cache')
+    refused(capsys, data_main, [*run, '--out', str(tmp_path / 'o.jsonl'), '--cache', str(tmp_path / 'c'),
+                                '--num-draft-layers', '7'], "--num-draft-layers = 7: more than the target's 6 layers")
+    refused(capsys, data_main, [*run, '--out', str(tmp_path / 'o.jsonl'), '--cache', str(grown), '--num-draft-layers',
+                                '2', '--batch-size', '6'], f"--cache {grown}: holds 2 batches and {tmp_path / 'o.jsonl'} 0")
+    assert not (tmp_path / 'o.jsonl').exists() and not (tmp_path / 'c').exists()

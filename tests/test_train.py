@@ -383,7 +383,8 @@ def test_a_cache_of_more_layers_trains_a_drafter_of_some_of_them(tmp_path):
 
 def test_several_caches_train_as_one_cache_of_them_all(tmp_path):
     """Two caches of the two halves of a corpus (`--cache A B`) train exactly as one cache of the whole: the same
-    losses, held-out ones too; run.json fingerprints each; caches written with other mask tokens are refused."""
+    losses, held-out ones too; run.json fingerprints each; caches written with other mask tokens are refused; with
+    weights (`--cache-weights`) each cache's share of an epoch follows them, said per cache."""
     from dflash.core.files import toy_data_dir, toy_target_dir
     lines = (toy_data_dir() / 'train.jsonl').read_text().splitlines(True)[:12]
     def cache(name, part, *extra):
@@ -411,6 +412,14 @@ def test_several_caches_train_as_one_cache_of_them_all(tmp_path):
     bad = train_cli('--out', tmp_path / 'bad', *run, '--cache', a, other)
     assert bad.returncode == 2 and 'Traceback' not in bad.stderr, bad.stderr[-2000:]
     assert f"the caches were written with different mask tokens ({a}: {mask}; {other}: {mask + 1})" in bad.stderr, bad.stderr
+    mixed = launch(tmp_path / 'mixed', *run, '--cache', a, b, '--cache-weights', '3', '1')
+    assert mixed.returncode == 0, mixed.stdout[-2000:] + mixed.stderr[-2000:]
+    assert f"mix: {a}: 9 samples an epoch of its 6, 75.0% of the samples" in mixed.stdout, mixed.stdout[-2000:]
+    assert f"mix: {b}: 3 samples an epoch of its 6, 25.0% of the samples" in mixed.stdout, mixed.stdout[-2000:]
+    wrong = train_cli('--out', tmp_path / 'wrong', *run, '--cache', a, b, '--cache-weights', '0')
+    assert wrong.returncode == 2 and 'Traceback' not in wrong.stderr, wrong.stderr[-2000:]
+    assert '--cache-weights = [0.0]: allowed > 0' in wrong.stderr, wrong.stderr
+    assert '--cache-weights = [0.0]: one weight per --cache (2 given)' in wrong.stderr, wrong.stderr
 
 
 def test_a_run_continues_from_a_trained_drafter(tmp_path):

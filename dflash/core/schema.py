@@ -13,8 +13,9 @@ from .files import assets_dir
 from .names import ATTENTIONS, BLOCK_SIZE, GPU_MEMORY, LOSSES, POLICIES
 
 # %% auto #0
-__all__ = ['DTYPES', 'TRACKERS', 'CPU_DRAFT_CONFIDENCE', 'CPU_COPY_NGRAM', 'TEXT_PROMPT_TOKENS', 'TrainConfig', 'PlanOptions',
-           'toy_profile', 'DataOptions', 'CacheOptions', 'RegenConfig', 'SynthConfig', 'SpeculateOptions']
+__all__ = ['DTYPES', 'TRACKERS', 'CPU_DRAFT_CONFIDENCE', 'CPU_COPY_NGRAM', 'TEXT_PROMPT_TOKENS', 'DRAFT_RULES', 'TrainConfig',
+           'PlanOptions', 'toy_profile', 'DataOptions', 'CacheOptions', 'RegenConfig', 'SynthConfig',
+           'SpeculateOptions']
 
 # %% ../../nbs/06_core_schema.ipynb #a512e147
 _SHORT = {'float32': 'fp32', 'bfloat16': 'bf16', 'float16': 'fp16', 'float64': 'fp64'}   # torch's name -> the short one
@@ -47,10 +48,15 @@ class _TrainInputs:
                                        path='file')
     eval_data: str | None = option(None, "held-out chat JSONL (default: none: no held-out evaluation); with --cache, the "
                                          "target is loaded for the evaluations", path='file')
-    cache: list[str] | None = option(None, "offline hidden-state cache directories (from `python -m dflash.data cache` "
-                                           "or `synthesize --cache`), space separated: trained on as one set, all of "
-                                           "the same target and layers (default: none: the target runs online)",
+    cache: list[str] | None = option(None, "offline hidden-state cache directories (from `python -m dflash.data cache`, "
+                                           "`synthesize --cache` or `regenerate --cache`), space separated: trained on "
+                                           "as one set, all of the same target and layers (default: none: the "
+                                           "target runs online)",
                                      path='dir')
+    cache_weights: list[float] | None = option(None, "one weight per --cache, space separated: an epoch holds the "
+                                                     "caches' samples together, each cache's share of them its weight "
+                                                     "over their sum, its samples repeated or cut to that (default: "
+                                                     "each cache's own size)", gt=0)
     out: str = option('runs/dflash', "run directory: checkpoints, metrics, the exported drafter")
 
 # %% ../../nbs/06_core_schema.ipynb #0a158f03
@@ -248,6 +254,11 @@ class RegenConfig:
                                        path='file')
     dtype: str | None = option(None, 'model dtype (default: bfloat16 on GPU, else float32)', choices=list(DTYPES))
     skip_bad_lines: bool = option(False, 'skip and count malformed lines instead of stopping')
+    cache: str | None = option(None, "also write the target's hidden states of every regenerated record into this "
+                                     'cache directory, read off the forwards that write the replies (no second forward '
+                                     'over the data); `dflash.train --cache` trains on it at any point')
+    num_draft_layers: int = option(5, 'drafter layers whose target layers --cache holds (the DFlash choice of layers)',
+                                   ge=1)
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
     threads: int | None = threads_option()
 
@@ -320,6 +331,7 @@ class ToyOptions:
 CPU_DRAFT_CONFIDENCE = 0.3   # the default --draft-confidence where each verified token costs (a CPU)
 CPU_COPY_NGRAM = 4           # the default --copy-ngram there
 TEXT_PROMPT_TOKENS = 256     # a text record prompts with the first half of its tokens, at most this many
+DRAFT_RULES = ('sample', 'argmax')   # --draft-rule: how the drafter drafts at T > 0
 
 @dataclass
 class SpeculateOptions:
@@ -355,6 +367,11 @@ class SpeculateOptions:
                                                   'of all of them so far stays at least this (at least one; 0: the '
                                                   f'whole block; default: {CPU_DRAFT_CONFIDENCE:g} on a CPU, where each '
                                                   'verified token costs, 0 on a GPU)', ge=0, lt=1)
+    draft_rule: str = option('sample', "how the drafter drafts at T > 0, lossless either way: sample, each token drawn "
+                                       "from the drafter's distribution q and verified by speculative sampling; argmax, "
+                                       "the drafter's most likely token, verified as a point mass (kept with the target's "
+                                       "probability of it, else a token from the target's distribution without it); "
+                                       'T = 0 drafts the argmax either way', choices=list(DRAFT_RULES))
     copy_ngram: int | None = option(None, 'draft by copying too: where the last N tokens occurred before, in the prompt '
                                           "or the reply, the tokens that followed them are verified instead of the drafter's "
                                           'drafts when there are more of them than --draft-confidence keeps (0: the '

@@ -322,6 +322,9 @@ class CacheAppender:
         if 'batches' not in old.get('data', {}):
             raise InputError(f"{self.out}: a cache written at once (`python -m dflash.data cache`), not one that grows "
                              "with its data; use another cache directory")
+        if (was := old['data'].get('chat_template')) is not None and was != data_info.get('chat_template'):
+            raise InputError(f"{self.out}: holds a cache rendered with chat template {was} (a hash of it), this one's "
+                             f"is {data_info.get('chat_template')}; use another cache directory")
 
     @property
     def batches(self) -> int: return self.manifest['data']['batches']

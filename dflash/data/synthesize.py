@@ -12,9 +12,10 @@ from ..core.options import Command, build_options
 from ..model.target import config_max_positions, config_num_layers, pretrained, target_config_dict
 from ..core.stops import StopRequest
 from ..core.schema import DTYPES, SynthConfig
-from .templates import prompt_ids, special_after, special_texts, template_kwargs, template_messages
-from .generate import engine_dtype, make_engine, reply_round, round_seed, target_dir
-from .regenerate import (append_batch, process_state, read_index, repair_output, run_locked,
+from .templates import special_after, special_texts, template_kwargs, template_messages
+from .generate import (ReadingEngine, cache_samples, growing_cache, make_engine, reply_round, round_seed,
+                                  target_dir)
+from .regenerate import (append_batch, cache_problems, process_state, read_index, repair_output, run_locked,
                                     target_engine_problems)
 
 # %% auto #0
@@ -149,39 +150,6 @@ def _synthesize_batch(prompter, engine, tokenizer, *, n: int, turns: int = 1, ne
     info['truncated'] = sum(m.get('truncated', False) for i in live for m in convs[i])
     return [{'messages': convs[i]} for i in live], info
 
-# %% ../../nbs/24_data_synthesize.ipynb #7a5ba73e
-class _Reading:
-    "The reply engine, keeping what the target read for each prompt it answers: `(token ids, features)`."
-    def __init__(self, engine, layer_ids): self.engine, self.layer_ids, self.read = engine, list(layer_ids), {}
-
-    def __call__(self, prompts: list[list[int]], seed: int = 0) -> list[tuple[list[int], bool]]:
-        outs = self.engine.generate(prompts, seed, self.layer_ids)
-        for p, (toks, stop, feats) in zip(prompts, outs):
-            self.read[tuple(p)] = (p + toks + ([stop] if stop is not None else []), feats)
-        return [(toks, stop is not None) for toks, stop, _ in outs]
-
-def _cache_samples(reading: _Reading, tokenizer, records: list[dict], template_kw: dict) -> tuple[list[dict], int]:
-    """Each record as a cache sample (`input_ids`, `loss_mask`, `context`): the tokens the target read, supervised as
-    the chat data supervises them up to the last reply, and in that reply every token the target wrote (its stop token
-    too, when it stopped). How many were left out: those whose prompt renders otherwise in the whole conversation."""
-    import torch
-    from dflash.data.chat import tokenize_conversation
-    samples, missed = [], 0
-    for r in records:
-        msgs = r['messages']
-        last = max(i for i, m in enumerate(msgs) if m['role'] == 'assistant')
-        prompt = prompt_ids(tokenizer, msgs[:last], template_kw)
-        read, feats = reading.read[tuple(prompt)]
-        s = tokenize_conversation(tokenizer, msgs, max_length=len(read) + 4096, **template_kw)
-        P = len(prompt)
-        if s is None or s['input_ids'][:P].tolist() != prompt:
-            missed += 1
-            continue
-        mask = torch.cat([s['loss_mask'][:P].bool(), torch.ones(len(read) - P, dtype=torch.bool)])   # (T,)
-        samples.append({'input_ids': torch.tensor(read), 'loss_mask': mask, 'context': feats})
-    reading.read.clear()
-    return samples, missed
-
 # %% ../../nbs/24_data_synthesize.ipynb #53635db4
 def _special_text_problems(texts: list[tuple[str, str]], tokenizer) -> list[str]:
     """Each (flag, text) whose text holds a special token's text: the tokenizer reads it as that token (an end of turn,
@@ -213,15 +181,7 @@ def _check_synth(cfg: SynthConfig) -> list[str]:
     if len(after) != len(put) or '' in put:
         p.append(f"--user-insert-after = {after}, --user-insert = {put}: give one non-empty text for each pattern, in "
                  "the same order, or neither")
-    p += target_engine_problems(cfg)
-    if cfg.cache is not None and cfg.engine != 'transformers':
-        p.append(f"--cache with --engine {cfg.engine}: the cache is read off transformers' forwards; use --engine "
-                 "transformers, or write the cache afterwards with `python -m dflash.data cache`")
-    if cfg.cache is not None and Path(cfg.cache).exists() and not Path(cfg.cache).is_dir():
-        p.append(f"--cache = {cfg.cache!r}: is a file, expected a directory")
-    if cfg.cache is None and cfg.num_draft_layers != SynthConfig.num_draft_layers:
-        p.append(f"--num-draft-layers = {cfg.num_draft_layers}: read only with --cache (the layers it holds); leave it "
-                 "out, or give --cache")
+    p += target_engine_problems(cfg) + cache_problems(cfg)
     need = cfg.turns * (cfg.max_prompt_tokens + cfg.max_new_tokens)
     conf = {} if p else target_config_dict(target_dir(cfg))[0] or {}       # config.json, or a GGUF file's
     if (n := config_max_positions(conf)) and need > n:
@@ -256,23 +216,6 @@ def _synth_header(cfg: SynthConfig) -> dict:
     return {'format': _SYNTH_FORMAT, 'target': target_identity(target_dir(cfg)),
             'options': {**{k: getattr(cfg, k) for k in keep}, **steer, 'dtype': DTYPES.get(cfg.dtype)}}   # bf16 as bfloat16
 
-def _growing_cache(cfg: SynthConfig, target, config, batches: int, device):
-    """The cache `--cache` grows with the data (`CacheAppender`): it holds the batches the data holds, or one more,
-    written before a stop that came before the data's, which it forgets. Anything else is another data's cache."""
-    from dflash.model.config import default_target_layer_ids
-    from dflash.data.cache import CacheAppender
-    from dflash.model.target import target_identity
-    ids = default_target_layer_ids(config.num_hidden_layers, cfg.num_draft_layers)
-    grow = CacheAppender(cfg.cache, target_path=target, identity=target_identity(target), config=config,
-                         layer_ids=ids, dtype=engine_dtype(cfg, device), shard_size=cfg.batch_size,
-                         data_info={'path': str(cfg.out)})
-    if not batches <= grow.batches <= batches + 1:
-        raise InputError(f"--cache {cfg.cache}: holds {grow.batches} batches and {cfg.out} {batches}; a cache grows "
-                         "with its data from the first batch: use another --cache (`python -m dflash.data cache` "
-                         "writes one of the records so far)")
-    if grow.batches > batches: grow.keep(batches)
-    return grow
-
 def _first_user(rec: dict) -> str: return next(m['content'] for m in rec['messages'] if m['role'] == 'user')
 
 _SUMMED = ('records', 'prompts', *_FILTERS, 'truncated', 'looping_replies', 'prompt_tokens', 'tokens')
@@ -280,7 +223,7 @@ _SUMMED = ('records', 'prompts', *_FILTERS, 'truncated', 'looping_replies', 'pro
 # %% ../../nbs/24_data_synthesize.ipynb #158f6db9
 def _open_synthesis(cfg: SynthConfig, device) -> tuple:
     """The target's tokenizer and template options, the batches `cfg.out` holds, and the cache `--cache` grows (or
-    None), checked before the target loads; then the output cut back to those batches."""
+    None: `growing_cache`), checked before the target loads; then the output cut back to those batches."""
     from dflash.data.templates import load_tokenizer, require_template
     from dflash.model.target import check_target_dir
     target = target_dir(cfg)
@@ -292,7 +235,7 @@ def _open_synthesis(cfg: SynthConfig, device) -> tuple:
     _open_user_turn(tok, [{'role': 'system', 'content': cfg.system}] if cfg.system else [], tkw)
     header = _synth_header(cfg)
     done = read_index(cfg.out, header)
-    grow = _growing_cache(cfg, target, config, len(done), device) if cfg.cache else None
+    grow = growing_cache(cfg, target, config, len(done), device, tok) if cfg.cache else None
     repair_output(cfg.out, header, done)
     return tok, tkw, done, grow
 
@@ -352,11 +295,11 @@ def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
     while written < cfg.num and not stop:
         _check_progress(cfg, entries, written)
         k = len(entries)
-        reply = _Reading(engine, grow.manifest['layer_ids']) if grow else engine
+        reply = ReadingEngine(engine, grow.manifest['layer_ids']) if grow else engine
         recs, info = _synthesize_batch(prompter, reply, tok, needed=cfg.num - written, seen=seen, template_kw=tkw,
                                        batch=k, **_batch_settings(cfg))
         if grow:                                                   # the cache first: a stop between keeps the data's
-            samples, missed = _cache_samples(reply, tok, recs, tkw)
+            samples, missed = cache_samples(reply, tok, recs, tkw)
             grow.append(samples)
             left_out += missed
         entry = {'batch': k, 'records': len(recs), **info}

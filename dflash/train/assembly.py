@@ -35,7 +35,7 @@ from .rundirs import cache_flags, launch_problems
 from ..core.names import TEACHER_LOSSES
 
 # %% auto #0
-__all__ = ['Drafting', 'build_drafter']
+__all__ = ['mix_counts', 'Drafting', 'build_drafter']
 
 # %% ../../nbs/44_train_assembly.ipynb #abf38fb4
 def run_accelerator(cfg: TrainConfig, accelerator: Accelerator | None = None) -> Accelerator:
@@ -104,13 +104,17 @@ def _init_config(cfg: TrainConfig) -> DrafterConfig | None:
     "The config of the drafter of --init-from (None: no --init-from)."
     return None if cfg.init_from is None else DrafterConfig.load(Path(cfg.init_from) / 'config.json')
 
-def _vocabulary(cfg: TrainConfig, tok, V: int, trains: list, ev, mask_token_id: int | None,
+# %% ../../nbs/44_train_assembly.ipynb #34493343
+def _vocabulary(cfg: TrainConfig, tok, V: int, trains: list, ev, mask_token_id: int | None, shares: list | None = None,
                 **origin) -> tuple[int, Tensor | None]:
     """The run's mask token id (`data_mask_token`) and, with --draft-vocab-size K, the K target tokens most often
     supervised in the training sets `trains` (`draft_vocab`), said in one line with the share of supervised tokens
-    they cover. With --init-from, the drafter's mask token (unless --mask-token-id names one) and its draft vocabulary,
-    grown to K by the tokens most often supervised outside it."""
+    they cover, each set's counts times its share of an epoch over its size (`shares`, default 1). With --init-from,
+    the drafter's mask token (unless --mask-token-id names one) and its draft vocabulary, grown to K by the tokens most
+    often supervised outside it."""
     seen, supervised = token_counts(trains, V)
+    if shares is not None:                                    # as the mix trains on them
+        supervised = sum(r * token_counts([t], V)[1].double() for t, r in zip(trains, shares))
     if ev is not None: seen = seen + token_counts([ev], V)[0]
     start = _init_config(cfg)
     if start is not None and cfg.mask_token_id is None:
@@ -185,6 +189,33 @@ def _cut_cache(cache: CacheDataset, max_length: int):
               f"--max-length {max_length}{skipped}")
     return _Cut(cache, max_length, keep)
 
+# %% ../../nbs/44_train_assembly.ipynb #f0c861b5
+def mix_counts(sizes: list[int], weights: list[float]) -> list[int]:
+    "Samples of each part per epoch: the parts' samples together (`sizes`' sum), shared by `weights`, at least one each."
+    total, w = sum(sizes), sum(weights)
+    return [max(1, round(total * x / w)) for x in weights]
+
+class _Mixed:
+    """The parts of `joined` (part k: samples `starts[k]` up to `starts[k+1]`) as `counts[k]` samples each: a part's
+    samples in an order seeded by `seed` and k, repeated as often as its count needs or cut to it."""
+    def __init__(self, joined, starts: list[int], counts: list[int], seed: int):
+        self.joined, self.index = joined, []
+        for k, c in enumerate(counts):
+            n = starts[k + 1] - starts[k]
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + k)).tolist()
+            self.index += [starts[k] + order[i % n] for i in range(c)]
+    def __len__(self): return len(self.index)
+    def __getitem__(self, i: int) -> dict: return self.joined[self.index[i]]
+
+def _say_mix(caches: list, counts: list[int]):
+    "One line per cache of a mix: its weight's samples per epoch, their share, and about what share of the supervised tokens."
+    per = [sum(int(m.sum()) for _, m in c.tokens()) / len(c) for c in caches]    # supervised tokens per sample
+    sup = [p * n for p, n in zip(per, counts)]
+    for c, n, s in zip(caches, counts, sup):
+        print(f"mix: {c.path}: {n:,} samples an epoch of its {len(c):,}, {n / sum(counts):.1%} of the samples, "
+              f"about {s / sum(sup):.1%} of the supervised tokens")
+
+
 # %% ../../nbs/44_train_assembly.ipynb #00cbab50
 def _mask_said(cfg: TrainConfig, caches: list[CacheDataset]) -> tuple[int | None, dict]:
     "The mask token of an offline run: --mask-token-id, else the one its caches were written with (they must agree)."
@@ -197,6 +228,7 @@ def _mask_said(cfg: TrainConfig, caches: list[CacheDataset]) -> tuple[int | None
     which = f"the cache {caches[0].path}" if len(caches) == 1 else f"the caches {', '.join(written)}"
     return said, {'origin': f"the one {which} {'was' if len(caches) == 1 else 'were'} written with"}
 
+# %% ../../nbs/44_train_assembly.ipynb #a966b589
 def _cache_parts(cfg: TrainConfig, target: Path, tok, tc, V: int, eval_data, device, dkw: dict) -> _RunParts:
     "The parts of an offline run: its caches' features, the target's head weights, the held-out set's target."
     embed, lm_head = frozen_head_weights(target)
@@ -204,7 +236,10 @@ def _cache_parts(cfg: TrainConfig, target: Path, tok, tc, V: int, eval_data, dev
               for p in cache_flags(cfg).values()]                              # (one as a string, too)
     ev = _eval_set(eval_data, tok, cfg.max_length)
     said, origin = _mask_said(cfg, caches)
-    dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, caches, ev, said, **origin)
+    cut = [_cut_cache(c, cfg.max_length) for c in caches]
+    counts = mix_counts(list(map(len, cut)), cfg.cache_weights) if cfg.cache_weights else None
+    shares = [n / len(c) for n, c in zip(counts, cut)] if counts else None
+    dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, caches, ev, said, shares, **origin)
     teacher = all(c.manifest.get('final_hidden') for c in caches)
     if cfg.loss in TEACHER_LOSSES and not teacher:
         bare = next(c.path for c in caches if not c.manifest.get('final_hidden'))
@@ -215,8 +250,9 @@ def _cache_parts(cfg: TrainConfig, target: Path, tok, tc, V: int, eval_data, dev
     if ev is not None:                              # held-out hidden states: the target runs for evaluations only
         features = TargetFeatures(target, layer_ids=ids, num_draft_layers=cfg.num_layers, device=device,
                                   tokenizer=tok)
-    cut = [_cut_cache(c, cfg.max_length) for c in caches]
     train = cut[0] if len(cut) == 1 else _Joined(cut, [c.starts[-1] for c in caches], teacher)
+    if counts: train = _Mixed(train, train.starts, counts, cfg.seed)
+    if counts and main_process(): _say_mix(caches, counts)
     return _RunParts(tok, features, TokenEmbedding(embed.to(device), embed_scale(tc)), lm_head.to(device), train, ev,
                     DrafterConfig.from_target(tc, target_layer_ids=ids, **dkw), draft_ids)
 

@@ -108,6 +108,8 @@ def check_train(c: TrainConfig) -> list[str]:
                      "--schedule wsd (warmup and decay share the steps)")
     if Path(c.out).exists() and not Path(c.out).is_dir():
         probs.append(f"--out = {c.out!r}: exists and is not a directory")
+    if c.cache_weights and len(c.cache_weights) != len(cache_flags(c)):
+        probs.append(f"--cache-weights = {c.cache_weights}: one weight per --cache ({len(cache_flags(c))} given)")
     reads = {'--target': c.target or toy_target_dir(), '--data': c.data, '--eval-data': c.eval_data,
              **cache_flags(c), '--init-from': c.init_from}
     probs += out_problems(c.out, '--out', 'run', reads)     # a model, the data, a cache: never a run's directory
@@ -239,7 +241,7 @@ def claim_run(c: TrainConfig) -> Path:
     return lock
 
 # %% ../../nbs/40_train_rundirs.ipynb #e14d0c26
-_FIXED_ON_RESUME = ('target', 'data', 'eval_data', 'cache', 'num_layers', 'target_layer_ids', 'block_size',
+_FIXED_ON_RESUME = ('target', 'data', 'eval_data', 'cache', 'cache_weights', 'num_layers', 'target_layer_ids', 'block_size',
                    'num_anchors', 'gamma', 'max_length', 'batch_size', 'seed', 'mask_token_id',
                    'draft_vocab_size')
 _PATHS = ('target', 'data', 'eval_data', 'cache')
