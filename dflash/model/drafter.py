@@ -274,21 +274,6 @@ def draft_logits(self: DFlashDrafter, hidden: Tensor, lm_head: Tensor) -> Tensor
     out = small.new_full((*small.shape[:-1], self.config.vocab_size), float('-inf'))
     return out.index_copy_(-1, torch.arange(small.shape[-1], device=small.device) + self.d2t, small)
 
-# %% ../../nbs/16_model_drafter.ipynb #0399dba6
-@patch
-def init_from_target(self: DFlashDrafter, target_layers) -> list[str]:
-    """Start decoder layer i from the i-th of the last `num_hidden_layers` of `target_layers` (a transformers model's
-    decoder layers): every parameter of the same name and shape is copied. Returns the names copied."""
-    source, copied = list(target_layers)[-len(self.layers):], []
-    with torch.no_grad():
-        for i, (mine, theirs) in enumerate(zip(self.layers, source)):
-            state = theirs.state_dict()
-            for name, p in mine.named_parameters():
-                if name in state and state[name].shape == p.shape:
-                    p.copy_(state[name])
-                    copied.append(f'layers.{i}.{name}')
-    return copied
-
 # %% ../../nbs/16_model_drafter.ipynb #488d8161
 @patch
 def save_pretrained(self: DFlashDrafter, path):
@@ -300,27 +285,8 @@ def save_pretrained(self: DFlashDrafter, path):
     conf = {**self.config.to_dict(), 'dtype': str(next(self.parameters()).dtype).removeprefix('torch.')}
     write_atomic(path / 'config.json', json.dumps(conf, indent=2) + '\n')
 
-# %% ../../nbs/16_model_drafter.ipynb #47877ae2
-@patch
-def into_vocab(self: DFlashDrafter, state: dict, source) -> dict:
-    """The saved drafter weights `state` for this drafter, whose draft vocabulary holds the saved one's tokens and may
-    hold more: each saved row of the head goes where this vocabulary puts its token, a token new here keeps this
-    drafter's row (`set_draft_vocab`: the target's), and d2t and t2d are this drafter's. A state of the same vocabulary,
-    or of none, is returned as it is; one whose tokens this vocabulary lacks is named (`source`)."""
-    if 'd2t' not in state or self.config.draft_vocab_size is None or len(state['d2t']) == len(self.d2t): return state
-    theirs = state['d2t'] + torch.arange(len(state['d2t']))                  # (K0,) the saved tokens, ascending
-    mine = self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)     # (K,) this drafter's
-    at = torch.searchsorted(mine, theirs.to(mine.device)).clamp(max=len(mine) - 1)   # (K0,) where each goes
-    if len(theirs) > len(mine) or not torch.equal(mine[at].cpu(), theirs):
-        raise InputError(f"{source}: its draft vocabulary of {len(theirs)} tokens is not part of this drafter's "
-                         f"({len(mine)} tokens)")
-    head = self.lm_head.weight.detach().clone()                                # (K, H)
-    head[at] = state['lm_head.weight'].to(head)
-    return {**state, 'lm_head.weight': head, 'd2t': self.d2t.clone(), 't2d': self.t2d.clone()}
-
-
-# %% ../../nbs/16_model_drafter.ipynb #99df99ef
-def _check_state(expected: dict, found: dict, source: str):
+# %% ../../nbs/16_model_drafter.ipynb #954fb109
+def check_state(expected: dict, found: dict, source: str):
     "Raise naming the first missing, unexpected or mis-shaped tensor."
     for name in expected:
         if name not in found:
@@ -341,7 +307,7 @@ def _read_safetensors(f: Path) -> dict:
     try: return load_file(f)
     except SafetensorError as e: raise InputError(f"{f}: unreadable, truncated or not safetensors ({e})") from None
 
-def _load_weights(path: Path) -> dict:
+def load_state(path: Path) -> dict:
     "The tensors of `model.safetensors`, or of the shards a `model.safetensors.index.json` lists."
     if (path / 'model.safetensors').is_file(): return _read_safetensors(path / 'model.safetensors')
     index = path / 'model.safetensors.index.json'
@@ -356,15 +322,15 @@ def _load_weights(path: Path) -> dict:
         state.update({k: v for k, v in part.items() if wmap.get(k) == shard})
     return state
 
+# %% ../../nbs/16_model_drafter.ipynb #99df99ef
 @patch
 def load_weights(self: DFlashDrafter, path) -> torch.dtype:
     """Load the weights of the drafter directory `path` (one file or sharded) into this drafter, whose config must
     imply the same tensors; they are converted to this drafter's dtypes. Returns the dtype they were stored in."""
     path = Path(path)
-    state = _load_weights(path)
+    state = load_state(path)
     stored = next(t.dtype for t in state.values() if t.is_floating_point())    # not d2t's
-    state = self.into_vocab(state, path)
-    _check_state(self.state_dict(), state, str(path / 'model.safetensors'))
+    check_state(self.state_dict(), state, str(path / 'model.safetensors'))
     self.load_state_dict(state)
     return stored
 
@@ -380,26 +346,3 @@ def from_pretrained(cls: DFlashDrafter, path, attention: str = 'eager', dtype: t
     model = cls(DrafterConfig.load(path / 'config.json', mask_token_id), attention, **attention_options)
     stored = model.load_weights(path)                # into float32: a bfloat16 or float16 weight converts exactly
     return model.to(dtype or stored)
-
-# %% ../../nbs/16_model_drafter.ipynb #229f5ad1
-@patch
-def grow_from(self: DFlashDrafter, path) -> torch.dtype:
-    """Load the drafter directory `path`, of fewer decoder layers than this drafter and otherwise the same tensors, into
-    this drafter's first layers; each layer above starts as the identity (its attention's and MLP's output projections
-    zero). Returns the dtype they were stored in."""
-    path = Path(path)
-    state = _load_weights(path)
-    stored = next(t.dtype for t in state.values() if t.is_floating_point())
-    state = self.into_vocab(state, path)
-    n = len({k.split('.')[1] for k in state if k.startswith('layers.')})
-    if not 0 < n < len(self.layers):
-        raise InputError(f"{path}: {n} decoder layers; growing needs at least 1 and fewer than this drafter's "
-                         f"{len(self.layers)}")
-    kept = {k: v for k, v in self.state_dict().items() if not k.startswith('layers.') or int(k.split('.')[1]) < n}
-    _check_state(kept, state, str(path / 'model.safetensors'))
-    self.load_state_dict(state, strict=False)
-    with torch.no_grad():
-        for layer in self.layers[n:]:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-    return stored

@@ -4,20 +4,19 @@
 
 # %% ../../nbs/44_train_assembly.ipynb #d1ecb467
 from __future__ import annotations
-import bisect, itertools, os
+import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 import torch
 from torch import Tensor
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-from safetensors import safe_open
 from accelerate import Accelerator
 from accelerate.utils import parse_flag_from_env
 from transformers import AutoConfig, AutoTokenizer
 from ..core.errors import InputError, NoFit, main_process
 from ..model.config import DrafterConfig
-from ..model.layout import valid_anchors
 from ..model.drafter import DFlashDrafter, TokenEmbedding
+from ..model.start import init_from_target, start_from
 from ..core.policy import Policy
 from ..model.recompute import set_checkpointing
 from ..model.planner import budgets, recommend_policy, step_memory, online_target_bytes, online_advice
@@ -32,10 +31,11 @@ from ..core.files import toy_target_dir, toy_data_dir, resolve_local
 from ..model.target import check_target_dir, embed_scale, frozen_head_weights, load_target, pretrained, target_identity
 from ..core.schema import TrainConfig
 from .rundirs import cache_flags, launch_problems
+from .sources import Joined, Mixed, cut_cache, mix_counts, say_mix
 from ..core.names import TEACHER_LOSSES
 
 # %% auto #0
-__all__ = ['mix_counts', 'Drafting', 'build_drafter']
+__all__ = ['Drafting', 'build_drafter']
 
 # %% ../../nbs/44_train_assembly.ipynb #abf38fb4
 def run_accelerator(cfg: TrainConfig, accelerator: Accelerator | None = None) -> Accelerator:
@@ -134,88 +134,6 @@ def _vocabulary(cfg: TrainConfig, tok, V: int, trains: list, ev, mask_token_id: 
         print(f"draft vocabulary: {which}, {share:.1%} of the supervised tokens")
     return mask, ids
 
-# %% ../../nbs/44_train_assembly.ipynb #2194ad13
-class _Cut:
-    "The samples `keep` (default: all) of `dataset` cut to their first `max_length` tokens."
-    def __init__(self, dataset, max_length: int, keep: list[int] | None = None):
-        self.dataset, self.max_length = dataset, max_length
-        self.keep = list(range(len(dataset))) if keep is None else keep
-    def __len__(self): return len(self.keep)
-    def __getitem__(self, i: int) -> dict:
-        return {k: v[:self.max_length] if k in ('input_ids', 'loss_mask', 'context', 'final_hidden') else v
-                for k, v in self.dataset[self.keep[i]].items()}
-
-class _Joined:
-    """Datasets one after another, as one. A sample of part k keeps its own `sample_id` plus `offsets[k]` (the samples
-    before it, uncut), so it draws its anchors as it would in one cache of them all; the teacher's final hidden state
-    is kept only when every part holds it (`teacher`), features in the first part's dtype."""
-    def __init__(self, parts: list, sizes: list[int], teacher: bool):
-        self.parts, self.teacher = parts, teacher
-        self.offsets = list(itertools.accumulate(sizes, initial=0))
-        self.starts = list(itertools.accumulate(map(len, parts), initial=0))    # first sample of each part
-        self.dtype = parts[0][0]['context'].dtype
-    def __len__(self): return self.starts[-1]
-    def __getitem__(self, i: int) -> dict:
-        if not 0 <= i < len(self): raise IndexError(i)
-        k = bisect.bisect_right(self.starts, i) - 1
-        s = self.parts[k][i - self.starts[k]]
-        out = {n: v.to(self.dtype) if n in ('context', 'final_hidden') else v for n, v in s.items()
-               if self.teacher or n != 'final_hidden'}
-        return {**out, 'sample_id': s['sample_id'] + self.offsets[k]}
-
-def _anchored(cache: CacheDataset, max_length: int) -> list[int]:
-    "The samples of `cache` with a valid anchor in their first `max_length` tokens (the shards' loss masks only)."
-    keep = []
-    for k, s in enumerate(cache.manifest['shards']):
-        with safe_open(cache.path / s['file'], framework='pt') as f:
-            off, mask = f.get_tensor('offsets').tolist(), f.get_tensor('loss_mask')
-        keep += [cache.starts[k] + j for j in range(len(off) - 1)
-                 if len(valid_anchors(mask[off[j]:off[j + 1]][:max_length]))]
-    return keep
-
-def _cut_cache(cache: CacheDataset, max_length: int):
-    """`cache`, its samples cut to `max_length` tokens when it was written with a larger (or unrecorded) max length;
-    those left without two consecutive supervised tokens are skipped (none left: an `InputError`)."""
-    written = cache.manifest.get('data', {}).get('max_length')
-    if written is not None and written <= max_length: return cache
-    keep, n = _anchored(cache, max_length), len(cache)
-    if not keep:
-        raise InputError(f"--max-length {max_length}: no sample of the cache {cache.path} (written with max_length "
-                         f"{written or '(not recorded)'}) has two consecutive supervised tokens in its first "
-                         f"{max_length}; raise --max-length")
-    if main_process():
-        skipped = f"; {n - len(keep)} of {n} skipped (no two consecutive supervised tokens left)" * (len(keep) < n)
-        print(f"cache {cache.path}: written with max_length {written or '(not recorded)'}; its samples are cut to "
-              f"--max-length {max_length}{skipped}")
-    return _Cut(cache, max_length, keep)
-
-# %% ../../nbs/44_train_assembly.ipynb #f0c861b5
-def mix_counts(sizes: list[int], weights: list[float]) -> list[int]:
-    "Samples of each part per epoch: the parts' samples together (`sizes`' sum), shared by `weights`, at least one each."
-    total, w = sum(sizes), sum(weights)
-    return [max(1, round(total * x / w)) for x in weights]
-
-class _Mixed:
-    """The parts of `joined` (part k: samples `starts[k]` up to `starts[k+1]`) as `counts[k]` samples each: a part's
-    samples in an order seeded by `seed` and k, repeated as often as its count needs or cut to it."""
-    def __init__(self, joined, starts: list[int], counts: list[int], seed: int):
-        self.joined, self.index = joined, []
-        for k, c in enumerate(counts):
-            n = starts[k + 1] - starts[k]
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + k)).tolist()
-            self.index += [starts[k] + order[i % n] for i in range(c)]
-    def __len__(self): return len(self.index)
-    def __getitem__(self, i: int) -> dict: return self.joined[self.index[i]]
-
-def _say_mix(caches: list, counts: list[int]):
-    "One line per cache of a mix: its weight's samples per epoch, their share, and about what share of the supervised tokens."
-    per = [sum(int(m.sum()) for _, m in c.tokens()) / len(c) for c in caches]    # supervised tokens per sample
-    sup = [p * n for p, n in zip(per, counts)]
-    for c, n, s in zip(caches, counts, sup):
-        print(f"mix: {c.path}: {n:,} samples an epoch of its {len(c):,}, {n / sum(counts):.1%} of the samples, "
-              f"about {s / sum(sup):.1%} of the supervised tokens")
-
-
 # %% ../../nbs/44_train_assembly.ipynb #00cbab50
 def _mask_said(cfg: TrainConfig, caches: list[CacheDataset]) -> tuple[int | None, dict]:
     "The mask token of an offline run: --mask-token-id, else the one its caches were written with (they must agree)."
@@ -236,7 +154,7 @@ def _cache_parts(cfg: TrainConfig, target: Path, tok, tc, V: int, eval_data, dev
               for p in cache_flags(cfg).values()]                              # (one as a string, too)
     ev = _eval_set(eval_data, tok, cfg.max_length)
     said, origin = _mask_said(cfg, caches)
-    cut = [_cut_cache(c, cfg.max_length) for c in caches]
+    cut = [cut_cache(c, cfg.max_length) for c in caches]
     counts = mix_counts(list(map(len, cut)), cfg.cache_weights) if cfg.cache_weights else None
     shares = [n / len(c) for n, c in zip(counts, cut)] if counts else None
     dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, caches, ev, said, shares, **origin)
@@ -250,9 +168,9 @@ def _cache_parts(cfg: TrainConfig, target: Path, tok, tc, V: int, eval_data, dev
     if ev is not None:                              # held-out hidden states: the target runs for evaluations only
         features = TargetFeatures(target, layer_ids=ids, num_draft_layers=cfg.num_layers, device=device,
                                   tokenizer=tok)
-    train = cut[0] if len(cut) == 1 else _Joined(cut, [c.starts[-1] for c in caches], teacher)
-    if counts: train = _Mixed(train, train.starts, counts, cfg.seed)
-    if counts and main_process(): _say_mix(caches, counts)
+    train = cut[0] if len(cut) == 1 else Joined(cut, [c.starts[-1] for c in caches], teacher)
+    if counts: train = Mixed(train, train.starts, counts, cfg.seed)
+    if counts and main_process(): say_mix(caches, counts)
     return _RunParts(tok, features, TokenEmbedding(embed.to(device), embed_scale(tc)), lm_head.to(device), train, ev,
                     DrafterConfig.from_target(tc, target_layer_ids=ids, **dkw), draft_ids)
 
@@ -270,7 +188,7 @@ def _online_parts(cfg: TrainConfig, target: Path, tok, data, eval_data, V: int, 
 
 def _config_diff(theirs: DrafterConfig, mine: DrafterConfig) -> list[str]:
     """The fields in which drafter config `theirs` differs from `mine`, each with both values. Fewer layers of the same
-    types, or a smaller draft vocabulary, are none: `mine` grows from `theirs` (`grow_from`, `into_vocab`)."""
+    types, or a smaller draft vocabulary, are none: `mine` grows from `theirs` (`start_from`)."""
     n = theirs.num_hidden_layers
     if n < mine.num_hidden_layers and theirs.layer_types == mine.layer_types[:n]:
         theirs = replace(theirs, num_hidden_layers=mine.num_hidden_layers, layer_types=mine.layer_types)
@@ -400,12 +318,11 @@ def build_drafter(cfg: TrainConfig, parts: _RunParts, acc: Accelerator, teacher:
         drafter.set_draft_vocab(parts.draft_ids, parts.lm_head)
         head = parts.lm_head[parts.draft_ids.to(parts.lm_head.device)]
     if cfg.init_from_target:
-        copied = drafter.init_from_target(_target_layers(cfg, parts))
+        copied = init_from_target(drafter, _target_layers(cfg, parts))
         if acc.is_main_process: print(f"drafter layers start from the target's top layers: {len(copied)} weights")
     if cfg.init_from is not None:
-        had = _init_config(cfg).num_hidden_layers
-        added = len(drafter.layers) - had                 # never fewer: refused with the options
-        stored = drafter.grow_from(cfg.init_from) if added else drafter.load_weights(cfg.init_from)
+        stored, added = start_from(drafter, cfg.init_from)      # layers added: never fewer, refused with the options
+        had = len(drafter.layers) - added
         new = f"; its {had} layers first, {added} new on top starting as the identity" if added else ''
         if acc.is_main_process: print(f"the drafter starts from --init-from {cfg.init_from} (stored in {stored}){new}")
     set_checkpointing(drafter, policy, budget_bytes=attention_budget)

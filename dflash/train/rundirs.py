@@ -155,8 +155,8 @@ _AS_INIT_FROM = (('--num-layers', 'num_layers', 'num_hidden_layers'), ('--block-
 def _init_from_problems(c: TrainConfig, conf: dict | None) -> list[str]:
     """What keeps the drafter of --init-from from starting this run: no drafter there, or not the run's shape (its
     layers, block size and draft vocabulary as the options say, its sizes the target's, `conf`). Fewer layers than
-    --num-layers are the run's first: the drafter grows (`grow_from`); so does a smaller draft vocabulary than
-    --draft-vocab-size (`into_vocab`)."""
+    --num-layers are the run's first, and a smaller draft vocabulary than --draft-vocab-size is part of the run's: the
+    drafter grows (`start_from`)."""
     if c.init_from is None: return []
     if c.init_from_target: return ["--init-from and --init-from-target: choose one (a trained drafter's weights, or "
                                    "the target's top layers)"]
