@@ -183,6 +183,7 @@ def test_bad_target_directory(tmp_path, capsys, files, kind, expect):
     (['--eval-data', '{empty}'], "--eval-data = '{empty}': empty file (no conversation)"),
     (['--cache', '{dir}'], "manifest.json"),
     (['--cache', '{cache}', '--loss', 'kl'], "--loss = 'kl': the cache {cache} holds no final hidden state"),
+    (['--cache', '{cache}', '--loss', 'tv'], "--loss = 'tv': the cache {cache} holds no final hidden state"),
     (['--cache', '{cache}', '{cache}/'], "--cache = ['{cache}', '{cache}/']: each cache once"),
     (['--cache', '{cache}', '{dir}/no-such-cache'], "--cache = '{dir}/no-such-cache': no such directory"),
     (['--cache', '{layers0}', '{layers1}'], "--cache: the caches hold different target layers ({layers0}: [0]; "
@@ -191,8 +192,8 @@ def test_bad_target_directory(tmp_path, capsys, files, kind, expect):
     (['--init-from', '{dir}'], "--init-from = '{dir}': no model.safetensors (a drafter directory, as a run exports"),
     (['--init-from', '{dir}', '--init-from-target'], "--init-from and --init-from-target: choose one"),
 ], ids=['target-without-data', 'layer-id-out-of-range', 'layer-id-twice', 'empty-data', 'empty-eval-data', 'cache-without-manifest',
-        'kl-from-a-cache-without-teacher', 'cache-given-twice', 'second-cache-missing', 'caches-of-other-layers',
-        'missing-target', 'init-from-no-drafter', 'init-from-and-from-target'])
+        'kl-from-a-cache-without-teacher', 'tv-from-a-cache-without-teacher', 'cache-given-twice', 'second-cache-missing',
+        'caches-of-other-layers', 'missing-target', 'init-from-no-drafter', 'init-from-and-from-target'])
 def test_bad_paths(tmp_path, capsys, files, argv, expect):
     (tmp_path / 'cache').mkdir()
     (tmp_path / 'cache' / 'manifest.json').write_text('{"format": "dflash-hidden-cache/1", "complete": true}')

@@ -22,11 +22,11 @@ TRAIN, EVAL = str(toy_data_dir() / 'train.jsonl'), str(toy_data_dir() / 'eval.js
 
 # --- 4. options are consistent ---------------------------------------------------------------------------------------
 UNREAD = [
-    (['--loss', 'ce', '--kl-weight', '0.5'], "--kl-weight = 0.5: read only with --loss kl, and --loss is ce"),
-    (['--loss', 'ce', '--kl-temperature', '2'], "--kl-temperature = 2.0: read only with --loss kl, and --loss is ce"),
+    (['--loss', 'ce', '--kl-weight', '0.5'], "--kl-weight = 0.5: read only with --loss kl or tv, and --loss is ce"),
+    (['--loss', 'ce', '--kl-temperature', '2'], "--kl-temperature = 2.0: read only with --loss kl or tv, and --loss is ce"),
     (['--loss', 'ce', '--dpace-alpha', '0.3'],
      "--dpace-alpha = 0.3: read only with --loss dpace or dpace-confidence or dpace-continuation, and --loss is ce"),
-    (['--loss', 'dpace', '--gamma', '5'], "--gamma = 5.0: read only with --loss ce or kl, and --loss is dpace"),
+    (['--loss', 'dpace', '--gamma', '5'], "--gamma = 5.0: read only with --loss ce or kl or tv, and --loss is dpace"),
     (['--schedule', 'cosine', '--decay-ratio', '0.1'],
      "--decay-ratio = 0.1: read only with --schedule wsd, and --schedule is cosine"),
 ]

@@ -326,7 +326,8 @@ def test_sigint_without_save_on_signal_stops_and_releases(tmp_path):
 
 
 def test_distillation_reads_the_same_teacher_online_and_from_the_cache(tmp_path):
-    "`--loss kl` online, and from a cache written with --final-hidden: the same losses, held-out ones too; over a draft vocabulary; D-PACE trains too."
+    """`--loss kl` online, and from a cache written with --final-hidden: the same losses, held-out ones too; over a draft
+    vocabulary; `--loss tv` trains from the same cache; D-PACE trains too."""
     from dflash.core.files import toy_data_dir, toy_target_dir
     data = tmp_path / 'train.jsonl'
     data.write_text(''.join((toy_data_dir() / 'train.jsonl').read_text().splitlines(True)[:12]))
@@ -352,6 +353,11 @@ def test_distillation_reads_the_same_teacher_online_and_from_the_cache(tmp_path)
     assert pruned.returncode == 0, pruned.stdout[-2000:] + pruned.stderr[-2000:]
     assert json.loads((tmp_path / 'pruned' / 'drafter' / 'config.json').read_text())['draft_vocab_size'] == 64
     assert len(losses(tmp_path / 'pruned')) == 3 and all(0 < v < float('inf') for v in losses(tmp_path / 'pruned').values())
+    tv = launch(tmp_path / 'tv', *override(kl, '--loss', 'tv', '--kl-weight', '0.9'), '--cache', str(cache))  # 0.9·TV + 0.1·CE
+    assert tv.returncode == 0, tv.stdout[-2000:] + tv.stderr[-2000:]
+    assert len(losses(tmp_path / 'tv')) == 3 and all(0 < v < float('inf') for v in losses(tmp_path / 'tv').values())
+    record = json.loads((tmp_path / 'tv' / 'run.json').read_text())['config']
+    assert (record['loss'], record['kl_weight'], record['kl_temperature']) == ('tv', 0.9, 2.0)
     dpace = launch(tmp_path / 'dpace', *SMALL, '--max-steps', '3', '--save-every', '0', '--report-to', 'none',
                    '--loss', 'dpace', '--dpace-alpha', '0.3')
     assert dpace.returncode == 0, dpace.stdout[-2000:] + dpace.stderr[-2000:]

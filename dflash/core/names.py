@@ -11,7 +11,7 @@ CHUNK_COST = 2**19         # query·key pairs the fixed costs of one attention c
 GPU_MEMORY = '80GiB'       # the memory a plan assumes when given none: an 80 GB card, which reports about 80 GiB
 
 # %% ../../nbs/05a_core_names.ipynb #9c70655d
-LOSSES = ('ce', 'dpace', 'dpace-confidence', 'dpace-continuation', 'kl')   # `--loss`: the objectives of model.objective
-TEACHER_LOSSES = ('kl',)                                                  # those that read the target's distribution
+LOSSES = ('ce', 'dpace', 'dpace-confidence', 'dpace-continuation', 'kl', 'tv')  # `--loss`: model.objective's losses
+TEACHER_LOSSES = ('kl', 'tv')                                             # those that read the target's distribution
 ATTENTIONS = ('sdpa', 'flex', 'eager')                                    # `--attention`: the backends of model.attention
 POLICIES = ('none', '2', 'all')                                           # the checkpointing policies a plan compares

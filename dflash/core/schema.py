@@ -68,8 +68,8 @@ class _TrainDrafter(_TrainInputs):
                                                       "(default: DFlash's spread; with --cache, all the layers it holds, or some of them)", ge=0)
     block_size: int = option(BLOCK_SIZE, "tokens per drafted block", ge=2)
     draft_vocab_size: int | None = option(None, "draft over the K target tokens most often supervised in the training "
-                                                "data: the drafter's LM head and loss over those K (with --loss kl, the "
-                                                "target's distribution over them), mapped back by d2t/t2d in the "
+                                                "data: the drafter's LM head and loss over those K (with --loss kl or tv, "
+                                                "the target's distribution over them), mapped back by d2t/t2d in the "
                                                 "export (default: the whole vocabulary)", ge=1)
     init_from_target: bool = option(False, "start the drafter's layers from the target's top layers (weights of the "
                                            "same name and shape) instead of a random initialisation")
@@ -88,21 +88,24 @@ class _TrainDrafter(_TrainInputs):
 class _TrainObjective(_TrainDrafter):
     "What each step learns: the anchored blocks and the loss over them."
     num_anchors: int = option(512, "blocks per sequence (at most)", ge=1)
-    gamma: float | None = option(7.0, "loss decay over block positions, exp(-(k-1)/gamma), for --loss ce and kl; "
-                                      "none: no decay", gt=0,
-                                 read_with=('loss', ('ce', 'kl')))
+    gamma: float | None = option(7.0, "loss decay over block positions, exp(-(k-1)/gamma), for --loss ce, kl and "
+                                      "tv; none: no decay", gt=0,
+                                 read_with=('loss', ('ce', 'kl', 'tv')))
     loss: str = option('dpace', "training objective: ce (cross-entropy with the --gamma decay); dpace (D-PACE: each "
                              "position weighted by the expected accepted tokens that hang on it), dpace-confidence or "
                              "dpace-continuation (one factor of that weight); kl (distillation to the target's "
-                             "next-token distribution, mixed with ce by --kl-weight)", choices=list(LOSSES))
+                             "next-token distribution, mixed with ce by --kl-weight); tv (the total variation to that "
+                             "distribution: 1 - tv is a sampled draft's acceptance at temperature 1; mixed the same "
+                             "way)", choices=list(LOSSES))
     dpace_alpha: float = option(0.5, "D-PACE smoothing of the drafter's probability p of the right token: "
                                      "s = (1-alpha)·p + alpha", gt=0, le=1,
                                 read_with=('loss', LOSSES[1:4]))
-    kl_weight: float = option(1.0, "--loss kl: loss = w·KL + (1-w)·CE", ge=0, le=1,
-                              read_with=('loss', ('kl',)))
-    kl_temperature: float = option(1.0, "--loss kl: temperature T of the target's and the drafter's distributions "
-                                        "(the KL is scaled by T²)", gt=0,
-                                   read_with=('loss', ('kl',)))
+    kl_weight: float = option(1.0, "--loss kl or tv: the teacher term's weight, loss = w·D + (1-w)·CE with D the "
+                                   "KL or the total variation", ge=0, le=1,
+                              read_with=('loss', ('kl', 'tv')))
+    kl_temperature: float = option(1.0, "--loss kl or tv: temperature T of the target's and the drafter's "
+                                        "distributions (the KL is scaled by T²)", gt=0,
+                                   read_with=('loss', ('kl', 'tv')))
 
 # %% ../../nbs/06_core_schema.ipynb #0a158f07
 @dataclass
@@ -173,8 +176,8 @@ class PlanOptions:
     attention: str = option(TrainConfig.attention, 'attention backend', choices=['sdpa', 'eager'])
     micro_batch_size: int = option(TrainConfig.micro_batch_size, 'sequences per forward', ge=1)
     optimizer: str = option('fused', 'AdamW implementation', choices=['fused', 'foreach'])
-    loss: str = option(TrainConfig.loss, "training objective (kl: the target's final hidden states and the teacher's "
-                                         "logits are counted)", choices=list(LOSSES))
+    loss: str = option(TrainConfig.loss, "training objective (kl, tv: the target's final hidden states and the "
+                                         "teacher's logits are counted)", choices=list(LOSSES))
     policies: list[str] | None = option(None, "policies to try, fastest first: none, k (every k-th layer), all "
                                               f"(default: {' '.join(map(str, POLICIES))})")
     fits_table: str | None = option(None, "instead of one plan: write the 'What fits where' table (every shipped "
@@ -221,7 +224,7 @@ class CacheOptions(DataOptions):
                         choices=['auto', *dtype_choices('float32', 'bfloat16', 'float16')])
     device: str | None = option(None, "device (default: this process's accelerator, else cpu)")
     final_hidden: bool = option(False, "also store the target's final hidden state (after its final norm), the "
-                                       'teacher of `dflash.train --loss kl`: hidden_size values more per token')
+                                       'teacher of `dflash.train --loss kl or tv`: hidden_size values more per token')
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
     threads: int | None = threads_option()
 

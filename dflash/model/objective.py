@@ -5,6 +5,7 @@
 # %% ../../nbs/18_model_objective.ipynb #dd1c3759
 from __future__ import annotations
 from dataclasses import dataclass, fields, replace
+from functools import partial
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -100,24 +101,58 @@ def _chunk_kl(h: Tensor, lm_head: Tensor, labels: Tensor, grad: bool, teacher: T
         g.add_(sm, alpha=1 - lam)                                          # + (1-λ)·(softmax - onehot)
     return loss, pred, F.linear(g.to(compute_dtype(g, lm_head.dtype)), lm_head.T)   # (rows, H)
 
+# %% ../../nbs/18_model_objective.ipynb #f10fc0ab
+def _chunk_tv(h: Tensor, lm_head: Tensor, labels: Tensor, grad: bool, teacher: Tensor, *, kl_weight: float,
+              temperature: float) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Per-row λ·TV(p_T, q_T) + (1−λ)·CE with TV = ½·Σ_v |q_T − p_T|, argmax and (if `grad`) its d / d h of one
+    chunk. h, teacher: (rows, H) (the drafter's and the target's final hidden states), lm_head: (V, H), labels: (rows,)."""
+    T, lam = temperature, kl_weight
+    logits = _wide(F.linear(h, lm_head))                                   # (rows, V) student z
+    pred, picked = logits.argmax(-1), logits.gather(1, labels[:, None])[:, 0]
+    lse = torch.logsumexp(logits, -1, keepdim=True)                        # (rows, 1)
+    p = _wide(F.linear(teacher, lm_head)).div_(T)                          # (rows, V) teacher t / T
+    p.sub_(torch.logsumexp(p, -1, keepdim=True)).exp_()                    # p_T, in place
+    q = logits / T                                                         # (rows, V) z / T
+    q.sub_(torch.logsumexp(q, -1, keepdim=True)).exp_()                    # q_T, in place
+    s = p.neg_().add_(q)                                                   # q_T - p_T, in place of p_T
+    with torch.autocast(s.device.type, enabled=False):                   # in float32, no low-precision copies
+        tv = torch.linalg.vector_norm(s, 1, -1) / 2                        # ½ Σ_v |q_T - p_T|
+    loss = lam * tv + (1 - lam) * (lse[:, 0] - picked)
+    if not grad: return loss, pred, None
+    s.sign_().mul_(0.5)                                                    # s = d TV / d q_T
+    with torch.autocast(s.device.type, enabled=False):
+        qs = (q[:, None, :] @ s[:, :, None])[:, 0]                         # (rows, 1) Σ_i q_T,i s_i
+    g = s.sub_(qs).mul_(q).mul_(lam / T)                                   # λ·(1/T)·q_T·(s - Σ q_T s)
+    if lam < 1:
+        sm = logits.sub_(lse).exp_().scatter_add_(1, labels[:, None], logits.new_full((len(labels), 1), -1.))
+        g.add_(sm, alpha=1 - lam)                                          # + (1-λ)·(softmax - onehot)
+    return loss, pred, F.linear(g.to(compute_dtype(g, lm_head.dtype)), lm_head.T)   # (rows, H)
+
 # %% ../../nbs/18_model_objective.ipynb #204a1f97
-def _plain_chunk_loss(h: Tensor, lm_head: Tensor, labels: Tensor, teacher: Tensor | None = None, *,
+def _plain_chunk_loss(h: Tensor, lm_head: Tensor, labels: Tensor, teacher: Tensor | None = None, *, loss: str = 'kl',
                       kl_weight: float = 1., temperature: float = 1.) -> tuple[Tensor, Tensor]:
-    "Per-row loss and argmax of one chunk through plain autograd (its logits are kept for backward)."
+    """Per-row loss and argmax of one chunk through plain autograd (its logits are kept for backward); with a teacher,
+    `loss` 'kl' or 'tv' names the term mixed with the CE."""
     logits = _wide(F.linear(h, lm_head))                                   # (rows, V)
     ce = F.cross_entropy(logits, labels, reduction='none')
     if teacher is None: return ce, logits.argmax(-1)
     T = temperature
     logp = F.log_softmax(_wide(F.linear(teacher, lm_head)) / T, -1)        # (rows, V) log p_T
+    if loss == 'tv':
+        tv = (F.softmax(logits / T, -1) - logp.exp()).abs().sum(-1) / 2   # ½ Σ_v |q_T - p_T|
+        return kl_weight * tv + (1 - kl_weight) * ce, logits.argmax(-1)
     kl = F.kl_div(F.log_softmax(logits / T, -1), logp, reduction='none', log_target=True).sum(-1)
     return kl_weight * T * T * kl + (1 - kl_weight) * ce, logits.argmax(-1)
 
+_TEACHER_KERNELS = {'kl': _chunk_kl, 'tv': _chunk_tv}                   # the fused kernel of each teacher loss
+
 class _FusedLoss(torch.autograd.Function):
-    """Per-row loss (M, B) and argmax of every block position k >= 1 through the frozen head: CE, or with a teacher
-    the KL mix; the input gradient formed in forward."""
+    """Per-row loss (M, B) and argmax of every block position k >= 1 through the frozen head, by `kernel` chunk by
+    chunk (`_chunk_ce`, or a teacher loss's with its settings bound, given each chunk's `teacher` rows); the input
+    gradient formed in forward."""
     @staticmethod
-    def forward(ctx, h: Tensor, lm_head: Tensor, labels: Tensor, chunk_blocks: int, grad: bool,
-                teacher: Tensor | None, teacher_rows: Tensor | None, kl_weight: float, temperature: float):
+    def forward(ctx, h: Tensor, lm_head: Tensor, labels: Tensor, chunk_blocks: int, grad: bool, kernel,
+                teacher: Tensor | None, teacher_rows: Tensor | None):
         M, B, H = h.shape                                                  # h: (blocks, B, H)
         loss = torch.zeros(M, B, dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
         pred = torch.full((M, B), -1, dtype=torch.long, device=h.device)
@@ -125,9 +160,8 @@ class _FusedLoss(torch.autograd.Function):
         for i in range(0, M, chunk_blocks):                                # k = 0 is the given anchor token: skipped
             sl = slice(i, i + chunk_blocks)
             rows = (h[sl, 1:].reshape(-1, H), lm_head, labels[sl, 1:].reshape(-1), grad)
-            if teacher is None: c_loss, c_pred, c_dh = _chunk_ce(*rows)
-            else: c_loss, c_pred, c_dh = _chunk_kl(*rows, teacher[teacher_rows[sl].reshape(-1)],   # (rows, H)
-                                                   kl_weight=kl_weight, temperature=temperature)
+            taught = () if teacher is None else (teacher[teacher_rows[sl].reshape(-1)],)     # (rows, H)
+            c_loss, c_pred, c_dh = kernel(*rows, *taught)
             n = c_loss.shape[0] // (B - 1)
             loss[sl, 1:], pred[sl, 1:] = c_loss.view(n, B - 1), c_pred.view(n, B - 1)
             if grad:
@@ -141,7 +175,7 @@ class _FusedLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss: Tensor, _g_pred):
         dh, = ctx.saved_tensors
-        return (g_loss[..., None] * dh).to(ctx.h_dtype), *[None] * 8
+        return (g_loss[..., None] * dh).to(ctx.h_dtype), *[None] * 7
 
 # %% ../../nbs/18_model_objective.ipynb #3a2b4835
 def _dpace_weights(ce: Tensor, weights: Tensor, *, alpha: float, kind: str = 'dpace') -> Tensor:
@@ -162,8 +196,8 @@ class Objective:
     "Which loss `dflash_objective` computes, with its settings (the train options of the same names)."
     loss: str = 'ce'              # one of LOSSES
     dpace_alpha: float = 0.5      # D-PACE: s = (1-alpha)·p + alpha
-    kl_weight: float = 1.0        # kl: w·KL + (1-w)·CE
-    kl_temperature: float = 1.0   # kl: T of both distributions
+    kl_weight: float = 1.0        # kl, tv: w·D + (1-w)·CE, D the KL or the total variation
+    kl_temperature: float = 1.0   # kl, tv: T of both distributions
 
     def __post_init__(self):
         if self.loss not in LOSSES: raise ValueError(f"loss {self.loss!r}: use one of {', '.join(LOSSES)}")
@@ -210,8 +244,8 @@ def dflash_objective(hidden: Tensor, layout: BlockLayout, lm_head: Tensor, *, ob
                      teacher: Tensor | None = None, chunk_blocks: int | None = None, budget_bytes: int | None = None,
                      fused: bool = True) -> ObjectiveSums:
     """The DFlash loss sums and metrics. hidden: (N, A·B, H); lm_head: (V, H) frozen; teacher: (N, S, H), the target's
-    final hidden states, for `objective.loss` 'kl'. Chunks of `chunk_blocks` blocks, else the frugal size within
-    `budget_bytes`; `fused=False` is plain autograd through each chunk (logits kept)."""
+    final hidden states, for a loss that reads them ('kl', 'tv'). Chunks of `chunk_blocks` blocks, else the frugal
+    size within `budget_bytes`; `fused=False` is plain autograd through each chunk (logits kept)."""
     N, A, B = layout.batch_size, layout.num_blocks, layout.block_size
     V, H = lm_head.shape
     if objective.teacher != (teacher is not None):
@@ -225,13 +259,14 @@ def dflash_objective(hidden: Tensor, layout: BlockLayout, lm_head: Tensor, *, ob
     h, labels = hidden.reshape(N * A, B, H), layout.labels.reshape(N * A, B)
     tflat, trows = (None, None) if teacher is None else (teacher.reshape(N * layout.seq_len, H), _teacher_rows(layout))
     kl = dict(kl_weight=objective.kl_weight, temperature=objective.kl_temperature)
+    kernel = partial(_TEACHER_KERNELS[objective.loss], **kl) if objective.teacher else _chunk_ce
     grad = torch.is_grad_enabled() and hidden.requires_grad
-    if fused: loss, pred = _FusedLoss.apply(h, lm_head, labels, chunk_blocks, grad, tflat, trows, kl['kl_weight'],
-                                            kl['temperature'])
+    if fused: loss, pred = _FusedLoss.apply(h, lm_head, labels, chunk_blocks, grad, kernel, tflat, trows)
     else:
         rows = None if trows is None else torch.cat([trows[:, :1], trows], 1)     # (N·A, B); k = 0 has weight 0
         parts = [_plain_chunk_loss(h[i:i + chunk_blocks].flatten(0, 1), lm_head, labels[i:i + chunk_blocks].flatten(),
-                                   None if rows is None else tflat[rows[i:i + chunk_blocks].flatten()], **kl)
+                                   None if rows is None else tflat[rows[i:i + chunk_blocks].flatten()],
+                                   loss=objective.loss, **kl)
                  for i in range(0, N * A, chunk_blocks)]
         loss, pred = (torch.cat([p[j] for p in parts]) for j in (0, 1))
     loss, pred = loss.view(N, A, B), pred.view(N, A, B)

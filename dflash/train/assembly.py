@@ -161,7 +161,7 @@ def _cache_parts(cfg: TrainConfig, target: Path, tok, tc, V: int, eval_data, dev
     teacher = all(c.manifest.get('final_hidden') for c in caches)
     if cfg.loss in TEACHER_LOSSES and not teacher:
         bare = next(c.path for c in caches if not c.manifest.get('final_hidden'))
-        raise InputError(f"--loss kl: the cache {bare} holds no final hidden state of the target (the "
+        raise InputError(f"--loss {cfg.loss}: the cache {bare} holds no final hidden state of the target (the "
                          "teacher); write one with `python -m dflash.data cache ... --final-hidden`")
     ids = caches[0].layer_ids                       # every cache's: checked with the options
     features = None

@@ -54,7 +54,7 @@ def cache_flags(c: TrainConfig) -> dict[str, str]:
 
 def _cache_problems(c: TrainConfig) -> list[str]:
     """What keeps the caches of run `c` from training it, read from their manifests: one given twice, an unreadable
-    manifest, the target layers asked for not held, no teacher for --loss kl, or caches that hold different layers."""
+    manifest, the target layers asked for not held, no teacher for --loss kl or tv, or caches that hold different layers."""
     caches = cache_flags(c)
     if len(set(map(os.path.realpath, caches.values()))) < len(caches):
         return [f"--cache = {c.cache}: each cache once (one given twice would be trained on twice per epoch)"]
@@ -70,7 +70,7 @@ def _cache_problems(c: TrainConfig) -> list[str]:
                          f"of these layers (`python -m dflash.data cache ... --layers "
                          f"{','.join(map(str, c.target_layer_ids))}`)")
         elif c.loss in TEACHER_LOSSES and not manifest.get('final_hidden'):
-            probs.append(f"--loss = 'kl': the cache {d} holds no final hidden state of the target (the "
+            probs.append(f"--loss = {c.loss!r}: the cache {d} holds no final hidden state of the target (the "
                          "teacher); write one with `python -m dflash.data cache ... --final-hidden`, or train online")
         elif isinstance(ids, list): held[d] = ids
     if not c.target_layer_ids and len({str(v) for v in held.values()}) > 1:
