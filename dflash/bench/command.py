@@ -11,7 +11,8 @@ from ..core.options import Command, parse_subcommand, usage_text
 from ..core.policy import policy_problem
 from ..core.bench_schema import (AttentionBench, DataBench, GpuBench, QualityBench, RegenerateBench, ScalingBench,
                                  StepBench, ThreadsBench, TrainBench, VocabBench, quality_found)
-from .real import RealBench, check_real
+from .real import RealBench
+from .check import check_real
 
 # %% auto #0
 __all__ = ['COMMANDS', 'main']
@@ -66,8 +67,8 @@ COMMANDS = {   # each benchmark's module is imported when it runs
     'gpu': Command(GpuBench, _later('bench.gpu', 'run_gpu'),
                    'every CUDA check in one bounded run (one H200: <= 8 minutes); CSV and JSON to --out'),
     'real': Command(RealBench, _later('bench.measure', 'run_real'),
-                    'a real target from nothing but itself: synthesize, cache, train, then HumanEval against plain '
-                    'decoding and prompt lookup, with each lever', check_real),
+                    'a real target from nothing but itself: its data and cache, a drafter, then HumanEval and '
+                    'MT-Bench against plain decoding and prompt lookup, with each lever', check_real),
     'vocab': Command(VocabBench, _later('bench.vocab', 'run_vocab'),
                      "peak memory of the objective over 49k, 152k and 262k vocabularies: it follows the LM head's "
                      'chunk, not the vocabulary times the tokens'),
