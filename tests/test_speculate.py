@@ -50,6 +50,27 @@ def test_sampling_is_reproducible(toy):
     assert run(0) == run(0) and run(0) != run(1)
 
 
+def test_argmax_draft_rule(toy):
+    """--draft-rule argmax: greedy's tokens at T = 0 as before; at T = 1 it runs, counts accepted argmax drafts, and
+    is reported; a rule that is neither is refused, by the loop and by the command's options."""
+    from dflash.core.errors import OptionsError
+    from dflash.core.options import parse_options
+    from dflash.core.schema import SpeculateOptions
+    target, tok, drafter = toy
+    eos = [tok.eos_token_id]
+    prompts = eval_prompts(toy_data_dir() / 'eval.jsonl', tok, 3)
+    for p in prompts:
+        spec = speculative_generate(target, drafter, p, max_new_tokens=32, stop_token_ids=eos, draft_rule='argmax')
+        assert spec.tokens == greedy_generate(target, p, 32, eos)
+    r = acceptance_eval(target, drafter, prompts, max_new_tokens=32, stop_token_ids=eos, temperature=1.,
+                        draft_rule='argmax')
+    assert r['draft_rule'] == 'argmax' and r['tau'] > 1 and sum(r['histogram']) == r['steps'], r
+    with pytest.raises(ValueError, match='not one of sample, argmax'):
+        speculative_generate(target, drafter, prompts[0], temperature=1., draft_rule='mode')
+    assert parse_options(SpeculateOptions, ['--draft-rule', 'argmax'])[0].draft_rule == 'argmax'
+    with pytest.raises(OptionsError, match='draft-rule'): parse_options(SpeculateOptions, ['--draft-rule', 'mode'])
+
+
 def test_tau_agrees_with_training_time_estimate(toy):
     "The loop's tau and the objective's tau estimate on the same held-out conversations agree within 15%."
     target, tok, drafter = toy

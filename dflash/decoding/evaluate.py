@@ -199,12 +199,15 @@ def acceptance_eval(target, drafter: DFlashDrafter, prompts: list[Tensor], *, ma
                     block_size: int | None = None, stop_token_ids=(), temperature: float = 0., top_p: float = 1.,
                     seed: int = 0, baseline: bool = False, lookup_tokens: int = 0, progress: bool = False,
                     stop: StopRequest | None = None, on_prompt=None, min_confidence: float = 0.,
-                    copy_ngram: int = 0, pace: bool = False, categories: list[str] | None = None) -> dict:
+                    copy_ngram: int = 0, pace: bool = False, categories: list[str] | None = None,
+                    draft_rule: str = 'sample') -> dict:
     """τ, the acceptance histogram and timings of speculative decoding over `prompts` at `temperature` (0: greedy) and
-    `top_p`, drafts verified as far as `min_confidence` says, or copies from the context (`copy_ngram`) where they run
-    further, a plain step where drafting does not pay with `pace` (`speculative_generate`, `Pacer`). With `baseline`, each prompt is decoded plainly right after, and at T = 0 by
-    prompt lookup drafting `lookup_tokens` a step (0: not), each timed in wall and CPU seconds; `speedup` is the ratio
-    of tokens per second, and at T = 0 `same_output` counts the prompts whose speculative tokens are plain greedy's.
+    `top_p`, drafts sampled from the drafter or its argmax at T > 0 (`draft_rule`), verified as far as `min_confidence`
+    says, or copies from the context (`copy_ngram`) where they run further, a plain step where drafting does not pay
+    with `pace` (`speculative_generate`, `Pacer`). With `baseline`, each prompt is decoded plainly right after, and at
+    T = 0 by prompt lookup drafting `lookup_tokens` a step (0: not), each timed in wall and CPU seconds; `speedup` is
+    the ratio of tokens per second, and at T = 0 `same_output` counts the prompts whose speculative tokens are plain
+    greedy's.
     `on_prompt(record, totals)` follows each prompt; `progress` prints the running total; `stop`, if set before a
     prompt, ends the evaluation. `categories`: one per prompt, each totalled apart too."""
     dev = next(target.parameters()).device
@@ -213,14 +216,14 @@ def acceptance_eval(target, drafter: DFlashDrafter, prompts: list[Tensor], *, ma
     lookup = baseline and greedy and lookup_tokens > 0
     rows, accs = [], []
     total = lambda: _totals(rows, accs, B, baseline, lookup, temperature=temperature, top_p=top_p, seed=seed,
-                            min_confidence=min_confidence, copy_ngram=copy_ngram, pace=pace)
+                            min_confidence=min_confidence, copy_ngram=copy_ngram, pace=pace, draft_rule=draft_rule)
     for i, p in enumerate(prompts):
         if stop: break                                                       # at a prompt boundary
         p = p.to(dev)
         spec, wall, cpu = _timed(lambda: speculative_generate(
             target, drafter, p, max_new_tokens=max_new_tokens, block_size=block_size, stop_token_ids=stop_token_ids,
             temperature=temperature, top_p=top_p, generator=gen, min_confidence=min_confidence, copy_ngram=copy_ngram,
-            pacer=Pacer() if pace else None), dev)
+            pacer=Pacer() if pace else None, draft_rule=draft_rule), dev)
         row = dict(prompt=i, category=categories[i] if categories else '', temperature=temperature,
                    new_tokens=len(spec.tokens), steps=len(spec.acceptance), plain_steps=spec.plain_steps, tau=spec.tau,
                    spec_s=wall, spec_cpu_s=cpu, draft_s=spec.draft_s, verify_s=spec.verify_s,

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache, GenerationConfig
 from ..core.errors import InputError
+from ..core.schema import DRAFT_RULES
 from ..model.config import DrafterConfig
 from ..model.target import cache_argument, embed_scale
 from ..model.drafter import DFlashDrafter, ContextCache, TokenEmbedding
@@ -93,27 +94,29 @@ def sync_device(device):
 
 # %% ../../nbs/30_decoding_loop.ipynb #95756356
 def _drafts(drafter: DFlashDrafter, feats: Tensor, nxt: Tensor, embed: Tensor, lm_head: Tensor, ctx_cache, B: int,
-            temperature: float, top_p: float, generator, min_confidence: float, copy: list[int]):
-    """One block of drafts after token `nxt` (1,): (draft (1, k), q (1, k, V) the distribution each was drawn from
-    at T > 0, else None, whether it is the `copy` from the context). The drafts are cut where the drafter's
-    probability of all of them so far falls below `min_confidence`; a longer `copy` replaces them."""
+            temperature: float, top_p: float, generator, min_confidence: float, copy: list[int], rule: str = 'sample'):
+    """One block of drafts after token `nxt` (1,): (draft (1, k), q (1, k, V) the distribution each counts as drawn
+    from at T > 0, else None, whether it is the `copy` from the context). At T > 0 `rule` 'sample' draws each draft
+    from the drafter's warped distribution (q: that one), 'argmax' takes its most likely token (q: a point mass on
+    it); T = 0 takes the argmax. The drafts are cut where the drafter's (warped) probability of all of them so far
+    falls below `min_confidence`; a longer `copy` replaces them, drafted from a point mass."""
     greedy, q = temperature == 0, None
     block = torch.cat([nxt[:, None], torch.full((1, B - 1), drafter.config.mask_token_id, device=nxt.device)], 1)
     h = drafter.draft_block(feats, block, embed, ctx_cache)                  # (1, B, H)
     logits = drafter.draft_logits(h[:, 1:].to(lm_head.dtype), lm_head)       # (1, B-1, V)
     if greedy: draft = logits.argmax(-1)                                      # (1, B-1)
     else:
-        q = warp(logits, temperature, top_p)                                  # (1, B-1, V)
-        draft = sample_tokens(q, generator)                                   # (1, B-1)
+        q = warp(logits, temperature, top_p)                                  # (1, B-1, V) the drafter's
+        draft = q.argmax(-1) if rule == 'argmax' else sample_tokens(q, generator)   # (1, B-1)
     if min_confidence > 0:
         sure = (logits.softmax(-1) if greedy else q).gather(-1, draft[..., None])[0, :, 0].cumprod(0)   # (B-1,)
         k = max(1, int((sure >= min_confidence).sum()))                        # the drafts verified
         draft = draft[:, :k]
-        if not greedy: q = q[:, :k]
-    if len(copy) <= draft.shape[1]: return draft, q, False
-    draft = torch.tensor([copy], device=nxt.device)                            # (1, k): the context runs further
-    if not greedy: q = F.one_hot(draft, q.shape[-1]).to(q.dtype)              # drawn from a point mass
-    return draft, q, True
+    copied = len(copy) > draft.shape[1]
+    if copied: draft = torch.tensor([copy], device=nxt.device)                # (1, k): the context runs further
+    if greedy: return draft, None, copied
+    if copied or rule == 'argmax': return draft, F.one_hot(draft, q.shape[-1]).to(q.dtype), copied   # a point mass
+    return draft, q[:, :draft.shape[1]], copied
 
 # %% ../../nbs/30_decoding_loop.ipynb #381a3d80
 def _verdict(target, cache, nxt: Tensor, draft: Tensor, q: Tensor | None, lm_head: Tensor, temperature: float,
@@ -144,10 +147,12 @@ def _emit(res: _SpecResult, seq: list[int], new: list[int], stop: set, max_new_t
 def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, max_new_tokens: int = 128,
                          block_size: int | None = None, stop_token_ids=(), temperature: float = 0., top_p: float = 1.,
                          generator: torch.Generator | None = None, min_confidence: float = 0.,
-                         copy_ngram: int = 0, pacer: Pacer | None = None) -> _SpecResult:
+                         copy_ngram: int = 0, pacer: Pacer | None = None, draft_rule: str = 'sample') -> _SpecResult:
     """DFlash speculative decoding of one prompt (input_ids: (1, P)): greedy at temperature 0, else speculative
-    sampling at `temperature` and `top_p`, with random numbers from `generator`; drafts cut by `min_confidence` or
-    copied (`copy_ngram`) as `_drafts` says. With a `pacer`, a plain step wherever it says drafting does not pay."""
+    sampling at `temperature` and `top_p`, with random numbers from `generator`, of drafts sampled from the drafter or
+    its argmax (`draft_rule`); drafts cut by `min_confidence` or copied (`copy_ngram`) as `_drafts` says. With a
+    `pacer`, a plain step wherever it says drafting does not pay."""
+    if draft_rule not in DRAFT_RULES: raise InputError(f"draft rule {draft_rule!r}: not one of {', '.join(DRAFT_RULES)}")
     cfg = drafter.config
     B = block_size or cfg.block_size
     check_compatible(cfg, target.config, B)
@@ -175,7 +180,7 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
         else:
             copy = context_draft(seq, copy_ngram, B - 1) if copy_ngram else []
             draft, q, copied = _drafts(drafter, feats, nxt, embed, lm_head, ctx_cache, B, temperature, top_p,
-                                       generator, min_confidence, copy)
+                                       generator, min_confidence, copy, draft_rule)
             res.copied += copied
             sync_device(dev)
             t1 = time.perf_counter()

@@ -75,7 +75,8 @@ def _plan_text(a: SpeculateOptions, prompts: int, confidence: float, copy: int, 
     what is verified, the methods compared."""
     lookup = f", then by prompt lookup ({a.lookup_tokens} tokens a step) at T = 0" if a.lookup_tokens else ''
     cut = f" (text records: the first half of each text's tokens, at most {TEXT_PROMPT_TOKENS})" if text else ''
-    return (f"prompts {prompts}{cut}, at most {a.max_new_tokens} new tokens each; top-p {a.top_p:g}, seed {a.seed}; "
+    return (f"prompts {prompts}{cut}, at most {a.max_new_tokens} new tokens each; top-p {a.top_p:g}, seed {a.seed}, "
+            f"draft rule {a.draft_rule} at T > 0; "
             f"drafts verified while the drafter's confidence is at least {confidence:g}"
             f"{f', or copies of what followed the last {copy} tokens before where they run further' if copy else ''}"
             f"{'; a plain step wherever drafting does not pay (--no-pace: none)' if a.pace else ''}; "
@@ -129,7 +130,8 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
     text = _prompt_kind(a.data) == 'text'
     r = {'threads': threads, 'prompts': len(prompts), 'turn': a.turn, 'max_new_tokens': a.max_new_tokens,
          'prompt_kind': f"text: the first half of its tokens, at most {TEXT_PROMPT_TOKENS}" if text else 'chat',
-         'top_p': a.top_p, 'seed': a.seed, 'prompt_lookup_num_tokens': a.lookup_tokens, 'copy_ngram': copy, 'pace': a.pace,
+         'top_p': a.top_p, 'seed': a.seed, 'draft_rule': a.draft_rule, 'prompt_lookup_num_tokens': a.lookup_tokens,
+         'copy_ngram': copy, 'pace': a.pace,
          'temperatures': list(a.temperature), 'partial': False, 'done': 0, 'total': len(prompts) * len(a.temperature),
          'runs': []}
     rows = []
@@ -142,7 +144,7 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
         r['runs'] = _each_temperature(a, target, drafter, prompts, stop, keep, block_size=a.block_size,
                                       stop_token_ids=eos, top_p=a.top_p, seed=a.seed, baseline=True,
                                       lookup_tokens=a.lookup_tokens, min_confidence=confidence, copy_ngram=copy,
-                                      pace=a.pace, categories=categories)
+                                      pace=a.pace, categories=categories, draft_rule=a.draft_rule)
     r['done'] = len(rows)
     if r['done'] < r['total']: r.update(partial=True, stopped_by=stop.reason)
     _print_report(r)
