@@ -425,7 +425,7 @@ def test_several_caches_train_as_one_cache_of_them_all(tmp_path):
     wrong = train_cli('--out', tmp_path / 'wrong', *run, '--cache', a, b, '--cache-weights', '0')
     assert wrong.returncode == 2 and 'Traceback' not in wrong.stderr, wrong.stderr[-2000:]
     assert '--cache-weights = [0.0]: allowed > 0' in wrong.stderr, wrong.stderr
-    assert '--cache-weights = [0.0]: one weight per --cache (2 given)' in wrong.stderr, wrong.stderr
+    assert '--cache-weights = [0.0]: one weight per --cache (1 for 2 caches)' in wrong.stderr, wrong.stderr
 
 
 def test_a_run_continues_from_a_trained_drafter(tmp_path):

@@ -109,7 +109,7 @@ def check_train(c: TrainConfig) -> list[str]:
     if Path(c.out).exists() and not Path(c.out).is_dir():
         probs.append(f"--out = {c.out!r}: exists and is not a directory")
     if c.cache_weights and len(c.cache_weights) != len(cache_flags(c)):
-        probs.append(f"--cache-weights = {c.cache_weights}: one weight per --cache ({len(cache_flags(c))} given)")
+        probs.append(f"--cache-weights = {c.cache_weights}: one weight per --cache ({len(c.cache_weights)} for {len(cache_flags(c))} caches)")
     reads = {'--target': c.target or toy_target_dir(), '--data': c.data, '--eval-data': c.eval_data,
              **cache_flags(c), '--init-from': c.init_from}
     probs += out_problems(c.out, '--out', 'run', reads)     # a model, the data, a cache: never a run's directory
