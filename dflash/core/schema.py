@@ -383,6 +383,9 @@ class SpeculateOptions:
     pace: bool = option(True, "a plain step wherever drafting does not pay, on the decoder's own clock (a drafting "
                               "step's tokens per second against a plain step's), drafting again later to see; the "
                               'tokens do not change (--no-pace: draft every step)')
+    cheap_widths: bool = option(True, 'verify more drafts where a wider verify forward costs no more, each width timed '
+                                      'once on this machine before the first prompt; the tokens do not change '
+                                      '(--no-cheap-widths: as many as --draft-confidence keeps)')
     progress: bool = option(True, 'print a running total after every prompt: tau, tokens/s and speedups so far '
                                   '(--no-progress: none)')
     threads: int | None = threads_option()

@@ -16,7 +16,7 @@ from ..core.locks import writer_problem
 from ..core.files import json_problem, resolve_local, safetensors_problem, dir_write_problem
 from ..model.target import target_problems
 from ..model.drafter import DFlashDrafter
-from .loop import Pacer, speculative_generate, sync_device
+from .loop import Pacer, WidthCosts, speculative_generate, sync_device
 from .loop import greedy_generate, sample_generate, lookup_generate
 
 # %% auto #0
@@ -200,11 +200,12 @@ def acceptance_eval(target, drafter: DFlashDrafter, prompts: list[Tensor], *, ma
                     seed: int = 0, baseline: bool = False, lookup_tokens: int = 0, progress: bool = False,
                     stop: StopRequest | None = None, on_prompt=None, min_confidence: float = 0.,
                     copy_ngram: int = 0, pace: bool = False, categories: list[str] | None = None,
-                    draft_rule: str = 'sample') -> dict:
+                    draft_rule: str = 'sample', widths: WidthCosts | None = None) -> dict:
     """τ, the acceptance histogram and timings of speculative decoding over `prompts` at `temperature` (0: greedy) and
     `top_p`, drafts sampled from the drafter or its argmax at T > 0 (`draft_rule`), verified as far as `min_confidence`
     says, or copies from the context (`copy_ngram`) where they run further, a plain step where drafting does not pay
-    with `pace` (`speculative_generate`, `Pacer`). With `baseline`, each prompt is decoded plainly right after, and at
+    with `pace` (`speculative_generate`, `Pacer`), each verify run on to the cheapest width at least as wide with
+    `widths` (`WidthCosts`: timed on the first prompt unless they were before). With `baseline`, each prompt is decoded plainly right after, and at
     T = 0 by prompt lookup drafting `lookup_tokens` a step (0: not), each timed in wall and CPU seconds; `speedup` is
     the ratio of tokens per second, and at T = 0 `same_output` counts the prompts whose speculative tokens are plain
     greedy's.
@@ -216,14 +217,15 @@ def acceptance_eval(target, drafter: DFlashDrafter, prompts: list[Tensor], *, ma
     lookup = baseline and greedy and lookup_tokens > 0
     rows, accs = [], []
     total = lambda: _totals(rows, accs, B, baseline, lookup, temperature=temperature, top_p=top_p, seed=seed,
-                            min_confidence=min_confidence, copy_ngram=copy_ngram, pace=pace, draft_rule=draft_rule)
+                            min_confidence=min_confidence, copy_ngram=copy_ngram, pace=pace, draft_rule=draft_rule,
+                            verify_seconds=widths.seconds if widths else None)
     for i, p in enumerate(prompts):
         if stop: break                                                       # at a prompt boundary
         p = p.to(dev)
         spec, wall, cpu = _timed(lambda: speculative_generate(
             target, drafter, p, max_new_tokens=max_new_tokens, block_size=block_size, stop_token_ids=stop_token_ids,
             temperature=temperature, top_p=top_p, generator=gen, min_confidence=min_confidence, copy_ngram=copy_ngram,
-            pacer=Pacer() if pace else None, draft_rule=draft_rule), dev)
+            pacer=Pacer() if pace else None, draft_rule=draft_rule, widths=widths), dev)
         row = dict(prompt=i, category=categories[i] if categories else '', temperature=temperature,
                    new_tokens=len(spec.tokens), steps=len(spec.acceptance), plain_steps=spec.plain_steps, tau=spec.tau,
                    spec_s=wall, spec_cpu_s=cpu, draft_s=spec.draft_s, verify_s=spec.verify_s,

@@ -20,7 +20,7 @@ from ..model.sampling import sample_tokens, warp
 
 # %% auto #0
 __all__ = ['check_compatible', 'speculative_generate', 'greedy_generate', 'sample_generate', 'lookup_generate', 'Pacer',
-           'context_draft']
+           'WidthCosts', 'context_draft']
 
 # %% ../../nbs/30_decoding_loop.ipynb #5491609a
 def check_compatible(drafter_config: DrafterConfig, target_config, block_size: int | None = None,
@@ -94,12 +94,13 @@ def sync_device(device):
 
 # %% ../../nbs/30_decoding_loop.ipynb #95756356
 def _drafts(drafter: DFlashDrafter, feats: Tensor, nxt: Tensor, embed: Tensor, lm_head: Tensor, ctx_cache, B: int,
-            temperature: float, top_p: float, generator, min_confidence: float, copy: list[int], rule: str = 'sample'):
+            temperature: float, top_p: float, generator, min_confidence: float, copy: list[int], rule: str = 'sample', widths: WidthCosts | None = None):
     """One block of drafts after token `nxt` (1,): (draft (1, k), q (1, k, V) the distribution each counts as drawn
     from at T > 0, else None, whether it is the `copy` from the context). At T > 0 `rule` 'sample' draws each draft
     from the drafter's warped distribution (q: that one), 'argmax' takes its most likely token (q: a point mass on
     it); T = 0 takes the argmax. The drafts are cut where the drafter's (warped) probability of all of them so far
-    falls below `min_confidence`; a longer `copy` replaces them, drafted from a point mass."""
+    falls below `min_confidence`, then run on to the cheapest verify width at least as wide (`widths`); a longer
+    `copy` replaces them, drafted from a point mass."""
     greedy, q = temperature == 0, None
     block = torch.cat([nxt[:, None], torch.full((1, B - 1), drafter.config.mask_token_id, device=nxt.device)], 1)
     h = drafter.draft_block(feats, block, embed, ctx_cache)                  # (1, B, H)
@@ -108,10 +109,12 @@ def _drafts(drafter: DFlashDrafter, feats: Tensor, nxt: Tensor, embed: Tensor, l
     else:
         q = warp(logits, temperature, top_p)                                  # (1, B-1, V) the drafter's
         draft = q.argmax(-1) if rule == 'argmax' else sample_tokens(q, generator)   # (1, B-1)
+    k = B - 1                                                                 # the drafts verified
     if min_confidence > 0:
         sure = (logits.softmax(-1) if greedy else q).gather(-1, draft[..., None])[0, :, 0].cumprod(0)   # (B-1,)
-        k = max(1, int((sure >= min_confidence).sum()))                        # the drafts verified
-        draft = draft[:, :k]
+        k = max(1, int((sure >= min_confidence).sum()))
+    if widths is not None: k = widths.cheapest(k + 1, B) - 1                  # more drafts where they cost no more
+    draft = draft[:, :k]
     copied = len(copy) > draft.shape[1]
     if copied: draft = torch.tensor([copy], device=nxt.device)                # (1, k): the context runs further
     if greedy: return draft, None, copied
@@ -147,11 +150,13 @@ def _emit(res: _SpecResult, seq: list[int], new: list[int], stop: set, max_new_t
 def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, max_new_tokens: int = 128,
                          block_size: int | None = None, stop_token_ids=(), temperature: float = 0., top_p: float = 1.,
                          generator: torch.Generator | None = None, min_confidence: float = 0.,
-                         copy_ngram: int = 0, pacer: Pacer | None = None, draft_rule: str = 'sample') -> _SpecResult:
+                         copy_ngram: int = 0, pacer: Pacer | None = None, draft_rule: str = 'sample',
+                         widths: WidthCosts | None = None) -> _SpecResult:
     """DFlash speculative decoding of one prompt (input_ids: (1, P)): greedy at temperature 0, else speculative
     sampling at `temperature` and `top_p`, with random numbers from `generator`, of drafts sampled from the drafter or
     its argmax (`draft_rule`); drafts cut by `min_confidence` or copied (`copy_ngram`) as `_drafts` says. With a
-    `pacer`, a plain step wherever it says drafting does not pay."""
+    `pacer`, a plain step wherever it says drafting does not pay. With `widths`, each verify runs on to the cheapest
+    width at least as wide, the widths timed on this prompt's cache unless they were before."""
     if draft_rule not in DRAFT_RULES: raise InputError(f"draft rule {draft_rule!r}: not one of {', '.join(DRAFT_RULES)}")
     cfg = drafter.config
     B = block_size or cfg.block_size
@@ -165,6 +170,7 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
     out = _forward(target, input_ids, cache)
     feats = target_features(out.hidden_states, cfg.target_layer_ids)          # (1, P, L·H): positions < L
     nxt = pick(F.linear(out.last_hidden_state[:, -1], lm_head))               # (1,) x_L, from the last row only
+    if widths is not None and not widths.seconds: widths.measure(target, cache, nxt, B)
     res = _SpecResult(tokens=[int(nxt)])
     seq = input_ids[0].tolist() + res.tokens                                  # the prompt and the reply so far
     while len(res.tokens) < max_new_tokens and res.tokens[-1] not in stop:
@@ -180,7 +186,7 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
         else:
             copy = context_draft(seq, copy_ngram, B - 1) if copy_ngram else []
             draft, q, copied = _drafts(drafter, feats, nxt, embed, lm_head, ctx_cache, B, temperature, top_p,
-                                       generator, min_confidence, copy, draft_rule)
+                                       generator, min_confidence, copy, draft_rule, widths)
             res.copied += copied
             sync_device(dev)
             t1 = time.perf_counter()
@@ -257,6 +263,30 @@ class Pacer:
         self.tokens = self._mean(self.tokens, tokens)
         self.wait = 0 if self.pays() else min(max(2 * self.wait, self.first_wait), self.most_wait)
         self.left = self.wait
+
+# %% ../../nbs/30_decoding_loop.ipynb #ede99bf7
+@dataclass
+class WidthCosts:
+    """The seconds of the target's verify forward at each width 2..B (the next token and its drafts), timed on this
+    machine `repeats` times each, the fastest kept; `cheapest(w, B)`: the width of at least `w` that costs least."""
+    repeats: int = 3
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def measure(self, target, cache, token: Tensor, B: int):
+        "Time each width 2..B not timed before: a forward of `token` (1,) repeated, extending `cache`, then cropped."
+        dev = token.device
+        for w in range(2, B + 1):
+            if w in self.seconds: continue
+            ids = token[:, None].expand(1, w)                              # (1, w): the cost counts, not the tokens
+            for _ in range(self.repeats):
+                sync_device(dev)
+                t0 = time.perf_counter()
+                _forward(target, ids, cache)
+                sync_device(dev)
+                self.seconds[w] = min(self.seconds.get(w, float('inf')), time.perf_counter() - t0)
+                cache.crop(-w)
+
+    def cheapest(self, w: int, B: int) -> int: return min(range(w, B + 1), key=lambda v: (self.seconds[v], v))
 
 # %% ../../nbs/30_decoding_loop.ipynb #e1268d62
 def context_draft(seq: list[int], ngram: int, k: int) -> list[int]:

@@ -79,13 +79,14 @@ def _plan_text(a: SpeculateOptions, prompts: int, confidence: float, copy: int, 
             f"draft rule {a.draft_rule} at T > 0; "
             f"drafts verified while the drafter's confidence is at least {confidence:g}"
             f"{f', or copies of what followed the last {copy} tokens before where they run further' if copy else ''}"
-            f"{'; a plain step wherever drafting does not pay (--no-pace: none)' if a.pace else ''}; "
+            f"{'; a plain step wherever drafting does not pay (--no-pace: none)' if a.pace else ''}"
+            f"{'; each verify run on to the cheapest width at least as wide, timed once (--no-cheap-widths: not)' if a.cheap_widths else ''}; "
             f"each prompt decoded speculatively, then plainly{lookup}, on the same {threads} CPU thread(s)")
 
 def _each_temperature(a: SpeculateOptions, target, drafter, prompts: list, stop: StopRequest, keep, **kw) -> list[dict]:
     """`acceptance_eval` of `prompts` at each `--temperature` in turn, each after one untimed warm-up prompt, until
-    `stop` is requested; `keep(row, totals)` gets each prompt's row, `kw` the decoder's other settings. Returns the
-    results that hold a prompt."""
+    `stop` is requested; `keep(row, totals)` gets each prompt's row, `kw` the decoder's other settings (the verify
+    widths, if any, are timed in the first warm-up). Returns the results that hold a prompt."""
     from dflash.decoding.evaluate import acceptance_eval
     runs = []
     for t in a.temperature:
@@ -114,7 +115,7 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
     `acceptance_eval` result per temperature], ...}. A stop on request (`Preempted`) comes after the results so far
     are written; a target and drafter that do not fit together: one `OptionsError` naming `prog`."""
     import torch
-    from dflash.decoding.loop import greedy_generate
+    from dflash.decoding.loop import greedy_generate, WidthCosts
     from dflash.decoding.evaluate import eval_prompts, prompt_categories
     dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     threads, why = use_threads(a.threads, 1) if dev.type == 'cpu' else (torch.get_num_threads(), 'left as is on a GPU')
@@ -131,7 +132,7 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
     r = {'threads': threads, 'prompts': len(prompts), 'turn': a.turn, 'max_new_tokens': a.max_new_tokens,
          'prompt_kind': f"text: the first half of its tokens, at most {TEXT_PROMPT_TOKENS}" if text else 'chat',
          'top_p': a.top_p, 'seed': a.seed, 'draft_rule': a.draft_rule, 'prompt_lookup_num_tokens': a.lookup_tokens,
-         'copy_ngram': copy, 'pace': a.pace,
+         'copy_ngram': copy, 'pace': a.pace, 'cheap_widths': a.cheap_widths,
          'temperatures': list(a.temperature), 'partial': False, 'done': 0, 'total': len(prompts) * len(a.temperature),
          'runs': []}
     rows = []
@@ -144,7 +145,8 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
         r['runs'] = _each_temperature(a, target, drafter, prompts, stop, keep, block_size=a.block_size,
                                       stop_token_ids=eos, top_p=a.top_p, seed=a.seed, baseline=True,
                                       lookup_tokens=a.lookup_tokens, min_confidence=confidence, copy_ngram=copy,
-                                      pace=a.pace, categories=categories, draft_rule=a.draft_rule)
+                                      pace=a.pace, categories=categories, draft_rule=a.draft_rule,
+                                      widths=WidthCosts() if a.cheap_widths else None)
     r['done'] = len(rows)
     if r['done'] < r['total']: r.update(partial=True, stopped_by=stop.reason)
     _print_report(r)
