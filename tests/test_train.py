@@ -263,7 +263,8 @@ def test_sigterm_checkpoints_releases_and_resumes_exactly(tmp_path, request, to,
     """SIGTERM to a running `accelerate launch -m dflash.train`: to its process group (as a cluster or Ctrl-C sends it;
     with 2 processes the launcher forwards it too), or to the launcher alone, which dies at once and leaves the trainer
     to notice; or to `python -m dflash.train` run without a launcher, whose exit status is then the trainer's own. The
-    trainer finishes its step (every process the same one), checkpoints it, releases the lock, says so and exits;
+    trainer stops before its next micro-batch or step (every process at the same one), checkpoints the last whole step,
+    releases the lock, says so and exits;
     nothing of it keeps running; --resume takes over a stale lock from another host and ends with the uninterrupted
     run's drafter, bit for bit, and its loss curve."""
     from safetensors.torch import load_file
@@ -307,6 +308,18 @@ def test_sigterm_checkpoints_releases_and_resumes_exactly(tmp_path, request, to,
     assert losses(run) == losses(straight)
     record = json.loads((run / 'run.json').read_text())
     assert record['status'] == 'finished' and len(record['stops']) == 1, record
+
+def test_sigterm_during_a_step_longer_than_the_launchers_patience(tmp_path):
+    """accelerate's launcher, sent SIGTERM, passes it on and kills the trainer 5 s later. With steps longer than that
+    (a batch of 160 on the toy target here), the trainer drops the step in progress at its next micro-batch and
+    checkpoints the one before, well within the 5 s."""
+    run = tmp_path / 'run'
+    proc = launch(run, *override(KILL_ARGS, '--save-every', '0', '--batch-size', '160'), wait=False)
+    _until(lambda: (run / 'metrics.csv').is_file() or proc.poll() is not None, 600, "a step logged")
+    os.killpg(proc.pid, signal.SIGTERM)                                   # the launcher and the trainer, as Ctrl-C
+    out = proc.communicate(timeout=300)[0]
+    assert re.search(rf"stopped by SIGTERM after step 1 of 8: checkpoint {re.escape(str(run))}\S+ written", out), out
+    assert [d.name for d in (run / 'checkpoints').iterdir()] == ['step-0000001'] and not (run / '.lock').exists()
 
 
 def test_sigint_without_save_on_signal_stops_and_releases(tmp_path):

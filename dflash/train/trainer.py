@@ -90,15 +90,21 @@ class Trainer:
 
 # %% ../../nbs/45_train_trainer.ipynb #f98648ef
 @patch
-def train_step(self: Trainer) -> dict:
-    "One optimizer step; returns its metrics (global over processes)."
+def train_step(self: Trainer, stop: StopRequest | None = None) -> dict | None:
+    """One optimizer step; returns its metrics (global over processes), or None where `stop` was requested before one
+    of its micro-batches after the first (every process has at least that many): the step is dropped, its gradients
+    with it."""
     c, acc, t0 = self.cfg, self.acc, time.perf_counter()
     epoch, ids = step_samples(len(self.parts.train), c.batch_size, c.seed, self.step)
     micro = [self._micro_batch(self.parts.train, m, epoch)
              for m in rank_micro_batches(ids, acc.process_index, acc.num_processes, c.micro_batch_size)]
     W = acc.reduce(sum(lay.weights.sum() for _, lay in micro).float().reshape(1), 'sum')
     total, tokens = None, sum(int(b['attention_mask'].sum()) for b, _ in micro)
+    common = len(ids) // acc.num_processes // c.micro_batch_size                   # micro-batches every process has
     for i, (b, lay) in enumerate(micro):
+        if stop is not None and 0 < i < common and self._stop_agreed(stop):   # a launcher may not wait out a step
+            self.opt.zero_grad(set_to_none=True)
+            return None
         # FSDP reduce-scatters every micro-batch's gradients: holding them whole until the last would undo the sharding
         with acc.no_sync(self.model) if i < len(micro) - 1 and self.fsdp is None else nullcontext():
             s = self._sums(b, lay)
@@ -250,7 +256,7 @@ def _preempt(self: Trainer, stop: StopRequest, saved_at: int):
 @patch
 def fit(self: Trainer, stop: StopRequest | None = None) -> dict:
     """Train to `total_steps`, save, export, evaluate; returns the last train and eval metrics. `stop`: checked at each
-    step boundary, raising `Preempted` when set."""
+    step boundary and between a step's micro-batches (the step is then dropped), raising `Preempted` when set."""
     c, acc, main = self.cfg, self.acc, self.acc.is_main_process
     if main: make_dir(self.out)
     self.restore()
@@ -268,7 +274,11 @@ def fit(self: Trainer, stop: StopRequest | None = None) -> dict:
         if self._stop_agreed(stop):
             bar.close()
             self._preempt(stop, saved_at)
-        last = self.train_step()
+        step = self.train_step(stop)
+        if step is None:                                       # asked during the step: the one before is kept
+            bar.close()
+            self._preempt(stop, saved_at)
+        last = step
         bar.update(1)
         bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}", tok_s=f"{last['tokens_per_s']:.0f}")
         done = self.step == self.total_steps
