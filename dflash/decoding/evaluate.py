@@ -205,10 +205,10 @@ def acceptance_eval(target, drafter: DFlashDrafter, prompts: list[Tensor], *, ma
     `top_p`, drafts sampled from the drafter or its argmax at T > 0 (`draft_rule`), verified as far as `min_confidence`
     says, or copies from the context (`copy_ngram`) where they run further, a plain step where drafting does not pay
     with `pace` (`speculative_generate`, `Pacer`), each verify run on to the cheapest width at least as wide with
-    `widths` (`WidthCosts`: timed on the first prompt unless they were before). With `baseline`, each prompt is decoded plainly right after, and at
-    T = 0 by prompt lookup drafting `lookup_tokens` a step (0: not), each timed in wall and CPU seconds; `speedup` is
-    the ratio of tokens per second, and at T = 0 `same_output` counts the prompts whose speculative tokens are plain
-    greedy's.
+    `widths` (`WidthCosts`, timed on the first prompt unless they were before). With `baseline`, each prompt is
+    decoded plainly right after, and at T = 0 by prompt lookup drafting `lookup_tokens` a step (0: not), each timed
+    in wall and CPU seconds; `speedup` is the ratio of tokens per second, and at T = 0 `same_output` counts the
+    prompts whose speculative tokens are plain greedy's.
     `on_prompt(record, totals)` follows each prompt; `progress` prints the running total; `stop`, if set before a
     prompt, ends the evaluation. `categories`: one per prompt, each totalled apart too."""
     dev = next(target.parameters()).device

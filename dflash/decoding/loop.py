@@ -94,7 +94,8 @@ def sync_device(device):
 
 # %% ../../nbs/30_decoding_loop.ipynb #95756356
 def _drafts(drafter: DFlashDrafter, feats: Tensor, nxt: Tensor, embed: Tensor, lm_head: Tensor, ctx_cache, B: int,
-            temperature: float, top_p: float, generator, min_confidence: float, copy: list[int], rule: str = 'sample', widths: WidthCosts | None = None):
+            temperature: float, top_p: float, generator, min_confidence: float, copy: list[int], rule: str = 'sample',
+            widths: WidthCosts | None = None):
     """One block of drafts after token `nxt` (1,): (draft (1, k), q (1, k, V) the distribution each counts as drawn
     from at T > 0, else None, whether it is the `copy` from the context). At T > 0 `rule` 'sample' draws each draft
     from the drafter's warped distribution (q: that one), 'argmax' takes its most likely token (q: a point mass on
@@ -156,7 +157,7 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
     sampling at `temperature` and `top_p`, with random numbers from `generator`, of drafts sampled from the drafter or
     its argmax (`draft_rule`); drafts cut by `min_confidence` or copied (`copy_ngram`) as `_drafts` says. With a
     `pacer`, a plain step wherever it says drafting does not pay. With `widths`, each verify runs on to the cheapest
-    width at least as wide, the widths timed on this prompt's cache unless they were before."""
+    width at least as wide, any width not timed before timed on this prompt's cache."""
     if draft_rule not in DRAFT_RULES: raise InputError(f"draft rule {draft_rule!r}: not one of {', '.join(DRAFT_RULES)}")
     cfg = drafter.config
     B = block_size or cfg.block_size
@@ -170,7 +171,7 @@ def speculative_generate(target, drafter: DFlashDrafter, input_ids: Tensor, *, m
     out = _forward(target, input_ids, cache)
     feats = target_features(out.hidden_states, cfg.target_layer_ids)          # (1, P, L·H): positions < L
     nxt = pick(F.linear(out.last_hidden_state[:, -1], lm_head))               # (1,) x_L, from the last row only
-    if widths is not None and not widths.seconds: widths.measure(target, cache, nxt, B)
+    if widths is not None: widths.measure(target, cache, nxt, B)                # once: the widths not timed before
     res = _SpecResult(tokens=[int(nxt)])
     seq = input_ids[0].tolist() + res.tokens                                  # the prompt and the reply so far
     while len(res.tokens) < max_new_tokens and res.tokens[-1] not in stop:

@@ -80,7 +80,8 @@ def _plan_text(a: SpeculateOptions, prompts: int, confidence: float, copy: int, 
             f"drafts verified while the drafter's confidence is at least {confidence:g}"
             f"{f', or copies of what followed the last {copy} tokens before where they run further' if copy else ''}"
             f"{'; a plain step wherever drafting does not pay (--no-pace: none)' if a.pace else ''}"
-            f"{'; each verify run on to the cheapest width at least as wide, timed once (--no-cheap-widths: not)' if a.cheap_widths else ''}; "
+            f"{'; each verify run on to the cheapest width at least as wide, timed once' if a.cheap_widths else ''}"
+            f"{' (--no-cheap-widths: not)' if a.cheap_widths else ''}; "
             f"each prompt decoded speculatively, then plainly{lookup}, on the same {threads} CPU thread(s)")
 
 def _each_temperature(a: SpeculateOptions, target, drafter, prompts: list, stop: StopRequest, keep, **kw) -> list[dict]:
