@@ -387,7 +387,8 @@ def own_caches(tmp_path, monkeypatch):
 
 def same_cache(grown, written):
     """The cache `grown` with its data holds what the cache `written` afterwards holds: the same samples, the same
-    tokens and loss masks up to each grown sample's end (nothing supervised past it), features within float rounding."""
+    tokens and loss masks up to each grown sample's end (nothing supervised past it), features (and final hidden
+    states, where both keep them) within float rounding."""
     from dflash.data.cache import CacheDataset
     a, b = CacheDataset(grown), CacheDataset(written)
     assert len(a) == len(b) > 0 and a.layer_ids == b.layer_ids, (len(a), len(b), a.layer_ids, b.layer_ids)
@@ -395,32 +396,35 @@ def same_cache(grown, written):
         n = len(a[i]['input_ids'])
         assert torch.equal(a[i]['input_ids'], b[i]['input_ids'][:n]), i
         assert torch.equal(a[i]['loss_mask'], b[i]['loss_mask'][:n]) and not b[i]['loss_mask'][n:].any(), i
-        assert torch.allclose(a[i]['context'], b[i]['context'][:n], atol=1e-4), (i, (a[i]['context'] -
-                                                                                   b[i]['context'][:n]).abs().max())
+        for k in ('context', 'final_hidden') if a.manifest['final_hidden'] else ('context',):
+            assert torch.allclose(a[i][k], b[i][k][:n], atol=1e-4), (i, k, (a[i][k] - b[i][k][:n]).abs().max())
 
 
 def test_regenerate_cache_is_the_cache_commands_and_trains(small_data, tmp_path, own_caches):
-    "`regenerate --cache` writes the cache `data cache` writes of the file afterwards; `dflash.train --cache` trains on it."
+    """`regenerate --cache --final-hidden` writes the cache `data cache --final-hidden` writes of the file afterwards;
+    `dflash.train --cache` trains on it, distilling the target's distribution (`--loss tv`)."""
     from dflash.core.files import toy_target_dir
     from dflash.data.command import main as data_main
     from dflash.train.command import main as train_main
     out, grown = tmp_path / 'o.jsonl', tmp_path / 'grown'
     r = data_cli('regenerate', '--data', small_data, '--out', out, '--batch-size', '5', '--max-new-tokens', '24',
-                 '--cache', grown, '--num-draft-layers', '2')
+                 '--cache', grown, '--num-draft-layers', '2', '--final-hidden')
     assert r.returncode == 0, r.stderr[-3000:]
     said = json.loads(r.stdout.split('regenerated: ')[1])['cache']
     assert (said['samples'], said['left_out_now']) == (12, 0), said
     manifest = json.loads((grown / 'manifest.json').read_text())
     assert (manifest['data']['batches'], manifest['num_shards'], manifest['data']['path']) == (3, 3, str(out))
+    assert manifest['final_hidden'] is True
     data_main(['cache', '--target', str(toy_target_dir()), '--data', str(out), '--out', str(tmp_path / 'after'),
-               '--num-draft-layers', '2', '--no-progress', '--threads', '1'])
+               '--num-draft-layers', '2', '--no-progress', '--threads', '1', '--final-hidden'])
     same_cache(grown, tmp_path / 'after')
     after = json.loads((tmp_path / 'after' / 'manifest.json').read_text())
     assert manifest['data']['chat_template'] == after['data']['chat_template'] is not None   # the template's hash
     import csv
     from conftest import SMALL, override
     run = tmp_path / 'run'
-    train_main(['--out', str(run), '--cache', str(grown), *override(SMALL, '--max-steps', '2', '--report-to', 'none')])
+    train_main(['--out', str(run), '--cache', str(grown), *override(SMALL, '--max-steps', '2', '--report-to', 'none',
+                                                                     '--loss', 'tv')])
     steps = [int(row['step']) for row in csv.DictReader((run / 'metrics.csv').read_text().splitlines())]
     assert max(steps) == 2, steps
     assert (run / 'drafter' / 'model.safetensors').is_file()

@@ -222,7 +222,8 @@ def cache_phase(o: RealBench, target: str, work: Path) -> dict:
 def source_cmd(o: RealBench, target: str, d: Path, source: str) -> list:
     """The command writing `source`'s data to `d/SOURCE.jsonl` and its hidden states to `d/SOURCE-cache`, one thread:
     `regenerate` of the chat data (a prompt of at most 384 tokens: its reply, or 128 tokens of it, within the training's
-    512), or `synthesize`; the replies under the target's own system prompt, as measured."""
+    512), or `synthesize`; the replies under the target's own system prompt, as measured. The cache keeps the final
+    hidden states too when the lever `distill` needs them as the teacher."""
     if source == 'chat':
         cmd = [sys.executable, '-m', 'dflash.data', 'regenerate', '--target', target,
                '--data', o.chat_data or sharegpt_json(), '--out', d / 'chat.jsonl', '--skip-bad-lines', '--max-turns', 2,
@@ -231,7 +232,8 @@ def source_cmd(o: RealBench, target: str, d: Path, source: str) -> list:
     else:
         system = _CODE_SYSTEM if source == 'code' else system_prompt(o)
         cmd = _synth_cmd(o, target, d / f'{source}.jsonl', 1, source == 'code', system) + ['--reply-system', '']
-    return cmd + ['--cache', d / f'{source}-cache', '--num-draft-layers', o.target_layers]
+    teacher = ['--final-hidden'] if 'distill' in o.levers else []
+    return cmd + ['--cache', d / f'{source}-cache', '--num-draft-layers', o.target_layers, *teacher]
 
 def source_counts(d: Path, source: str) -> dict:
     "What `source` holds in `d`: records (its index), and the samples and tokens of its cache (its manifest)."

@@ -208,6 +208,9 @@ class DataOptions:
     num_proc: int = option(1, 'processes tokenizing the data; the result is cached', ge=1)
     skip_bad_lines: bool = option(False, 'skip and count malformed records instead of stopping')
 
+_FINAL_HIDDEN_HELP = ("the target's final hidden state (after its final norm) too, the teacher of `dflash.train --loss kl "
+                     "or tv`: hidden_size values more per token")
+
 @dataclass
 class CacheOptions(DataOptions):
     "`DataOptions` plus where the cache goes, which target layers it holds and how it is written."
@@ -223,8 +226,7 @@ class CacheOptions(DataOptions):
     dtype: str = option('auto', 'feature dtype (auto: bfloat16 on GPU, float32 on CPU)',
                         choices=['auto', *dtype_choices('float32', 'bfloat16', 'float16')])
     device: str | None = option(None, "device (default: this process's accelerator, else cpu)")
-    final_hidden: bool = option(False, "also store the target's final hidden state (after its final norm), the "
-                                       'teacher of `dflash.train --loss kl or tv`: hidden_size values more per token')
+    final_hidden: bool = option(False, f"store {_FINAL_HIDDEN_HELP}")
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
     threads: int | None = threads_option()
 
@@ -262,6 +264,7 @@ class RegenConfig:
                                      'over the data); `dflash.train --cache` trains on it at any point')
     num_draft_layers: int = option(5, 'drafter layers whose target layers --cache holds (the DFlash choice of layers)',
                                    ge=1)
+    final_hidden: bool = option(False, f"--cache holds {_FINAL_HIDDEN_HELP}")
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
     threads: int | None = threads_option()
 
@@ -317,6 +320,7 @@ class SynthConfig:
                                      'the data); `dflash.train --cache` trains on it at any point')
     num_draft_layers: int = option(5, 'drafter layers whose target layers --cache holds (the DFlash choice of layers)',
                                    ge=1)
+    final_hidden: bool = option(False, f"--cache holds {_FINAL_HIDDEN_HELP}")
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
     threads: int | None = threads_option()
 

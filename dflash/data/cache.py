@@ -304,9 +304,10 @@ class CacheDataset(Dataset):
 # %% ../../nbs/22a_data_cache.ipynb #4f5f54f7
 class CacheAppender:
     "A cache written as its data is: `append` adds a shard of samples whose features are computed (a batch)."
-    def __init__(self, out, *, target_path, identity: str, config, layer_ids, dtype, shard_size: int, data_info: dict):
+    def __init__(self, out, *, target_path, identity: str, config, layer_ids, dtype, shard_size: int, data_info: dict,
+                 final_hidden: bool = False):
         self.out = Path(out)
-        head = _manifest_head(target_path, identity, config, layer_ids, dtype)
+        head = _manifest_head(target_path, identity, config, layer_ids, dtype, final_hidden)
         mf = self.out / 'manifest.json'
         if not mf.is_file():
             self.manifest = {**head, 'num_samples': 0, 'num_tokens': 0, 'shard_size': shard_size, 'num_shards': 0,
@@ -316,7 +317,7 @@ class CacheAppender:
         if old.get('target', {}).get('identity') != identity:
             raise InputError(f"{self.out}: holds the cache of another target than {target_path}; use another directory")
         for k, v in [*head.items(), ('shard_size', shard_size)]:
-            if k != 'target' and old.get(k) != v:
+            if k != 'target' and old.get(k, False if k == 'final_hidden' else None) != v:   # older: none kept
                 raise InputError(f"{self.out}: holds a cache with {k}={old.get(k)!r}, this one has {v!r}; use "
                                  "another cache directory")
         if 'batches' not in old.get('data', {}):
@@ -338,7 +339,8 @@ class CacheAppender:
         write_json(self.out / 'manifest.json', m)
 
     def append(self, samples: list[dict]):
-        "The next batch: `{'input_ids' (S,), 'loss_mask' (S,), 'context' (S, L·H)}` of each sample (none: an empty batch)."
+        """The next batch: `{'input_ids' (S,), 'loss_mask' (S,), 'context' (S, L·H)}` of each sample, and `'final_hidden'
+        (S, H)` in a cache that keeps it (none: an empty batch)."""
         m, k = self.manifest, self.batches
         make_dir(self.out)
         if samples:
@@ -348,6 +350,7 @@ class CacheAppender:
                        'loss_mask': torch.cat([s['loss_mask'] for s in samples]).bool(),
                        'context': torch.cat([s['context'] for s in samples]).contiguous(), 'offsets': lens.cumsum(0),
                        'sample_ids': torch.arange(first, first + len(samples))}
+            if m['final_hidden']: tensors['final_hidden'] = torch.cat([s['final_hidden'] for s in samples]).contiguous()
             rec = {**_write_shard(self.out / _shard_name(k), tensors), 'batch': k}
             m['shards'].append(rec)
             m['num_samples'], m['num_tokens'] = first + rec['num_samples'], m['num_tokens'] + rec['num_tokens']

@@ -79,30 +79,37 @@ class TransformersEngine:
     def __call__(self, prompts: list[list[int]], seed: int = 0) -> list[tuple[list[int], bool]]:
         return [(toks, stop is not None) for toks, stop, _ in self.generate(prompts, seed)]
 
-    def generate(self, prompts: list[list[int]], seed: int = 0, layer_ids=None) -> list[tuple]:
+    def generate(self, prompts: list[list[int]], seed: int = 0, layer_ids=None, final: bool = False) -> list[tuple]:
         """`(tokens, stop, features)` of each prompt: `stop` is the stop id that ended the reply, -1 where `stop_when`
         ended it (its last token kept), None where it was cut at `max_new_tokens`. With `layer_ids`, `features`
         (T, L·H) are the context features (`target_features`) of the T tokens the target read: the prompt, the reply
         and its stop token, taken from the forwards that generate them (a finished row stays one forward longer, so
-        that its last token is read too); without, None."""
+        that its last token is read too), with `final` followed by the final hidden states (T, L·H + H); without, None."""
         import torch
         from transformers import DynamicCache
         with torch.no_grad():
             dev = next(self.model.parameters()).device
             gen = torch.Generator(dev).manual_seed(seed) if self.temperature > 0 else None
             cache = DynamicCache()
-            logits, mask, nxt_pos, feats = self._prefill(prompts, cache, layer_ids)
-            out, ended = self._decode(logits, mask, nxt_pos, feats, cache, gen, layer_ids)
+            logits, mask, nxt_pos, feats = self._prefill(prompts, cache, layer_ids, final)
+            out, ended = self._decode(logits, mask, nxt_pos, feats, cache, gen, layer_ids, final)
             return [(o, e, torch.cat(f) if layer_ids is not None else None) for o, e, f in zip(out, ended, feats)]
 
 # %% ../../nbs/22b_data_generate.ipynb #ab8453c0
-@patch
-def _prefill(self: TransformersEngine, prompts: list[list[int]], cache, layer_ids=None) -> tuple:
-    """The first forward, over the prompts left-padded: the logits (N, V) at their last tokens, the attention mask
-    (N, P), each row's next position (N,), and a list per row for its features, holding those of its prompt (P_n, L·H)
-    with `layer_ids` (else empty)."""
+def _read(res, layer_ids, final: bool):
+    """What a cache keeps of a forward `res` that output its hidden states: the context features (N, S, L·H), with
+    `final` followed by the final hidden states (N, S, H), the last of them (after the final norm)."""
     import torch
     from dflash.data.features import target_features
+    f = target_features(res.hidden_states, layer_ids)                      # (N, S, L·H)
+    return torch.cat([f, res.hidden_states[-1]], -1) if final else f
+
+@patch
+def _prefill(self: TransformersEngine, prompts: list[list[int]], cache, layer_ids=None, final: bool = False) -> tuple:
+    """The first forward, over the prompts left-padded: the logits (N, V) at their last tokens, the attention mask
+    (N, P), each row's next position (N,), and a list per row for its features, holding those of its prompt (P_n, L·H)
+    with `layer_ids` (else empty), the final hidden states after them with `final` (`_read`)."""
+    import torch
     keep = layer_ids is not None                                        # read the features too
     dev = next(self.model.parameters()).device
     N, P = len(prompts), max(map(len, prompts))
@@ -115,7 +122,7 @@ def _prefill(self: TransformersEngine, prompts: list[list[int]], cache, layer_id
                      output_hidden_states=keep, **_cache_kw(self.model, cache))
     feats = [[] for _ in range(N)]
     if keep:
-        f = target_features(res.hidden_states, layer_ids).cpu()            # (N, P, L·H)
+        f = _read(res, layer_ids, final).cpu()                              # (N, P, L·H [+ H])
         for n, p in enumerate(prompts): feats[n].append(f[n, P - len(p):])
     return res.logits[:, -1], mask, pos[:, -1] + 1, feats
 
@@ -148,13 +155,12 @@ def _keep_rows(cache, going, *rows) -> list:
 # %% ../../nbs/22b_data_generate.ipynb #214a2c50
 @patch
 def _decode(self: TransformersEngine, logits, mask, nxt_pos, feats: list[list], cache, gen,
-            layer_ids=None) -> tuple[list[list[int]], list]:
+            layer_ids=None, final: bool = False) -> tuple[list[list[int]], list]:
     """Up to `max_new_tokens` steps after the prefill (its `logits` (N, V), `mask` (N, P), next positions (N,)), one
     token per live row each: the tokens and the stop of each row, as `generate` returns them. Without `layer_ids` a
     finished row leaves the batch and the cache at once; with them, after one more forward that reads its last token,
-    each forward's features appended to the row's list in `feats`."""
+    each forward's features (`_read`) appended to the row's list in `feats`."""
     import torch
-    from dflash.data.features import target_features
     keep, dev = layer_ids is not None, next(self.model.parameters()).device
     stops, N = torch.tensor(self.stop_ids, device=dev), len(feats)
     live, out, ended = torch.arange(N, device=dev), [[] for _ in range(N)], [None] * N    # rows still generating
@@ -169,7 +175,7 @@ def _decode(self: TransformersEngine, logits, mask, nxt_pos, feats: list[list], 
         res = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=nxt_pos[:, None],
                          use_cache=True, output_hidden_states=keep, **_cache_kw(self.model, cache))
         if keep:
-            f = target_features(res.hidden_states, layer_ids)[:, 0].cpu()  # (n, L·H) of the tokens just read
+            f = _read(res, layer_ids, final)[:, 0].cpu()                # (n, L·H [+ H]) of the tokens just read
             for r, v in zip(live.tolist(), f): feats[r].append(v[None])
             if last: break
         logits, nxt_pos = res.logits[:, -1], nxt_pos + 1
@@ -289,17 +295,26 @@ def regenerate_batch(engine, tokenizer, convs: list[list[dict]], *, template_kw:
 # %% ../../nbs/22b_data_generate.ipynb #e01f9e7a
 class ReadingEngine:
     """A reply engine that keeps what the target read for each prompt it answers: `read[prompt]` lists `(token ids,
-    features (T, L·H), reply tokens)` of each answer, in the order they were written."""
-    def __init__(self, engine, layer_ids): self.engine, self.layer_ids, self.read = engine, list(layer_ids), {}
+    states, reply tokens)` of each answer, in the order they were written; states: `{'context': (T, L·H)}`, with
+    `final` and `'final_hidden': (T, H)` too."""
+    def __init__(self, engine, layer_ids, final: bool = False):
+        self.engine, self.layer_ids, self.final, self.read = engine, list(layer_ids), final, {}
+
+    def _states(self, feats) -> dict:
+        "The context features and, with `final`, the final hidden states of what `generate` read (T, L·H [+ H])."
+        if not self.final: return {'context': feats}
+        C = feats.shape[1] * len(self.layer_ids) // (len(self.layer_ids) + 1)       # L·H of L·H + H
+        return {'context': feats[:, :C], 'final_hidden': feats[:, C:]}
 
     def __call__(self, prompts: list[list[int]], seed: int = 0) -> list[tuple[list[int], bool]]:
-        outs = self.engine.generate(prompts, seed, self.layer_ids)
+        outs = self.engine.generate(prompts, seed, self.layer_ids, self.final)
         for p, (toks, stop, feats) in zip(prompts, outs):
-            self.read.setdefault(tuple(p), []).append((p + toks + ([stop] if stop is not None else []), feats, toks))
+            read = p + toks + ([stop] if stop is not None else [])
+            self.read.setdefault(tuple(p), []).append((read, self._states(feats), toks))
         return [(toks, stop is not None) for toks, stop, _ in outs]
 
 def _reading_of(reading: ReadingEngine, tokenizer, prompt: list[int], reply: str) -> tuple | None:
-    "`(token ids, features)` the target read answering `prompt` with the text `reply`, taken out of `reading`; or None."
+    "`(token ids, states)` the target read answering `prompt` with the text `reply`, taken out of `reading`; or None."
     said = reading.read.get(tuple(prompt), [])
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     j = next((j for j, (_, _, toks) in enumerate(said) if decode(toks) == reply), None)
@@ -319,17 +334,17 @@ def _cache_sample(reading: ReadingEngine, tokenizer, rec: dict, template_kw: dic
     prompt = prompt_ids(tokenizer, msgs[:last], template_kw)
     got = _reading_of(reading, tokenizer, prompt, msgs[last]['content'])
     if got is None: return None
-    read, feats = got
+    read, states = got
     s = tokenize_conversation(tokenizer, msgs, max_length=len(read) + 4096, tools=tools, **template_kw)
     P = len(prompt)
     if s is None or s['input_ids'][:P].tolist() != prompt: return None
     mask = torch.cat([s['loss_mask'][:P].bool(), torch.ones(len(read) - P, dtype=torch.bool)])   # (T,)
-    return {'input_ids': torch.tensor(read), 'loss_mask': mask, 'context': feats}
+    return {'input_ids': torch.tensor(read), 'loss_mask': mask, **states}
 
 def cache_samples(reading: ReadingEngine, tokenizer, records: list[dict], template_kw: dict) -> tuple[list[dict], int]:
-    """Each record as a cache sample (`input_ids`, `loss_mask`, `context`): the tokens the target read for its last
-    reply, supervised as the chat data supervises them up to that reply, and in it every token the target wrote (its
-    stop token too, when it stopped). How many were left out: those the chat data leaves out, and those whose prompt
+    """Each record as a cache sample (`input_ids`, `loss_mask`, `context`, with `final_hidden` where `reading` keeps
+    it): the tokens the target read for its last reply, supervised as the chat data supervises them up to that reply,
+    and in it every token the target wrote (its stop token too, when it stopped). How many were left out: those the chat data leaves out, and those whose prompt
     renders otherwise in the whole conversation. `reading` forgets what it read."""
     samples = [_cache_sample(reading, tokenizer, r, template_kw) for r in records]
     reading.read.clear()
@@ -346,6 +361,7 @@ def growing_cache(cfg: RegenConfig | SynthConfig, target, config, batches: int, 
     ids = default_target_layer_ids(config.num_hidden_layers, cfg.num_draft_layers)
     grow = CacheAppender(cfg.cache, target_path=target, identity=target_identity(target), config=config,
                          layer_ids=ids, dtype=engine_dtype(cfg, device), shard_size=cfg.batch_size,
+                         final_hidden=cfg.final_hidden,
                          data_info={'path': str(cfg.out), 'chat_template': template_identity(tokenizer)})
     if not batches <= grow.batches <= batches + 1:
         raise InputError(f"--cache {cfg.cache}: holds {grow.batches} batches and {cfg.out} {batches}; a cache grows "

@@ -60,7 +60,8 @@ def target_engine_problems(cfg) -> list[str]:
     return p
 
 def cache_problems(cfg) -> list[str]:
-    "What is wrong with `--cache` (a cache grown with the data) and `--num-draft-layers` apart from the target."
+    """What is wrong with `--cache` (a cache grown with the data), `--num-draft-layers` and `--final-hidden` apart from
+    the target."""
     p = []
     if cfg.cache is not None and cfg.engine != 'transformers':
         p.append(f"--cache with --engine {cfg.engine}: the cache is read off transformers' forwards; use --engine "
@@ -70,6 +71,8 @@ def cache_problems(cfg) -> list[str]:
     if cfg.cache is None and cfg.num_draft_layers != type(cfg).num_draft_layers:
         p.append(f"--num-draft-layers = {cfg.num_draft_layers}: read only with --cache (the layers it holds); leave it "
                  "out, or give --cache")
+    if cfg.cache is None and cfg.final_hidden:
+        p.append("--final-hidden: read only with --cache (what it holds); leave it out, or give --cache")
     return p
 
 def _validate(cfg: RegenConfig):
@@ -236,7 +239,7 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
         raise InputError("--cache: run it as one process (the cache grows a batch at a time, in the file's order); "
                          "drop accelerate launch, or write the cache afterwards with `python -m dflash.data cache`")
     tok, tkw, done, grow, engine = _open_run(cfg, state)
-    reply = ReadingEngine(engine, grow.manifest['layer_ids']) if grow else engine   # keeps what the target read
+    reply = ReadingEngine(engine, grow.manifest['layer_ids'], cfg.final_hidden) if grow else engine   # what it read
     n_batches = -(-len(convs) // cfg.batch_size)
     todo = list(range(len(done), n_batches))
     res = {'conversations': len(convs), 'skipped_lines': stats.bad_lines, 'batches': n_batches,
