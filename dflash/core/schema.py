@@ -208,8 +208,8 @@ class DataOptions:
     num_proc: int = option(1, 'processes tokenizing the data; the result is cached', ge=1)
     skip_bad_lines: bool = option(False, 'skip and count malformed records instead of stopping')
 
-_FINAL_HIDDEN_HELP = ("the target's final hidden state (after its final norm) too, the teacher of `dflash.train --loss kl "
-                     "or tv`: hidden_size values more per token")
+_FINAL_HIDDEN_HELP = ("the target's final hidden state (after its final norm) too, the teacher of "
+                      "`dflash.train --loss kl or tv`: hidden_size values more per token")
 
 @dataclass
 class CacheOptions(DataOptions):

@@ -81,6 +81,10 @@ def _write_shard(path: Path, tensors: dict[str, Tensor]) -> dict:
 _PLAN_KEYS = ('format', 'num_samples', 'num_tokens', 'shard_size', 'num_shards', 'layer_ids', 'hidden_size',
               'context_size', 'dtype', 'final_hidden')
 
+def _held(manifest: dict, key: str):
+    "What a cache's manifest says of `key`: a cache written before caches kept final hidden states kept none."
+    return manifest.get(key, False if key == 'final_hidden' else None)
+
 def _manifest_head(path, identity: str, config, layer_ids, dtype, final_hidden: bool = False) -> dict:
     "What a cache's manifest says of its target and features: the target's identity and sizes, the layers, the dtype."
     return {'format': _CACHE_FORMAT, 'layer_ids': list(layer_ids), 'hidden_size': config.hidden_size,
@@ -105,8 +109,8 @@ def _check_resume(out: Path, plan: dict):
                          f"({old.get('target', {}).get('path')}), not of target {plan['target']['identity']} "
                          f"({plan['target']['path']}); use another --out")
     for k in _PLAN_KEYS:
-        if old.get(k, False if k == 'final_hidden' else None) != plan[k]:    # caches before final_hidden: False
-            raise InputError(f"{out}: holds a cache with {k}={old.get(k)!r}, this run has {plan[k]!r}; "
+        if _held(old, k) != plan[k]:
+            raise InputError(f"{out}: holds a cache with {k}={_held(old, k)!r}, this run has {plan[k]!r}; "
                              "use another --out")
     if old['data']['fingerprint'] != plan['data']['fingerprint']:
         raise InputError(f"{out}: holds a cache of other data (fingerprint {old['data']['fingerprint']}, "
@@ -317,8 +321,8 @@ class CacheAppender:
         if old.get('target', {}).get('identity') != identity:
             raise InputError(f"{self.out}: holds the cache of another target than {target_path}; use another directory")
         for k, v in [*head.items(), ('shard_size', shard_size)]:
-            if k != 'target' and old.get(k, False if k == 'final_hidden' else None) != v:   # older: none kept
-                raise InputError(f"{self.out}: holds a cache with {k}={old.get(k)!r}, this one has {v!r}; use "
+            if k != 'target' and _held(old, k) != v:
+                raise InputError(f"{self.out}: holds a cache with {k}={_held(old, k)!r}, this one has {v!r}; use "
                                  "another cache directory")
         if 'batches' not in old.get('data', {}):
             raise InputError(f"{self.out}: a cache written at once (`python -m dflash.data cache`), not one that grows "
@@ -339,8 +343,8 @@ class CacheAppender:
         write_json(self.out / 'manifest.json', m)
 
     def append(self, samples: list[dict]):
-        """The next batch: `{'input_ids' (S,), 'loss_mask' (S,), 'context' (S, L·H)}` of each sample, and `'final_hidden'
-        (S, H)` in a cache that keeps it (none: an empty batch)."""
+        """The next batch: `{'input_ids' (S,), 'loss_mask' (S,), 'context' (S, L·H)}` of each sample, and
+        `'final_hidden' (S, H)` in a cache that keeps it (none: an empty batch)."""
         m, k = self.manifest, self.batches
         make_dir(self.out)
         if samples:

@@ -84,7 +84,8 @@ class TransformersEngine:
         ended it (its last token kept), None where it was cut at `max_new_tokens`. With `layer_ids`, `features`
         (T, L·H) are the context features (`target_features`) of the T tokens the target read: the prompt, the reply
         and its stop token, taken from the forwards that generate them (a finished row stays one forward longer, so
-        that its last token is read too), with `final` followed by the final hidden states (T, L·H + H); without, None."""
+        that its last token is read too), with `final` followed by the final hidden states (T, L·H + H); without,
+        None."""
         import torch
         from transformers import DynamicCache
         with torch.no_grad():
@@ -344,8 +345,9 @@ def _cache_sample(reading: ReadingEngine, tokenizer, rec: dict, template_kw: dic
 def cache_samples(reading: ReadingEngine, tokenizer, records: list[dict], template_kw: dict) -> tuple[list[dict], int]:
     """Each record as a cache sample (`input_ids`, `loss_mask`, `context`, with `final_hidden` where `reading` keeps
     it): the tokens the target read for its last reply, supervised as the chat data supervises them up to that reply,
-    and in it every token the target wrote (its stop token too, when it stopped). How many were left out: those the chat data leaves out, and those whose prompt
-    renders otherwise in the whole conversation. `reading` forgets what it read."""
+    and in it every token the target wrote (its stop token too, when it stopped). How many were left out: those the
+    chat data leaves out, and those whose prompt renders otherwise in the whole conversation. `reading` forgets what it
+    read."""
     samples = [_cache_sample(reading, tokenizer, r, template_kw) for r in records]
     reading.read.clear()
     return [s for s in samples if s is not None], samples.count(None)

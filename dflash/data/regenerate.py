@@ -239,7 +239,7 @@ def regenerate(cfg: RegenConfig, stop: StopRequest | None = None) -> dict:
         raise InputError("--cache: run it as one process (the cache grows a batch at a time, in the file's order); "
                          "drop accelerate launch, or write the cache afterwards with `python -m dflash.data cache`")
     tok, tkw, done, grow, engine = _open_run(cfg, state)
-    reply = ReadingEngine(engine, grow.manifest['layer_ids'], cfg.final_hidden) if grow else engine   # what it read
+    reply = ReadingEngine(engine, grow.manifest['layer_ids'], grow.manifest['final_hidden']) if grow else engine
     n_batches = -(-len(convs) // cfg.batch_size)
     todo = list(range(len(done), n_batches))
     res = {'conversations': len(convs), 'skipped_lines': stats.bad_lines, 'batches': n_batches,

@@ -295,7 +295,7 @@ def _synthesize(cfg: SynthConfig, stop: StopRequest | None = None) -> dict:
     while written < cfg.num and not stop:
         _check_progress(cfg, entries, written)
         k = len(entries)
-        reply = ReadingEngine(engine, grow.manifest['layer_ids'], cfg.final_hidden) if grow else engine
+        reply = ReadingEngine(engine, grow.manifest['layer_ids'], grow.manifest['final_hidden']) if grow else engine
         recs, info = _synthesize_batch(prompter, reply, tok, needed=cfg.num - written, seen=seen, template_kw=tkw,
                                        batch=k, **_batch_settings(cfg))
         if grow:                                                   # the cache first: a stop between keeps the data's
