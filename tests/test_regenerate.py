@@ -397,7 +397,8 @@ def same_cache(grown, written):
         assert torch.equal(a[i]['input_ids'], b[i]['input_ids'][:n]), i
         assert torch.equal(a[i]['loss_mask'], b[i]['loss_mask'][:n]) and not b[i]['loss_mask'][n:].any(), i
         for k in ('context', 'final_hidden') if a.manifest['final_hidden'] else ('context',):
-            assert torch.allclose(a[i][k], b[i][k][:n], atol=1e-4), (i, k, (a[i][k] - b[i][k][:n]).abs().max())
+            x, y = a[i][k].float(), b[i][k][:n].float()                      # a float64 run's cache holds float64
+            assert torch.allclose(x, y, atol=1e-4), (i, k, (x - y).abs().max())
 
 
 def test_regenerate_cache_is_the_cache_commands_and_trains(small_data, tmp_path, own_caches):
@@ -428,6 +429,30 @@ def test_regenerate_cache_is_the_cache_commands_and_trains(small_data, tmp_path,
     steps = [int(row['step']) for row in csv.DictReader((run / 'metrics.csv').read_text().splitlines())]
     assert max(steps) == 2, steps
     assert (run / 'drafter' / 'model.safetensors').is_file()
+
+
+def test_max_repeat_cuts_each_reply_at_its_first_repeat(small_data, tmp_path, own_caches):
+    """`--max-repeat 3` ends each reply where it first repeats 3 tokens: a first reply is the uncut one up to there,
+    marked truncated; its cache is the one `data cache` writes of the file; a rerun with another --max-repeat is
+    refused (float64: the batch's rows leave at other steps, and no rounding may flip a token)."""
+    from dflash.core.files import toy_target_dir
+    from dflash.data.command import main as data_main
+    kw = dict(data=str(small_data), batch_size=4, max_new_tokens=40, dtype='float64', progress=False)
+    regenerate(RegenConfig(out=str(tmp_path / 'full.jsonl'), **kw))
+    out, grown = tmp_path / 'cut.jsonl', tmp_path / 'grown'
+    regenerate(RegenConfig(out=str(out), max_repeat=3, cache=str(grown), num_draft_layers=2, **kw))
+    first = lambda f: [next(m for m in json.loads(l)['messages'] if m['role'] == 'assistant')
+                       for l in f.read_text().splitlines()]
+    cut = 0
+    for a, b in zip(first(tmp_path / 'full.jsonl'), first(out)):
+        assert a['content'].startswith(b['content']), (a, b)
+        if b['content'] != a['content']: cut += 1
+        if b['content'] != a['content']: assert b.get('truncated'), b
+    assert cut > 0                                                         # the toy target repeats itself
+    data_main(['cache', '--target', str(toy_target_dir()), '--data', str(out), '--out', str(tmp_path / 'after'),
+               '--num-draft-layers', '2', '--no-progress', '--threads', '1'])
+    same_cache(grown, tmp_path / 'after')
+    with pytest.raises(Exception, match='max_repeat'): regenerate(RegenConfig(out=str(out), max_repeat=4, **kw))
 
 
 def test_a_stopped_regeneration_continues_its_cache(small_data, tmp_path, monkeypatch):

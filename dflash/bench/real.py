@@ -222,13 +222,14 @@ def cache_phase(o: RealBench, target: str, work: Path) -> dict:
 def source_cmd(o: RealBench, target: str, d: Path, source: str) -> list:
     """The command writing `source`'s data to `d/SOURCE.jsonl` and its hidden states to `d/SOURCE-cache`, one thread:
     `regenerate` of the chat data (a prompt of at most 384 tokens: its reply, or 128 tokens of it, within the training's
-    512), or `synthesize`; the replies under the target's own system prompt, as measured. The cache keeps the final
-    hidden states too when the lever `distill` needs them as the teacher."""
+    512; a reply cut where it first repeats 16 tokens, the loop a greedy target then runs to the limit), or
+    `synthesize`; the replies under the target's own system prompt, as measured. The cache keeps the final hidden
+    states too when the lever `distill` needs them as the teacher."""
     if source == 'chat':
         cmd = [sys.executable, '-m', 'dflash.data', 'regenerate', '--target', target,
                '--data', o.chat_data or sharegpt_json(), '--out', d / 'chat.jsonl', '--skip-bad-lines', '--max-turns', 2,
-               '--max-prompt-tokens', 384, '--max-new-tokens', 256, '--batch-size', 8, '--dtype', _dtype(o),
-               '--threads', 1, '--no-progress', *template_flag(o)]
+               '--max-prompt-tokens', 384, '--max-new-tokens', 256, '--max-repeat', 16, '--batch-size', 8,
+               '--dtype', _dtype(o), '--threads', 1, '--no-progress', *template_flag(o)]
     else:
         system = _CODE_SYSTEM if source == 'code' else system_prompt(o)
         cmd = _synth_cmd(o, target, d / f'{source}.jsonl', 1, source == 'code', system) + ['--reply-system', '']

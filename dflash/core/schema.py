@@ -249,6 +249,10 @@ class RegenConfig:
                                          "(ShareGPT's run to dozens; default: all)", ge=1)
     max_prompt_tokens: int | None = option(None, 'a conversation whose prompt for a reply is longer ends before that '
                                                  'reply\'s user turn (default: no limit)', ge=1)
+    max_repeat: int | None = option(None, 'end a reply where its last N tokens already occurred in it, kept to there '
+                                          'and marked truncated as at --max-new-tokens: a greedy target that repeats '
+                                          'itself goes on repeating, tokens that cost generation and training and '
+                                          'that copying from the context drafts anyway (default: none)', ge=2)
     temperature: float = option(0.0, '0: greedy; > 0: sampling', zero_or_ge=TEMPERATURE_MIN)
     top_p: float = option(1.0, 'nucleus sampling mass (with temperature > 0)', gt=0, le=1)
     seed: int = option(0, 'sampling seed (each batch and turn draws its own: reruns sample the same)', ge=0,

@@ -18,7 +18,7 @@ if TYPE_CHECKING:         # for annotations: torch, transformers and dflash.data
     from dflash.data.records import DataStats
 
 # %% auto #0
-__all__ = ['TransformersEngine', 'engine_dtype', 'make_engine']
+__all__ = ['repeat_end', 'TransformersEngine', 'engine_dtype', 'make_engine']
 
 # %% ../../nbs/22b_data_generate.ipynb #57abc4dd
 _ROLES = ('system', 'user', 'assistant')
@@ -59,6 +59,16 @@ def _cut_at_stop(tokens: list[int], stop_ids) -> tuple[list[int], bool]:
         if t in stop_ids: return tokens[:i], True
     return tokens, False
 
+def repeat_end(tokens: list[int], n: int) -> int | None:
+    """The length of the shortest start of `tokens` whose last `n` tokens occurred earlier in it (a greedy reply repeats
+    itself from there on), or None where no `n` tokens occur twice."""
+    seen = set()
+    for end in range(n, len(tokens) + 1):
+        gram = tuple(tokens[end - n:end])
+        if gram in seen: return end
+        seen.add(gram)
+    return None
+
 def _cache_kw(model, cache) -> dict:
     "The cache argument of the model's forward (`cache` in recent transformers, else `past_key_values`)."
     return {cache_argument(model): cache}
@@ -70,18 +80,19 @@ class TransformersEngine:
     the first stop id, or 0 without stop ids. The attention mask hides every padded position, so no row reads the id,
     and a reply ends before its first stop id."""
     def __init__(self, model, stop_ids, pad_id: int | None, *, max_new_tokens: int = 512, temperature: float = 0.,
-                 top_p: float = 1., stop_when=None):
+                 top_p: float = 1., stop_when=None, cut_when=None):
         self.model, self.stop_ids = model, list(stop_ids)
         self.pad_id = pad_id if pad_id is not None else next(iter(self.stop_ids), 0)     # no pad token: a stop id
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.stop_when = stop_when       # (row, tokens) -> bool: whether row's tokens so far end it (e.g. at a text)
+        self.cut_when = cut_when         # (tokens) -> bool: whether a reply so far is cut there, as at the token limit
 
     def __call__(self, prompts: list[list[int]], seed: int = 0) -> list[tuple[list[int], bool]]:
         return [(toks, stop is not None) for toks, stop, _ in self.generate(prompts, seed)]
 
     def generate(self, prompts: list[list[int]], seed: int = 0, layer_ids=None, final: bool = False) -> list[tuple]:
         """`(tokens, stop, features)` of each prompt: `stop` is the stop id that ended the reply, -1 where `stop_when`
-        ended it (its last token kept), None where it was cut at `max_new_tokens`. With `layer_ids`, `features`
+        ended it (its last token kept), None where it was cut at `max_new_tokens` or by `cut_when`. With `layer_ids`, `features`
         (T, L·H) are the context features (`target_features`) of the T tokens the target read: the prompt, the reply
         and its stop token, taken from the forwards that generate them (a finished row stays one forward longer, so
         that its last token is read too), with `final` followed by the final hidden states (T, L·H + H); without,
@@ -138,13 +149,15 @@ def _next_tokens(self: TransformersEngine, logits, gen) -> torch.Tensor:
 @patch
 def _take(self: TransformersEngine, live, tok, stops, out: list[list[int]], ended: list) -> torch.Tensor:
     """Each live row's (`live` (n,)) new token `tok` (n,) appended to its reply in `out`, or the row ended: by a stop
-    id of `stops` (`ended` holds it), or by `stop_when` (-1, the token kept). Which rows ended, (n,) bool."""
+    id of `stops` (`ended` holds it), by `stop_when` (-1, the token kept) or by `cut_when` (None, the token kept, as
+    at the token limit). Which rows ended, (n,) bool."""
     import torch
     done = torch.isin(tok, stops)
     for j, (r, t, d) in enumerate(zip(live.tolist(), tok.tolist(), done.tolist())):
         if d: ended[r] = t
         else: out[r].append(t)
         if not d and self.stop_when is not None and self.stop_when(r, out[r]): ended[r], done[j] = -1, True
+        if not d and self.cut_when is not None and self.cut_when(out[r]): done[j] = True
     return done
 
 def _keep_rows(cache, going, *rows) -> list:
@@ -188,10 +201,11 @@ def _decode(self: TransformersEngine, logits, mask, nxt_pos, feats: list[list], 
 class _VLLMEngine:
     "Generation with vLLM (GPU): same interface as `TransformersEngine`; prompts go in as token ids."
     def __init__(self, target, stop_ids, *, max_new_tokens: int = 512, temperature: float = 0., top_p: float = 1.,
-                 dtype: str | None = None):
+                 dtype: str | None = None, max_repeat: int | None = None):
         from vllm import LLM
         self.llm, self.stop_ids = LLM(model=str(target), dtype=dtype or 'auto'), list(stop_ids)
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.max_repeat = max_repeat     # a reply is cut after it where it repeats itself (`repeat_end`)
 
     def __call__(self, prompts: list[list[int]], seed: int = 0) -> list[tuple[list[int], bool]]:
         from vllm import SamplingParams
@@ -200,7 +214,9 @@ class _VLLMEngine:
                             detokenize=False)
         outs = self.llm.generate([{'prompt_token_ids': p} for p in prompts], sp, use_tqdm=False)
         res = [(_cut_at_stop(list(o.outputs[0].token_ids), self.stop_ids), o.outputs[0].finish_reason) for o in outs]
-        return [(toks, stopped or why == 'stop') for (toks, stopped), why in res]
+        res = [(toks, stopped or why == 'stop') for (toks, stopped), why in res]
+        ends = [repeat_end(toks, self.max_repeat) if self.max_repeat else None for toks, _ in res]
+        return [(toks, s) if e is None else (toks[:e], False) for (toks, s), e in zip(res, ends)]   # cut: not stopped
 
 # %% ../../nbs/22b_data_generate.ipynb #7c683c40
 def target_dir(cfg: RegenConfig) -> Path:
@@ -225,10 +241,11 @@ def make_engine(cfg: RegenConfig, tokenizer, device):
     stops = end_of_turn_ids(tokenizer, gen_cfg)
     if cfg.engine == 'vllm':
         return _VLLMEngine(target, stops, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                          top_p=cfg.top_p, dtype=DTYPES.get(cfg.dtype))
+                          top_p=cfg.top_p, dtype=DTYPES.get(cfg.dtype), max_repeat=cfg.max_repeat)
+    cut = None if cfg.max_repeat is None else lambda toks: repeat_end(toks, cfg.max_repeat) is not None
     model = load_target(target, engine_dtype(cfg, device)).to(device).eval()       # its weights and config.json agree
     return TransformersEngine(model, stops, tokenizer.pad_token_id, max_new_tokens=cfg.max_new_tokens,
-                              temperature=cfg.temperature, top_p=cfg.top_p)        # no pad token: the engine picks
+                              temperature=cfg.temperature, top_p=cfg.top_p, cut_when=cut)   # no pad token: the engine picks
 
 # %% ../../nbs/22b_data_generate.ipynb #3c5486dd
 def round_seed(seed: int, batch: int, rnd: int | str) -> int:
