@@ -122,7 +122,7 @@ def _bench_regenerate(*, n: int = 32, batch_size: int = 16, max_new_tokens: int 
         model, tok = load_toy_target()
         model = model.to(device)
         stops = end_of_turn_ids(tok, model.generation_config)
-        engine = TransformersEngine(model, stops, tok.pad_token_id, max_new_tokens=max_new_tokens)
+        engine = TransformersEngine(model, stops, max_new_tokens=max_new_tokens)
         convs = [m for _, m in load_conversations(toy_data_dir() / 'eval.jsonl')[0][:n]]
         rows, bar = [], progress(total=2 * repeats, desc='regeneration rounds')
         for r in range(repeats):

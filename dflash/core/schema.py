@@ -210,6 +210,9 @@ class DataOptions:
 
 _FINAL_HIDDEN_HELP = ("the target's final hidden state (after its final norm) too, the teacher of "
                       "`dflash.train --loss kl or tv`: hidden_size values more per token")
+_MAX_REPEAT_HELP = ('end a reply where its last N tokens already occurred in it, kept to there and marked truncated as '
+                    'at --max-new-tokens: a greedy target that repeats itself goes on repeating, tokens that cost '
+                    'generation and training and that copying from the context drafts anyway (default: none)')
 
 @dataclass
 class CacheOptions(DataOptions):
@@ -249,10 +252,7 @@ class RegenConfig:
                                          "(ShareGPT's run to dozens; default: all)", ge=1)
     max_prompt_tokens: int | None = option(None, 'a conversation whose prompt for a reply is longer ends before that '
                                                  'reply\'s user turn (default: no limit)', ge=1)
-    max_repeat: int | None = option(None, 'end a reply where its last N tokens already occurred in it, kept to there '
-                                          'and marked truncated as at --max-new-tokens: a greedy target that repeats '
-                                          'itself goes on repeating, tokens that cost generation and training and '
-                                          'that copying from the context drafts anyway (default: none)', ge=2)
+    max_repeat: int | None = option(None, _MAX_REPEAT_HELP, ge=2)
     temperature: float = option(0.0, '0: greedy; > 0: sampling', zero_or_ge=TEMPERATURE_MIN)
     top_p: float = option(1.0, 'nucleus sampling mass (with temperature > 0)', gt=0, le=1)
     seed: int = option(0, 'sampling seed (each batch and turn draws its own: reruns sample the same)', ge=0,
@@ -306,6 +306,7 @@ class SynthConfig:
     user_insert: list[str] | None = option(None, 'the text put in at each --user-insert-after pattern, in the same order')
     max_prompt_tokens: int = option(256, 'tokens per user message at most (a message cut there is dropped)', ge=1)
     max_new_tokens: int = option(512, 'tokens per reply at most (a reply cut there is kept, marked truncated)', ge=1)
+    max_repeat: int | None = option(None, _MAX_REPEAT_HELP, ge=2)
     prompt_temperature: float = option(1.0, 'sampling temperature of the user messages', ge=TEMPERATURE_MIN)
     prompt_top_p: float = option(0.95, 'nucleus sampling mass of the user messages', gt=0, le=1)
     temperature: float = option(0.0, 'of the replies: 0: greedy; > 0: sampling', zero_or_ge=TEMPERATURE_MIN)

@@ -75,28 +75,26 @@ def _cache_kw(model, cache) -> dict:
 
 # %% ../../nbs/22b_data_generate.ipynb #f1417b39
 class TransformersEngine:
-    """Batched generation with a transformers causal LM: left padding, KV cache, finished rows leave the batch. The
-    padding holds `pad_id` (the tokenizer's pad token); where that is None (no pad token, as in Llama 3's tokenizer),
-    the first stop id, or 0 without stop ids. The attention mask hides every padded position, so no row reads the id,
-    and a reply ends before its first stop id."""
-    def __init__(self, model, stop_ids, pad_id: int | None, *, max_new_tokens: int = 512, temperature: float = 0.,
-                 top_p: float = 1., stop_when=None, cut_when=None):
+    """Batched generation with a transformers causal LM: each prompt prefilled alone, then all decoded together from
+    one KV cache, left-padded (zero keys and values that the attention mask hides, so no pad token is needed), finished
+    rows leaving the batch; a reply ends before its first stop id."""
+    def __init__(self, model, stop_ids, *, max_new_tokens: int = 512, temperature: float = 0., top_p: float = 1.,
+                 stop_when=None, max_repeat: int | None = None):
         self.model, self.stop_ids = model, list(stop_ids)
-        self.pad_id = pad_id if pad_id is not None else next(iter(self.stop_ids), 0)     # no pad token: a stop id
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.stop_when = stop_when       # (row, tokens) -> bool: whether row's tokens so far end it (e.g. at a text)
-        self.cut_when = cut_when         # (tokens) -> bool: whether a reply so far is cut there, as at the token limit
+        self.max_repeat = max_repeat     # a reply is cut after its first repeat of this many tokens (`repeat_end`)
 
     def __call__(self, prompts: list[list[int]], seed: int = 0) -> list[tuple[list[int], bool]]:
         return [(toks, stop is not None) for toks, stop, _ in self.generate(prompts, seed)]
 
     def generate(self, prompts: list[list[int]], seed: int = 0, layer_ids=None, final: bool = False) -> list[tuple]:
         """`(tokens, stop, features)` of each prompt: `stop` is the stop id that ended the reply, -1 where `stop_when`
-        ended it (its last token kept), None where it was cut at `max_new_tokens` or by `cut_when`. With `layer_ids`, `features`
-        (T, L·H) are the context features (`target_features`) of the T tokens the target read: the prompt, the reply
-        and its stop token, taken from the forwards that generate them (a finished row stays one forward longer, so
-        that its last token is read too), with `final` followed by the final hidden states (T, L·H + H); without,
-        None."""
+        ended it (its last token kept), None where it was cut at `max_new_tokens` or `max_repeat`. With `layer_ids`,
+        `features` (T, L·H) are the context features (`target_features`) of the T tokens the target read: the prompt,
+        the reply and its stop token, taken from the forwards that generate them (a finished row stays one forward
+        longer, so that its last token is read too), with `final` followed by the final hidden states (T, L·H + H);
+        without, None."""
         import torch
         from transformers import DynamicCache
         with torch.no_grad():
@@ -116,27 +114,35 @@ def _read(res, layer_ids, final: bool):
     f = target_features(res.hidden_states, layer_ids)                      # (N, S, L·H)
     return torch.cat([f, res.hidden_states[-1]], -1) if final else f
 
+def _left_padded(layer, pad: int) -> tuple:
+    "A cache layer's keys and values (1, Hkv, S, D), each with `pad` zero positions before them (1, Hkv, pad + S, D)."
+    import torch.nn.functional as F
+    return F.pad(layer.keys, (0, 0, pad, 0)), F.pad(layer.values, (0, 0, pad, 0))
+
 @patch
 def _prefill(self: TransformersEngine, prompts: list[list[int]], cache, layer_ids=None, final: bool = False) -> tuple:
-    """The first forward, over the prompts left-padded: the logits (N, V) at their last tokens, the attention mask
-    (N, P), each row's next position (N,), and a list per row for its features, holding those of its prompt (P_n, L·H)
-    with `layer_ids` (else empty), the final hidden states after them with `final` (`_read`)."""
+    """A forward over each prompt alone, its keys and values then put left-padded into the batch's `cache`: the logits
+    (N, V) at the prompts' last tokens, the attention mask (N, P), each row's next position (N,), and a list per row
+    for its features, holding those of its prompt (P_n, L·H) with `layer_ids` (else empty), the final hidden states
+    after them with `final` (`_read`)."""
     import torch
+    from transformers import DynamicCache
     keep = layer_ids is not None                                        # read the features too
     dev = next(self.model.parameters()).device
     N, P = len(prompts), max(map(len, prompts))
-    ids = torch.full((N, P), self.pad_id, dtype=torch.long)                # (N, P) left-padded
-    mask = torch.zeros(N, P, dtype=torch.long)                              # (N, P) 1 on prompt tokens
-    for n, p in enumerate(prompts): ids[n, P - len(p):], mask[n, P - len(p):] = torch.tensor(p), 1
-    ids, mask = ids.to(dev), mask.to(dev)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)                                # (N, P) positions, padding at 0
-    res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                     output_hidden_states=keep, **_cache_kw(self.model, cache))
-    feats = [[] for _ in range(N)]
-    if keep:
-        f = _read(res, layer_ids, final).cpu()                              # (N, P, L·H [+ H])
-        for n, p in enumerate(prompts): feats[n].append(f[n, P - len(p):])
-    return res.logits[:, -1], mask, pos[:, -1] + 1, feats
+    mask = torch.zeros(N, P, dtype=torch.long, device=dev)                  # (N, P) 1 on prompt tokens
+    logits, rows, feats = [], [], [[] for _ in range(N)]
+    for n, p in enumerate(prompts):
+        own = DynamicCache()
+        res = self.model(input_ids=torch.tensor([p], device=dev), use_cache=True, logits_to_keep=1,
+                         output_hidden_states=keep, **_cache_kw(self.model, own))
+        mask[n, P - len(p):] = 1
+        logits.append(res.logits[:, -1])                                     # (1, V)
+        rows.append([_left_padded(layer, P - len(p)) for layer in own.layers])      # per layer: (1, Hkv, P, D) twice
+        if keep: feats[n].append(_read(res, layer_ids, final)[0].cpu())     # (P_n, L·H [+ H])
+    for i, layer in enumerate(zip(*rows)):
+        cache.update(torch.cat([k for k, _ in layer]), torch.cat([v for _, v in layer]), i)    # (N, Hkv, P, D)
+    return torch.cat(logits), mask, mask.sum(-1), feats
 
 # %% ../../nbs/22b_data_generate.ipynb #349beac5
 @patch
@@ -149,15 +155,15 @@ def _next_tokens(self: TransformersEngine, logits, gen) -> torch.Tensor:
 @patch
 def _take(self: TransformersEngine, live, tok, stops, out: list[list[int]], ended: list) -> torch.Tensor:
     """Each live row's (`live` (n,)) new token `tok` (n,) appended to its reply in `out`, or the row ended: by a stop
-    id of `stops` (`ended` holds it), by `stop_when` (-1, the token kept) or by `cut_when` (None, the token kept, as
-    at the token limit). Which rows ended, (n,) bool."""
+    id of `stops` (`ended` holds it), by `stop_when` (-1, the token kept) or at its first repeat of `max_repeat`
+    tokens (None, the token kept, as at the token limit). Which rows ended, (n,) bool."""
     import torch
     done = torch.isin(tok, stops)
     for j, (r, t, d) in enumerate(zip(live.tolist(), tok.tolist(), done.tolist())):
         if d: ended[r] = t
         else: out[r].append(t)
         if not d and self.stop_when is not None and self.stop_when(r, out[r]): ended[r], done[j] = -1, True
-        if not d and self.cut_when is not None and self.cut_when(out[r]): done[j] = True
+        if not d and self.max_repeat and repeat_end(out[r], self.max_repeat) is not None: done[j] = True
     return done
 
 def _keep_rows(cache, going, *rows) -> list:
@@ -232,7 +238,7 @@ def engine_dtype(cfg: RegenConfig, device) -> torch.dtype:
     return torch.bfloat16 if device.type == 'cuda' else torch.float32
 
 def make_engine(cfg: RegenConfig, tokenizer, device):
-    "The engine `cfg` asks for, with its stop ids (and the tokenizer's pad id, None where it has none)."
+    "The engine `cfg` asks for, with the stop ids of `tokenizer` and the target's generation config."
     from transformers import GenerationConfig
     from dflash.model.target import load_target
     target = target_dir(cfg)
@@ -242,10 +248,9 @@ def make_engine(cfg: RegenConfig, tokenizer, device):
     if cfg.engine == 'vllm':
         return _VLLMEngine(target, stops, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                           top_p=cfg.top_p, dtype=DTYPES.get(cfg.dtype), max_repeat=cfg.max_repeat)
-    cut = None if cfg.max_repeat is None else lambda toks: repeat_end(toks, cfg.max_repeat) is not None
     model = load_target(target, engine_dtype(cfg, device)).to(device).eval()       # its weights and config.json agree
-    return TransformersEngine(model, stops, tokenizer.pad_token_id, max_new_tokens=cfg.max_new_tokens,
-                              temperature=cfg.temperature, top_p=cfg.top_p, cut_when=cut)   # no pad token: the engine picks
+    return TransformersEngine(model, stops, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                              top_p=cfg.top_p, max_repeat=cfg.max_repeat)
 
 # %% ../../nbs/22b_data_generate.ipynb #3c5486dd
 def round_seed(seed: int, batch: int, rnd: int | str) -> int:

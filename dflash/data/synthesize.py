@@ -210,6 +210,7 @@ def _synth_header(cfg: SynthConfig) -> dict:
     from dflash.model.target import target_identity
     keep = ('system', 'turns', 'max_prompt_tokens', 'max_new_tokens', 'prompt_temperature', 'prompt_top_p', 'temperature',
             'top_p', 'seed', 'batch_size', 'engine', 'thinking')
+    if cfg.max_repeat is not None: keep += ('max_repeat',)                # absent when unset: older indexes still match
     steer = {k: getattr(cfg, k) for k in ('user_prefix', 'user_stop', 'user_insert_after', 'user_insert', 'user_suffix')
              if getattr(cfg, k)}                                       # files written before an option resume
     if cfg.reply_system is not None: steer['reply_system'] = cfg.reply_system                                  # '' too
@@ -243,7 +244,7 @@ def _asker(cfg: SynthConfig, engine, tokenizer):
     "The engine writing the user messages: `engine`, stopping at the user's end of turn too, with the prompt settings."
     return _with_settings(engine, stop_ids=sorted(set(engine.stop_ids) | set(_end_of_user_turn_ids(tokenizer))),
                           max_new_tokens=cfg.max_prompt_tokens, temperature=cfg.prompt_temperature,
-                          top_p=cfg.prompt_top_p)
+                          top_p=cfg.prompt_top_p, max_repeat=None)      # a user message does not end at a repeat
 
 def _batch_settings(cfg: SynthConfig) -> dict:
     "The arguments of `_synthesize_batch` that `cfg` sets: the batch's size and turns, the seed, the steering."
