@@ -95,7 +95,7 @@ def run_header(cfg: RegenConfig, tokenizer=None) -> dict:
     from dflash.model.target import target_identity
     opts = {k: getattr(cfg, k) for k in ('engine', 'batch_size', 'max_new_tokens', 'temperature', 'top_p', 'seed',
                                          'thinking')}
-    for k in ('max_turns', 'max_prompt_tokens', 'max_repeat'):                       # absent when unset: older indexes still match
+    for k in ('max_turns', 'max_prompt_tokens', 'max_repeat'):        # absent when unset: older indexes still match
         if getattr(cfg, k) is not None: opts[k] = getattr(cfg, k)
     opts['dtype'] = DTYPES.get(cfg.dtype)                                 # bf16 and bfloat16 alike
     if cfg.chat_template is not None:                                  # absent when unset: older indexes still match

@@ -58,7 +58,7 @@ _FILTERS = {'empty': 'empty prompt', 'repeated': 'repeated: a prompt loops',
 
 # %% ../../nbs/24_data_synthesize.ipynb #a50be9cb
 def _with_settings(engine, **kw):
-    "A copy of `engine` (the same model) with other `stop_ids`, `max_new_tokens`, `temperature`, `top_p` or `stop_when`."
+    "A copy of `engine` (the same model) with other settings: `stop_ids`, `max_new_tokens`, `temperature`, `top_p`..."
     e = copy.copy(engine)
     for k, v in kw.items():
         if not hasattr(e, k): raise AttributeError(f"{type(e).__name__} has no setting {k!r}")
