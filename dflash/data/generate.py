@@ -211,7 +211,7 @@ class _VLLMEngine:
         from vllm import LLM
         self.llm, self.stop_ids = LLM(model=str(target), dtype=dtype or 'auto'), list(stop_ids)
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
-        self.max_repeat = max_repeat     # a reply is cut after it where it repeats itself (`repeat_end`)
+        self.max_repeat = max_repeat     # a reply is cut after its first repeat of this many tokens (`repeat_end`)
 
     def __call__(self, prompts: list[list[int]], seed: int = 0) -> list[tuple[list[int], bool]]:
         from vllm import SamplingParams
