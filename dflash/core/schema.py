@@ -395,6 +395,10 @@ class SpeculateOptions:
     cheap_widths: bool = option(True, 'verify more drafts where a wider verify forward costs no more, each width timed '
                                       'once on this machine before the first prompt; the tokens do not change '
                                       '(--no-cheap-widths: as many as --draft-confidence keeps)')
+    narrow_rows: bool = option(True, "on a CPU, the target's linear layers compute 2 to 5 rows (a verify of 2 to 5 "
+                                     'tokens) as W @ x.T, which reads each weight once as one row does, for every '
+                                     'method timed; one row, as in plain decoding, as before (--no-narrow-rows: '
+                                     'F.linear throughout)')
     progress: bool = option(True, 'print a running total after every prompt: tau, tokens/s and speedups so far '
                                   '(--no-progress: none)')
     threads: int | None = threads_option()

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import time
 from dataclasses import dataclass, field
+from types import MethodType
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -19,8 +20,8 @@ from ..data.features import target_features
 from ..model.sampling import sample_tokens, warp
 
 # %% auto #0
-__all__ = ['check_compatible', 'speculative_generate', 'greedy_generate', 'sample_generate', 'lookup_generate', 'Pacer',
-           'WidthCosts', 'context_draft']
+__all__ = ['NARROW_ROWS', 'check_compatible', 'narrow_linear', 'narrow_linears', 'speculative_generate', 'greedy_generate',
+           'sample_generate', 'lookup_generate', 'Pacer', 'WidthCosts', 'context_draft']
 
 # %% ../../nbs/30_decoding_loop.ipynb #5491609a
 def check_compatible(drafter_config: DrafterConfig, target_config, block_size: int | None = None,
@@ -56,6 +57,26 @@ def _verify_block(p: Tensor, q: Tensor, draft: Tensor,
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, pn)   # p = q: rejection has probability 0
     return n, sample_tokens(residual, generator)
 
+# %% ../../nbs/30_decoding_loop.ipynb #b88f6c77
+NARROW_ROWS = 5     # rows computed as W @ x.T on a CPU; from 6 rows on F.linear is as fast (SmolLM2-135M, float32)
+
+def narrow_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear(x, weight, bias)` (x (..., I), weight (O, I)), computed as `weight @ x.T` where `x` holds 2 to
+    `NARROW_ROWS` rows on a CPU: the BLAS then streams the weight once, as for one row."""
+    rows = x.reshape(-1, x.shape[-1])                                             # (R, I)
+    if x.device.type != 'cpu' or not 2 <= rows.shape[0] <= NARROW_ROWS: return F.linear(x, weight, bias)
+    y = (weight @ rows.T).T.contiguous()                                          # (R, O), laid out as F.linear's
+    if bias is not None: y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+def _narrow_forward(self: torch.nn.Linear, x: Tensor) -> Tensor: return narrow_linear(x, self.weight, self.bias)
+
+def narrow_linears(model: torch.nn.Module) -> torch.nn.Module:
+    "`model`, every `nn.Linear` of it computed by `narrow_linear` from now on (its own weights, read at each call)."
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear): m.forward = MethodType(_narrow_forward, m)
+    return model
+
 # %% ../../nbs/30_decoding_loop.ipynb #7499721f
 @dataclass
 class _SpecResult:
@@ -82,7 +103,7 @@ def _greedy_verdict(final: Tensor, lm_head: Tensor, draft: Tensor) -> tuple[int,
     for a small target the LM head is a large share of the verify forward, and rows past the first miss are unread."""
     B, start, rows = final.shape[1], 0, 4
     while True:
-        verified = F.linear(final[0, start:start + rows], lm_head).argmax(-1)      # (rows,) the target's tokens
+        verified = narrow_linear(final[0, start:start + rows], lm_head).argmax(-1)   # (rows,) the target's tokens
         for k, t in enumerate(verified.tolist(), start):
             if k == B - 1 or t != int(draft[0, k]): return k, verified[k - start:k - start + 1]
         start, rows = start + rows, 2 * rows

@@ -59,6 +59,7 @@ def _load_models(a: SpeculateOptions, dev, dtype, prog: str) -> tuple:
     from dflash.data.templates import load_tokenizer
     from dflash.model.drafter import DFlashDrafter
     from dflash.model.target import load_target
+    from dflash.decoding.loop import narrow_linears
     tdir, ddir = resolve_local(a.target), resolve_local(a.drafter)     # hub ids: their snapshots in the local cache
     if not is_gguf(tdir) and not (tdir / 'config.json').is_file():
         raise FileNotFoundError(f"{a.target}: no config.json, not a model")
@@ -66,6 +67,7 @@ def _load_models(a: SpeculateOptions, dev, dtype, prog: str) -> tuple:
     tok = load_tokenizer(tdir, chat_template=a.chat_template)         # --chat-template: its template instead
     _check_fit(a, drafter_cfg, tdir, tok, prog)                            # before any weights load
     target = load_target(tdir, dtype).to(dev).eval()       # a directory or a .gguf file, its weights of its config
+    if a.narrow_rows and dev.type == 'cpu': narrow_linears(target)    # before anything is timed: every method's
     drafter = DFlashDrafter.from_pretrained(ddir, dtype=dtype).to(dev).eval()
     return target, drafter, tok
 
@@ -81,7 +83,8 @@ def _plan_text(a: SpeculateOptions, prompts: int, confidence: float, copy: int, 
             f"{f', or copies of what followed the last {copy} tokens before where they run further' if copy else ''}"
             f"{'; a plain step wherever drafting does not pay (--no-pace: none)' if a.pace else ''}"
             f"{'; each verify run on to the cheapest width at least as wide, timed once' if a.cheap_widths else ''}"
-            f"{' (--no-cheap-widths: not)' if a.cheap_widths else ''}; "
+            f"{' (--no-cheap-widths: not)' if a.cheap_widths else ''}"
+            f"{'; on a CPU, linear layers over 2 to 5 rows as W @ x.T (--no-narrow-rows: not)' if a.narrow_rows else ''}; "
             f"each prompt decoded speculatively, then plainly{lookup}, on the same {threads} CPU thread(s)")
 
 def _each_temperature(a: SpeculateOptions, target, drafter, prompts: list, stop: StopRequest, keep, **kw) -> list[dict]:
@@ -134,6 +137,7 @@ def speculate(a: SpeculateOptions, prog: str = 'python -m dflash.speculate') -> 
          'prompt_kind': f"text: the first half of its tokens, at most {TEXT_PROMPT_TOKENS}" if text else 'chat',
          'top_p': a.top_p, 'seed': a.seed, 'draft_rule': a.draft_rule, 'prompt_lookup_num_tokens': a.lookup_tokens,
          'copy_ngram': copy, 'pace': a.pace, 'cheap_widths': a.cheap_widths,
+         'narrow_rows': a.narrow_rows and dev.type == 'cpu',
          'temperatures': list(a.temperature), 'partial': False, 'done': 0, 'total': len(prompts) * len(a.temperature),
          'runs': []}
     rows = []
