@@ -151,7 +151,7 @@ def _verdict(target, cache, nxt: Tensor, draft: Tensor, q: Tensor | None, lm_hea
     of the drafts drawn from `q` (1, k, V)."""
     out = _forward(target, torch.cat([nxt[:, None], draft], 1), cache)
     if temperature == 0: return out, *_greedy_verdict(out.last_hidden_state, lm_head, draft)
-    logits = F.linear(out.last_hidden_state, lm_head)                             # (1, 1+k, V)
+    logits = narrow_linear(out.last_hidden_state, lm_head)                        # (1, 1+k, V)
     accepted, nxt = _verify_block(warp(logits, temperature, top_p), q, draft, generator)
     return out, int(accepted[0]), nxt
 
