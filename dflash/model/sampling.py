@@ -24,5 +24,11 @@ def warp(logits: Tensor, temperature: float, top_p: float = 1.) -> Tensor:
 
 # %% ../../nbs/12a_model_sampling.ipynb #155ed480
 def sample_tokens(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    "One token from each distribution: probs (..., V) -> token ids (...), drawn with `generator`."
-    return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
+    """One token from each distribution: probs (..., V) -> token ids (...), drawn with `generator`: where one uniform
+    number falls in the distribution's cumulative sum (`torch.multinomial` draws V random numbers a row, which on a
+    CPU costs more than a small model's forward shares: 9.7 ms against 1.6 for 7 rows of SmolLM2's 49,152 tokens)."""
+    flat = probs.reshape(-1, probs.shape[-1]).double()                          # (N, V): float64 sums
+    cdf = flat.cumsum(-1)                                                       # (N, V)
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]   # (N, 1)
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous())                    # (N, 1) the last token of p > 0
+    return torch.minimum(torch.searchsorted(cdf, u, right=True), last).view(probs.shape[:-1])   # never one of p = 0
