@@ -389,9 +389,10 @@ class SpeculateOptions:
                                           'drafts when there are more of them than --draft-confidence keeps (0: the '
                                           f'drafter alone; default: {CPU_COPY_NGRAM} on a CPU, 0 on a GPU, where the '
                                           'whole block is verified)', ge=0)
-    pace: bool = option(True, "a plain step wherever drafting does not pay, on the decoder's own clock (a drafting "
-                              "step's tokens per second against a plain step's), drafting again later to see; the "
-                              'tokens do not change (--no-pace: draft every step)')
+    pace: bool = option(False, "a plain step wherever drafting does not pay, on the decoder's own clock (a drafting "
+                               "step's tokens per second against a plain step's), drafting again later to see; the "
+                               'tokens do not change; off by default: with --narrow-rows a drafting step costs about 1.1 '
+                               "plain steps on a CPU, and the pacer's estimate over one reply lost more than it saved")
     cheap_widths: bool = option(True, 'verify more drafts where a wider verify forward costs no more, each width timed '
                                       'once on this machine before the first prompt; the tokens do not change '
                                       '(--no-cheap-widths: as many as --draft-confidence keeps)')
