@@ -389,17 +389,12 @@ class SpeculateOptions:
                                           'drafts when there are more of them than --draft-confidence keeps (0: the '
                                           f'drafter alone; default: {CPU_COPY_NGRAM} on a CPU, 0 on a GPU, where the '
                                           'whole block is verified)', ge=0)
-    pace: bool = option(False, "a plain step wherever drafting does not pay, on the decoder's own clock (a drafting "
-                               "step's tokens per second against a plain step's), drafting again later to see; the "
-                               'tokens do not change; off by default: with --narrow-rows a drafting step costs about 1.1 '
-                               "plain steps on a CPU, and the pacer's estimate over one reply lost more than it saved")
-    cheap_widths: bool = option(True, 'verify more drafts where a wider verify forward costs no more, each width timed '
-                                      'once on this machine before the first prompt; the tokens do not change '
-                                      '(--no-cheap-widths: as many as --draft-confidence keeps)')
-    narrow_rows: bool = option(True, "on a CPU, the target's linear layers compute 2 to 5 rows (a verify of 2 to 5 "
-                                     'tokens) as W @ x.T, which reads each weight once as one row does, for every '
-                                     'method timed; one row, as in plain decoding, as before (--no-narrow-rows: '
-                                     'F.linear throughout)')
+    pace: bool = option(False, "a plain step wherever drafting does not pay on the decoder's own clock, drafting again "
+                               'later (off by default: with --narrow-rows a drafting step costs about 1.1 plain steps)')
+    cheap_widths: bool = option(True, 'verify more drafts where a wider verify costs no more, each width timed once '
+                                      'before the first prompt (--no-cheap-widths: as many as --draft-confidence keeps)')
+    narrow_rows: bool = option(True, "on a CPU, the target's linear layers compute 2 to 5 rows (a verify) as W @ x.T, "
+                                     'reading each weight once as one row does (--no-narrow-rows: F.linear)')
     progress: bool = option(True, 'print a running total after every prompt: tau, tokens/s and speedups so far '
                                   '(--no-progress: none)')
     threads: int | None = threads_option()

@@ -20,8 +20,8 @@ from ..data.features import target_features
 from ..model.sampling import sample_tokens, warp
 
 # %% auto #0
-__all__ = ['NARROW_ROWS', 'check_compatible', 'narrow_linear', 'narrow_linears', 'speculative_generate', 'greedy_generate',
-           'sample_generate', 'lookup_generate', 'Pacer', 'WidthCosts', 'context_draft']
+__all__ = ['check_compatible', 'speculative_generate', 'greedy_generate', 'sample_generate', 'lookup_generate', 'Pacer',
+           'WidthCosts', 'context_draft']
 
 # %% ../../nbs/30_decoding_loop.ipynb #5491609a
 def check_compatible(drafter_config: DrafterConfig, target_config, block_size: int | None = None,
