@@ -492,3 +492,24 @@ def test_a_run_continues_from_a_trained_drafter(tmp_path):
                      '--init-from-target')
     assert both.returncode == 2 and '--init-from and --init-from-target: choose one' in both.stderr, both.stderr[-2000:]
     assert not (tmp_path / 'bad').exists() and not (tmp_path / 'both').exists()
+
+
+def test_a_json_array_cut_short_trains_with_skip_bad_lines(tmp_path):
+    """Chat data as one JSON array cut in the middle of a record (as ShareGPT's file ships): the run stops before
+    training, naming the complete records before the cut and the option that keeps them; with the option it trains
+    on those records and counts the cut one as skipped."""
+    from dflash.core.files import toy_data_dir
+    records = [json.loads(line) for line in (toy_data_dir() / 'train.jsonl').read_text().splitlines()[:40]]
+    text = json.dumps(records, indent=1)
+    cut = tmp_path / 'cut.json'
+    cut.write_text(text[:text.rindex('"content"')])                        # inside the last record
+    stopped = train_cli('--out', tmp_path / 'stopped', *SMALL, '--data', cut, '--max-steps', '1', '--save-every', '0')
+    said = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 2, said
+    assert 'a JSON array cut short after 39 complete records' in said and 'pass --skip-bad-lines' in said, said
+    assert not (tmp_path / 'stopped' / 'drafter').exists()
+    kept = launch(tmp_path / 'kept', *SMALL, '--data', cut, '--skip-bad-lines', '--max-steps', '1', '--save-every', '0')
+    said = kept.stdout + kept.stderr
+    assert kept.returncode == 0, said
+    assert re.search(r'read +39\n +used +39\n +skipped: malformed line \(--skip-bad-lines\) +1\n', said), said
+    assert (tmp_path / 'kept' / 'drafter' / 'model.safetensors').is_file()

@@ -37,11 +37,13 @@ class _TrainInputs:
     "What a run trains on, and where it writes."
     target: str | None = option(None, "target model: a local directory, a hub id (local Hugging Face cache only) or a "
                                       ".gguf file (default: the shipped toy target)")
-    data: str | None = option(None, "training data, JSONL: chat records (messages or conversations; the replies "
+    data: str | None = option(None, "training data, JSONL or a JSON array: chat records (messages or conversations; the replies "
                                     'supervised) or text records ({"text": ...}: every token supervised, no chat '
                                     "template), one kind in a file (default: none, and --cache is needed; the toy "
                                     "profile's is in the package's assets)",
                               path='file')
+    skip_bad_lines: bool = option(False, 'skip and count malformed records of --data instead of stopping (a JSON '
+                                         'array cut short: the records before the cut)')
     chat_template: str | None = option(None, "Jinja chat template file replacing the target's: for chat data on a target "
                                              "without one (a base model; text records need none), or another "
                                              "rendering; its content is checked on --resume (default: the target's)",
@@ -224,8 +226,7 @@ class CacheOptions(DataOptions):
     mask_token_id: int | None = option(None, "the drafter's mask token, checked against the data and recorded for "
                                              "`dflash.train` (default: chosen as `dflash.train` chooses it)", ge=0)
     shard_size: int = option(64, 'samples per shard', ge=1)
-    batch_tokens: int = option(8192, 'tokens per target forward: samples of equal length share a forward, unpadded',
-                               ge=1)
+    batch_tokens: int = option(8192, 'tokens per target forward: samples of equal length share one, unpadded', ge=1)
     dtype: str = option('auto', 'feature dtype (auto: bfloat16 on GPU, float32 on CPU)',
                         choices=['auto', *dtype_choices('float32', 'bfloat16', 'float16')])
     device: str | None = option(None, "device (default: this process's accelerator, else cpu)")
@@ -266,8 +267,7 @@ class RegenConfig:
     cache: str | None = option(None, "also write the target's hidden states of every regenerated record into this "
                                      'cache directory, read off the forwards that write the replies (no second forward '
                                      'over the data); `dflash.train --cache` trains on it at any point')
-    num_draft_layers: int = option(5, 'drafter layers whose target layers --cache holds (the DFlash choice of layers)',
-                                   ge=1)
+    num_draft_layers: int = option(5, "drafter layers whose target layers --cache holds (DFlash's choice)", ge=1)
     final_hidden: bool = option(False, f"--cache holds {_FINAL_HIDDEN_HELP}")
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
     threads: int | None = threads_option()
@@ -323,8 +323,7 @@ class SynthConfig:
     cache: str | None = option(None, "also write the target's hidden states of every record into this cache "
                                      'directory, read off the forwards that write the replies (no second forward over '
                                      'the data); `dflash.train --cache` trains on it at any point')
-    num_draft_layers: int = option(5, 'drafter layers whose target layers --cache holds (the DFlash choice of layers)',
-                                   ge=1)
+    num_draft_layers: int = option(5, "drafter layers whose target layers --cache holds (DFlash's choice)", ge=1)
     final_hidden: bool = option(False, f"--cache holds {_FINAL_HIDDEN_HELP}")
     progress: bool = option(True, 'show a progress bar (--no-progress: none)')
     threads: int | None = threads_option()
@@ -389,8 +388,8 @@ class SpeculateOptions:
                                           'drafts when there are more of them than --draft-confidence keeps (0: the '
                                           f'drafter alone; default: {CPU_COPY_NGRAM} on a CPU, 0 on a GPU, where the '
                                           'whole block is verified)', ge=0)
-    pace: bool = option(False, "a plain step wherever drafting does not pay on the decoder's own clock, drafting again "
-                               'later (off by default: with --narrow-rows a drafting step costs about 1.1 plain steps)')
+    pace: bool = option(True, "a plain step wherever drafting has not paid on the decoder's own clock, drafting again "
+                              'later (--no-pace: a drafting step every step)')
     cheap_widths: bool = option(True, 'verify more drafts where a wider verify costs no more, each width timed once '
                                       'before the first prompt (--no-cheap-widths: as many as --draft-confidence keeps)')
     narrow_rows: bool = option(True, "on a CPU, the target's linear layers compute 2 to 5 rows (a verify) as W @ x.T, "

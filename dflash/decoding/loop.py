@@ -259,31 +259,29 @@ def lookup_generate(target, input_ids: Tensor, max_new_tokens: int = 128, stop_t
 # %% ../../nbs/30_decoding_loop.ipynb #125727a4
 @dataclass
 class Pacer:
-    """Whether the next decoding step drafts: while a drafting step's tokens per second is at least a plain step's,
-    each a running mean that weighs the newest step by `weight`. It asks for a plain step until one is timed; after a
-    drafting step that does not pay, for `first_wait` plain steps, twice as many after each such step in a row (at most
-    `most_wait`), then for one drafting step to see again."""
+    """Whether the next step of one reply drafts: while drafting's credit, the seconds its steps saved so far, is at
+    least 0. A drafting step adds its tokens times a plain step's seconds, less its own seconds, to the credit before
+    it times `keep` (older steps fade). It asks for a plain step until one is timed (a running mean weighing the
+    newest by `weight`); after a drafting step that leaves the credit below 0, for `first_wait` plain steps, twice as
+    many after each such step in a row (at most `most_wait`), then for one drafting step to see again."""
+    keep: float = 0.95
     weight: float = 0.3
-    first_wait: int = 4
-    most_wait: int = 64
+    first_wait: int = 1
+    most_wait: int = 8
     plain_s: float | None = None       # a plain step's seconds
-    draft_s: float | None = None       # a drafting step's seconds: draft and verify
-    tokens: float | None = None        # a drafting step's tokens
+    credit: float = 0.                 # seconds the drafting steps saved, older ones fading
     wait: int = 0                      # plain steps after the last drafting step that lost
     left: int = 0                      # plain steps before the next drafting step
 
     def drafts(self) -> bool: return self.plain_s is not None and self.left == 0
-    def pays(self) -> bool: return self.tokens * self.plain_s >= self.draft_s
-    def _mean(self, old: float | None, new: float) -> float: return new if old is None else old + self.weight * (new - old)
 
     def plain(self, seconds: float):
-        self.plain_s = self._mean(self.plain_s, seconds)
+        self.plain_s = seconds if self.plain_s is None else self.plain_s + self.weight * (seconds - self.plain_s)
         self.left = max(self.left - 1, 0)
 
     def drafted(self, seconds: float, tokens: int):
-        self.draft_s = self._mean(self.draft_s, seconds)
-        self.tokens = self._mean(self.tokens, tokens)
-        self.wait = 0 if self.pays() else min(max(2 * self.wait, self.first_wait), self.most_wait)
+        self.credit = self.keep * self.credit + tokens * self.plain_s - seconds
+        self.wait = 0 if self.credit >= 0 else min(max(2 * self.wait, self.first_wait), self.most_wait)
         self.left = self.wait
 
 # %% ../../nbs/30_decoding_loop.ipynb #ede99bf7

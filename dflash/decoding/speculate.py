@@ -81,7 +81,7 @@ def _plan_text(a: SpeculateOptions, prompts: int, confidence: float, copy: int, 
             f"draft rule {a.draft_rule} at T > 0; "
             f"drafts verified while the drafter's confidence is at least {confidence:g}"
             f"{f', or copies of what followed the last {copy} tokens before where they run further' if copy else ''}"
-            f"{'; a plain step wherever drafting does not pay (--pace)' if a.pace else ''}"
+            f"{'; a plain step wherever drafting has not paid (--no-pace: not)' if a.pace else ''}"
             f"{'; each verify run on to the cheapest width at least as wide, timed once' if a.cheap_widths else ''}"
             f"{' (--no-cheap-widths: not)' if a.cheap_widths else ''}"
             f"{'; on a CPU, linear layers over 2 to 5 rows as W @ x.T (--no-narrow-rows: not)' if a.narrow_rows else ''}; "

@@ -177,7 +177,8 @@ def _cache_parts(cfg: TrainConfig, target: Path, tok, tc, V: int, eval_data, dev
 def _online_parts(cfg: TrainConfig, target: Path, tok, data, eval_data, V: int, device, dkw: dict) -> _RunParts:
     "The parts of an online run: the chat data tokenized (once, cached), the target loaded to compute features."
     from dflash.data.chat import load_chat_data
-    train = load_chat_data(data, tok, max_length=cfg.max_length, report=True, target=target)   # cached; counted
+    train = load_chat_data(data, tok, max_length=cfg.max_length, skip_bad_lines=cfg.skip_bad_lines, report=True,
+                           target=target)                                     # cached; counted
     ev = _eval_set(eval_data, tok, cfg.max_length)
     dkw['mask_token_id'], draft_ids = _vocabulary(cfg, tok, V, [train], ev, cfg.mask_token_id)
     features = TargetFeatures(target, layer_ids=cfg.target_layer_ids, num_draft_layers=cfg.num_layers,
