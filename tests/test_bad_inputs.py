@@ -191,9 +191,11 @@ def test_bad_target_directory(tmp_path, capsys, files, kind, expect):
     (['--target', '/no/such/model', '--data', '{train}'], "--target: model '/no/such/model': no such path"),
     (['--init-from', '{dir}'], "--init-from = '{dir}': no model.safetensors (a drafter directory, as a run exports"),
     (['--init-from', '{dir}', '--init-from-target'], "--init-from and --init-from-target: choose one"),
+    (['--target', '{target}', '--skip-bad-lines'], "--skip-bad-lines: read only with --data (its malformed records)"),
 ], ids=['target-without-data', 'layer-id-out-of-range', 'layer-id-twice', 'empty-data', 'empty-eval-data', 'cache-without-manifest',
         'kl-from-a-cache-without-teacher', 'tv-from-a-cache-without-teacher', 'cache-given-twice', 'second-cache-missing',
-        'caches-of-other-layers', 'missing-target', 'init-from-no-drafter', 'init-from-and-from-target'])
+        'caches-of-other-layers', 'missing-target', 'init-from-no-drafter', 'init-from-and-from-target',
+        'skip-bad-lines-without-data'])
 def test_bad_paths(tmp_path, capsys, files, argv, expect):
     (tmp_path / 'cache').mkdir()
     (tmp_path / 'cache' / 'manifest.json').write_text('{"format": "dflash-hidden-cache/1", "complete": true}')

@@ -37,9 +37,9 @@ class _TrainInputs:
     "What a run trains on, and where it writes."
     target: str | None = option(None, "target model: a local directory, a hub id (local Hugging Face cache only) or a "
                                       ".gguf file (default: the shipped toy target)")
-    data: str | None = option(None, "training data, JSONL or a JSON array: chat records (messages or conversations; the replies "
-                                    'supervised) or text records ({"text": ...}: every token supervised, no chat '
-                                    "template), one kind in a file (default: none, and --cache is needed; the toy "
+    data: str | None = option(None, "training data, JSONL or a JSON array: chat records (messages or conversations; "
+                                    'the replies supervised) or text records ({"text": ...}: every token supervised, no '
+                                    "chat template), one kind in a file (default: none, and --cache is needed; the toy "
                                     "profile's is in the package's assets)",
                               path='file')
     skip_bad_lines: bool = option(False, 'skip and count malformed records of --data instead of stopping (a JSON '

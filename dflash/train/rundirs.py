@@ -118,6 +118,8 @@ def check_train(c: TrainConfig) -> list[str]:
         if c.data is None and c.cache is None: probs.append("--target needs --data FILE (chat JSONL) or --cache DIR")
         conf = None if bad else target_config_dict(resolve_local(c.target))[0]
     else: conf = json_problem(toy_target_dir() / 'config.json')[0]
+    if c.skip_bad_lines and c.data is None:
+        probs.append("--skip-bad-lines: read only with --data (its malformed records), and there is none; leave it out")
     probs += _layer_problems(c, (conf or {}).get('num_hidden_layers'))
     probs += _init_from_problems(c, conf)
     if isinstance(P := config_max_positions(conf), int) and isinstance(c.max_length, int) and c.max_length > P:
